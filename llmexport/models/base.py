@@ -1,0 +1,124 @@
+"""What the exporter needs to know of an architecture family, and nothing more.
+
+An ``Architecture`` is built from an opened checkpoint. It owns every family quirk: how to
+read its config, which tensors exist and which linear layer each one feeds, the trace-friendly
+rewrite, the runtime keys of ``llm_config.json`` and how to load the HF reference model.
+Code outside ``llmexport/models`` only talks to this interface.
+"""
+
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass
+from enum import Enum
+from typing import Any
+
+import torch
+from torch import nn
+
+from llmexport.checkpoint import Checkpoint
+
+
+class LinearRole(str, Enum):
+    """What a linear layer does; quantization recipes choose bits per role."""
+
+    ATTENTION = "attention"
+    MLP = "mlp"
+    EXPERT = "expert"
+    ROUTER = "router"
+    PLE = "ple"
+    LM_HEAD = "lm_head"
+
+
+@dataclass(frozen=True)
+class LinearSpec:
+    """One placeholder linear of the graph: its name (ties node to weights), shape and role."""
+
+    name: str
+    in_features: int
+    out_features: int
+    role: LinearRole
+    bias: bool = False
+
+
+@dataclass(frozen=True)
+class TableSpec:
+    """An embedding-like table the runtime reads from its own file (main embedding, PLE)."""
+
+    name: str
+    rows: int
+    dim: int
+
+
+@dataclass(frozen=True)
+class GraphInputs:
+    """Example inputs for tracing plus their ONNX names and dynamic axes."""
+
+    args: tuple[torch.Tensor, ...]
+    names: list[str]
+    dynamic_axes: dict[str, dict[int, str]]
+    output_names: list[str]
+
+
+class Architecture(abc.ABC):
+    """Base class of a registered architecture family."""
+
+    #: the ``model_type`` values (config.json) this class handles
+    model_types: tuple[str, ...] = ()
+
+    def __init__(self, checkpoint: Checkpoint):
+        self.checkpoint = checkpoint
+
+    # --- description -------------------------------------------------------------------
+    @abc.abstractmethod
+    def describe(self) -> dict[str, Any]:
+        """Plan summary: family, layer count and per-layer kinds (for --dry-run and the manifest)."""
+
+    @abc.abstractmethod
+    def linears(self) -> list[LinearSpec]:
+        """Every placeholder linear of the graph."""
+
+    @abc.abstractmethod
+    def linear_weight(self, name: str) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The checkpoint tensors (weight [out, in], bias) behind one placeholder linear."""
+
+    @property
+    @abc.abstractmethod
+    def tied_embedding(self) -> bool:
+        """True when the runtime reads the token embedding out of the lm_head record."""
+
+    @abc.abstractmethod
+    def embedding_table(self) -> torch.Tensor:
+        """The token embedding [vocab, hidden] as stored (lazy, memory-mapped)."""
+
+    def ple_table(self) -> torch.Tensor | None:
+        """A per-layer-embedding table [vocab, layers * dim], if the family has one."""
+        return None
+
+    # --- graph -------------------------------------------------------------------------
+    @abc.abstractmethod
+    def build_graph(self) -> nn.Module:
+        """The trace-friendly rewrite with placeholder linears (small tensors loaded)."""
+
+    @abc.abstractmethod
+    def graph_inputs(self, seq_len: int) -> GraphInputs:
+        """Tracing inputs in the runtime's layout."""
+
+    # --- runtime files -----------------------------------------------------------------
+    @abc.abstractmethod
+    def llm_config(self) -> dict[str, Any]:
+        """Family keys of llm_config.json (attention type, scales, chat template, PLE scale...)."""
+
+    def runtime_config(self) -> dict[str, Any]:
+        """Family overrides of config.json (e.g. activation precision)."""
+        return {}
+
+    # --- reference -----------------------------------------------------------------------
+    @abc.abstractmethod
+    def load_reference(self, stored: dict[str, torch.Tensor] | None) -> nn.Module:
+        """The HF model in fp32; ``stored`` (placeholder name -> weight, plus table names)
+        replaces the checkpoint values with what the export wrote."""
+
+    @abc.abstractmethod
+    def reference_logits(self, model: nn.Module, ids: torch.Tensor) -> torch.Tensor:
+        """All-position logits [seq, vocab] of the reference for one prompt of token ids."""

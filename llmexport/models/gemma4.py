@@ -1,0 +1,243 @@
+"""Gemma4 family (``gemma4`` multimodal checkpoints, ``gemma4_text`` text-only checkpoints).
+
+Text decoder export: E2B/E4B (per-layer embeddings, KV sharing), 31B (K=V, per-type KV
+heads), 26B-A4B (dense MLP in parallel with a routed MoE). Vision and audio tower tensors are
+recognised and left to their own exports.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import re
+from typing import Any
+
+import torch
+from torch import nn
+
+from llmexport.checkpoint import Checkpoint
+from llmexport.errors import InputError
+from llmexport.models import register
+from llmexport.models.base import Architecture, GraphInputs, LinearRole, LinearSpec
+from llmexport.models.gemma4_args import FULL, SLIDING, Gemma4TextArgs, parse_text_args
+from llmexport.models.gemma4_graph import Gemma4TextGraph
+
+log = logging.getLogger(__name__)
+
+# The full HF Gemma4 template is beyond MNN's minja engine; this renders the same text for
+# system/user/assistant turns (role "assistant" is written "model").
+MINJA_CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for message in messages %}"
+    "{% if message.role == \"assistant\" %}<|turn>model\n{{ message.content }}<turn|>\n"
+    "{% else %}<|turn>{{ message.role }}\n{{ message.content }}<turn|>\n{% endif %}"
+    "{% endfor %}{% if add_generation_prompt %}<|turn>model\n{% endif %}"
+)
+_TOWER_PREFIXES = ("model.vision_tower.", "model.audio_tower.", "model.embed_vision.", "model.embed_audio.")
+_EXPERT = re.compile(r"^(?P<p>.*layers\.\d+\.experts\.)(?P<e>\d+)\.(?P<w>gate_up_proj|down_proj)$")
+
+
+@register("gemma4", "gemma4_text")
+class Gemma4(Architecture):
+    def __init__(self, checkpoint: Checkpoint):
+        super().__init__(checkpoint)
+        where = str(checkpoint.path / "config.json")
+        config = checkpoint.config
+        if checkpoint.model_type == "gemma4":
+            text = config.get("text_config")
+            if not isinstance(text, dict):
+                raise InputError(f"{where}: a 'gemma4' config needs a 'text_config' object")
+            text = dict(text)
+            text.setdefault("tie_word_embeddings", config.get("tie_word_embeddings", True))
+            prefix = "model.language_model."
+        else:
+            text, prefix = config, "model."
+        self.args: Gemma4TextArgs = parse_text_args(text, prefix, where)
+        self._linears = self._collect_linears()
+        self._check_weights()
+
+    # --- weights ----------------------------------------------------------------------------
+    def _collect_linears(self) -> list[LinearSpec]:
+        a = self.args
+        specs: list[LinearSpec] = []
+        if a.ple_dim:
+            specs.append(LinearSpec(a.prefix + "per_layer_model_projection", a.hidden_size,
+                                    a.num_layers * a.ple_dim, LinearRole.PLE))
+        for layer in a.layers:
+            p, h, d = f"{a.prefix}layers.{layer.index}.", a.hidden_size, layer.head_dim
+            specs.append(LinearSpec(p + "self_attn.q_proj", h, a.num_heads * d, LinearRole.ATTENTION))
+            if not layer.shares_kv:
+                specs.append(LinearSpec(p + "self_attn.k_proj", h, layer.kv_heads * d, LinearRole.ATTENTION))
+                if not layer.k_eq_v:
+                    specs.append(LinearSpec(p + "self_attn.v_proj", h, layer.kv_heads * d, LinearRole.ATTENTION))
+            specs.append(LinearSpec(p + "self_attn.o_proj", a.num_heads * d, h, LinearRole.ATTENTION))
+            for name, i, o in (("gate_proj", h, layer.mlp_width), ("up_proj", h, layer.mlp_width),
+                               ("down_proj", layer.mlp_width, h)):
+                specs.append(LinearSpec(p + "mlp." + name, i, o, LinearRole.MLP))
+            if a.moe:
+                specs.append(LinearSpec(p + "router.proj", h, a.moe.num_experts, LinearRole.ROUTER))
+                for e in range(a.moe.num_experts):
+                    specs.append(LinearSpec(p + f"experts.{e}.gate_up_proj", h, 2 * a.moe.width, LinearRole.EXPERT))
+                    specs.append(LinearSpec(p + f"experts.{e}.down_proj", a.moe.width, h, LinearRole.EXPERT))
+            if a.ple_dim:
+                specs.append(LinearSpec(p + "per_layer_input_gate", h, a.ple_dim, LinearRole.PLE))
+                specs.append(LinearSpec(p + "per_layer_projection", a.ple_dim, h, LinearRole.PLE))
+        specs.append(LinearSpec("lm_head", a.hidden_size, a.vocab_size, LinearRole.LM_HEAD))
+        return specs
+
+    def _constant_names(self) -> list[str]:
+        a = self.args
+        names = [a.prefix + "norm.weight"]
+        if a.ple_dim:
+            names.append(a.prefix + "per_layer_projection_norm.weight")
+        for layer in a.layers:
+            p = f"{a.prefix}layers.{layer.index}."
+            norms = ["input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
+                     "post_feedforward_layernorm", "self_attn.q_norm"]
+            norms += [] if layer.shares_kv else ["self_attn.k_norm"]
+            norms += ["post_per_layer_input_norm"] if a.ple_dim else []
+            norms += ["post_feedforward_layernorm_1", "pre_feedforward_layernorm_2",
+                      "post_feedforward_layernorm_2"] if a.moe else []
+            names += [p + n + ".weight" for n in norms] + [p + "layer_scalar"]
+            names += [p + "router.scale", p + "router.per_expert_scale"] if a.moe else []
+        return names
+
+    def _table_names(self) -> dict[str, tuple[int, int]]:
+        a = self.args
+        tables = {a.prefix + "embed_tokens.weight": (a.vocab_size, a.hidden_size)}
+        if a.ple_dim:
+            tables[a.prefix + "embed_tokens_per_layer.weight"] = (a.ple_vocab, a.num_layers * a.ple_dim)
+        return tables
+
+    def _checkpoint_name(self, linear: str) -> tuple[str, int | None]:
+        """Checkpoint tensor behind a linear, and the expert row when it is a 3-D slice."""
+        if linear == "lm_head":
+            return ("lm_head.weight" if not self.args.tie_embeddings
+                    else self.args.prefix + "embed_tokens.weight"), None
+        m = _EXPERT.match(linear)
+        if m:
+            return m["p"] + m["w"], int(m["e"])
+        return linear + ".weight", None
+
+    def _check_weights(self) -> None:
+        w, a = self.checkpoint.weights, self.args
+        expected: dict[str, tuple[int, ...]] = {}
+        for spec in self._linears:
+            name, expert = self._checkpoint_name(spec.name)
+            expected[name] = ((a.moe.num_experts,) if expert is not None else ()) + (spec.out_features,
+                                                                                     spec.in_features)
+        for name in self._constant_names():
+            expected.setdefault(name, (1,) if name.endswith("layer_scalar") else None)
+        expected.update(self._table_names())
+        for name, shape in expected.items():
+            if name not in w:
+                raise InputError(f"{self.checkpoint.path}: tensor {name!r} missing (config implies it)")
+            if shape is not None and tuple(w.shape(name)) != tuple(shape):
+                raise InputError(f"{self.checkpoint.path}: tensor {name!r} has shape {list(w.shape(name))}, "
+                                 f"config implies {list(shape)}")
+        unused = [n for n in w.names() if n not in expected and not n.startswith(_TOWER_PREFIXES)]
+        if unused:
+            raise InputError(f"{self.checkpoint.path}: {len(unused)} tensor(s) not mapped by the Gemma4 exporter, "
+                             f"e.g. {unused[0]!r}")
+        towers = sum(1 for n in w.names() if n.startswith(_TOWER_PREFIXES))
+        if towers:
+            log.info("text export: %d vision/audio tower tensors left to the tower exports", towers)
+
+    def linears(self) -> list[LinearSpec]:
+        return list(self._linears)
+
+    def linear_weight(self, name: str) -> tuple[torch.Tensor, torch.Tensor | None]:
+        tensor_name, expert = self._checkpoint_name(name)
+        weight = self.checkpoint.weights.tensor(tensor_name)
+        if expert is not None:
+            weight = weight[expert]
+        return weight, None
+
+    @property
+    def tied_embedding(self) -> bool:
+        return self.args.tie_embeddings
+
+    def embedding_table(self) -> torch.Tensor:
+        return self.checkpoint.weights.tensor(self.args.prefix + "embed_tokens.weight")
+
+    def ple_table(self) -> torch.Tensor | None:
+        if not self.args.ple_dim:
+            return None
+        return self.checkpoint.weights.tensor(self.args.prefix + "embed_tokens_per_layer.weight")
+
+    # --- graph ------------------------------------------------------------------------------
+    def build_graph(self) -> nn.Module:
+        return Gemma4TextGraph(self.args, self.checkpoint.weights.tensor).eval()
+
+    def graph_inputs(self, seq_len: int) -> GraphInputs:
+        a = self.args
+        mask_shape = [2, 1, 1, seq_len, seq_len] if len(a.rope) > 1 else [1, 1, seq_len, seq_len]
+        args = [torch.randn(seq_len, 1, a.hidden_size), torch.zeros(mask_shape),
+                torch.arange(seq_len, dtype=torch.int32).view(1, -1), torch.tensor([-1], dtype=torch.int32)]
+        names = ["input_ids", "attention_mask", "position_ids", "logits_index"]
+        axes = {"input_ids": {0: "seq_len"}, "attention_mask": {len(mask_shape) - 2: "seq_len",
+                                                                len(mask_shape) - 1: "kv_len"},
+                "position_ids": {1: "seq_len"}}
+        if a.ple_dim:
+            args.append(torch.randn(1, seq_len, a.num_layers * a.ple_dim))
+            names.append("ple_embeddings")
+            axes["ple_embeddings"] = {1: "seq_len"}
+        return GraphInputs(tuple(args), names, axes, ["logits", "hidden_states"])
+
+    def describe(self) -> dict[str, Any]:
+        a = self.args
+        layers = []
+        for layer in a.layers:
+            kind = "sliding" if layer.kind == SLIDING else "full"
+            extra = [f"kv<-{layer.kv_source}" if layer.shares_kv else f"kv_heads={layer.kv_heads}",
+                     f"head_dim={layer.head_dim}"] + (["k=v"] if layer.k_eq_v else [])
+            layers.append(f"{layer.index}: {kind} " + " ".join(extra))
+        return {"family": "gemma4", "model_type": self.checkpoint.model_type, "layers": a.num_layers,
+                "hidden_size": a.hidden_size, "vocab_size": a.vocab_size, "ple_dim": a.ple_dim,
+                "moe": None if a.moe is None else vars(a.moe), "tied_embeddings": a.tie_embeddings,
+                "layer_kinds": layers}
+
+    # --- runtime files ----------------------------------------------------------------------
+    def llm_config(self) -> dict[str, Any]:
+        a = self.args
+        config: dict[str, Any] = {
+            "attention_type": "mix" if len(a.rope) > 1 else "full",
+            "attn_scale": 1.0,
+            "max_position_embeddings": a.max_position_embeddings,
+            "jinja": {"chat_template": MINJA_CHAT_TEMPLATE, "bos": "<bos>", "eos": "<turn|>"},
+        }
+        if len(a.rope) > 1 and a.sliding_window:
+            config["sliding_window"] = a.sliding_window
+        if a.ple_dim:
+            config["ple_embed_scale"] = math.sqrt(a.ple_dim)
+            config["ple_embed_dim"] = a.num_layers * a.ple_dim
+        return config
+
+    def runtime_config(self) -> dict[str, Any]:
+        # Gemma4 degenerates into repetition with fp16 activations.
+        return {"precision": "normal"}
+
+    # --- reference --------------------------------------------------------------------------
+    def load_reference(self, stored: dict[str, torch.Tensor] | None) -> nn.Module:
+        import transformers
+
+        cls = (transformers.Gemma4ForConditionalGeneration if self.checkpoint.model_type == "gemma4"
+               else transformers.Gemma4ForCausalLM)
+        model = cls.from_pretrained(self.checkpoint.path, dtype=torch.float32, attn_implementation="eager")
+        model.eval()
+        if stored:
+            self._apply_stored(model, stored)
+        return model
+
+    def _apply_stored(self, model: nn.Module, stored: dict[str, torch.Tensor]) -> None:
+        params = dict(model.named_parameters())
+        params.update(dict(model.named_buffers()))
+        with torch.no_grad():
+            for name, value in stored.items():
+                target, expert = self._checkpoint_name(name) if name in {s.name for s in self._linears} \
+                    else (name, None)
+                param = params[target]
+                (param[expert] if expert is not None else param).copy_(value.float())
+
+    def reference_logits(self, model: nn.Module, ids: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            return model(input_ids=ids.view(1, -1), use_cache=False).logits[0].float()

@@ -1,0 +1,230 @@
+"""Trace-friendly Gemma4 text decoder (the graph MNN runs).
+
+Mirrors transformers 5.x ``Gemma4TextModel`` / ``Gemma4TextDecoderLayer`` (modeling_gemma4.py)
+with the runtime's interface: token embeddings come in unscaled as ``[seq, 1, hidden]`` (the
+runtime does the lookup, the graph applies sqrt(hidden)); per-layer embeddings come in already
+scaled; attention goes through ``FusedAttention`` which owns the KV cache. Big matrices are
+``PlaceholderLinear``; norm gammas and scalars are small constants of the graph.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from llmexport.models.gemma4_args import FULL, SLIDING, Gemma4TextArgs, LayerSpec
+from llmexport.ops import FusedAttention, PlaceholderLinear, emitting_custom_ops, rms_norm
+
+TensorLookup = Callable[[str], torch.Tensor]
+
+
+def _const(lookup: TensorLookup, name: str) -> nn.Parameter:
+    return nn.Parameter(lookup(name).detach().float().clone(), requires_grad=False)
+
+
+class Norm(nn.Module):
+    def __init__(self, weight: torch.Tensor | None, eps: float):
+        super().__init__()
+        self.weight = None if weight is None else nn.Parameter(weight, requires_grad=False)
+        self.eps = eps
+
+    def forward(self, x):
+        return rms_norm(x, self.weight, self.eps)
+
+
+def _act(x: torch.Tensor) -> torch.Tensor:
+    return F.gelu(x, approximate="tanh")
+
+
+class Attention(nn.Module):
+    def __init__(self, args: Gemma4TextArgs, layer: LayerSpec, lookup: TensorLookup):
+        super().__init__()
+        p = f"{args.prefix}layers.{layer.index}.self_attn."
+        h, d = args.hidden_size, layer.head_dim
+        self.layer = layer
+        self.heads = args.num_heads
+        self.q_proj = PlaceholderLinear(p + "q_proj", h, args.num_heads * d)
+        self.o_proj = PlaceholderLinear(p + "o_proj", args.num_heads * d, h)
+        self.q_norm = Norm(_const(lookup, p + "q_norm.weight"), args.eps)
+        if not layer.shares_kv:
+            self.k_proj = PlaceholderLinear(p + "k_proj", h, layer.kv_heads * d)
+            self.v_proj = None if layer.k_eq_v else PlaceholderLinear(p + "v_proj", h, layer.kv_heads * d)
+            self.k_norm = Norm(_const(lookup, p + "k_norm.weight"), args.eps)
+        # HF Gemma4 uses attention scaling 1.0 (q/k are RMS-normalised instead).
+        self.attn = FusedAttention(f"/layers.{layer.index}/self_attn/Attention", layer.index,
+                                   layer.kv_source, 1.0)
+
+    def forward(self, x, cos, sin, mask, kv_store: dict[int, tuple[torch.Tensor, torch.Tensor]]):
+        layer = self.layer
+        q = self.q_proj(x).view(1, -1, self.heads, layer.head_dim)
+        q = _rotate(self.q_norm(q), cos, sin)
+        if layer.shares_kv:
+            k, v = kv_store[layer.kv_source]
+            if emitting_custom_ops():
+                # The runtime reads the source layer's cache; k/v only carry their shape.
+                k = v = x.new_zeros(1, x.shape[1], layer.kv_heads, layer.head_dim)
+        else:
+            k = self.k_proj(x).view(1, -1, layer.kv_heads, layer.head_dim)
+            # K=V: values are the raw k_proj output (v_norm, no k_norm, no RoPE).
+            v = k if self.v_proj is None else self.v_proj(x).view(1, -1, layer.kv_heads, layer.head_dim)
+            k = _rotate(self.k_norm(k), cos, sin)
+            v = rms_norm(v, None, self.k_norm.eps)
+            kv_store[layer.index] = (k, v)
+        return self.o_proj(self.attn(q, k, v, mask))
+
+
+def _rotate(x, cos, sin):
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return x * cos + rotated * sin
+
+
+class Mlp(nn.Module):
+    def __init__(self, prefix: str, hidden: int, width: int):
+        super().__init__()
+        self.gate_proj = PlaceholderLinear(prefix + "gate_proj", hidden, width)
+        self.up_proj = PlaceholderLinear(prefix + "up_proj", hidden, width)
+        self.down_proj = PlaceholderLinear(prefix + "down_proj", width, hidden)
+
+    def forward(self, x):
+        return self.down_proj(_act(self.gate_proj(x)) * self.up_proj(x))
+
+
+class MoE(nn.Module):
+    """Router + routed experts (HF Gemma4TextRouter / Gemma4TextExperts).
+
+    Routing: RMSNorm without scale, times ``scale * hidden^-0.5``, linear, softmax in fp32,
+    top-k, renormalise, times ``per_expert_scale``. Experts are evaluated for every token and
+    combined with a dense [tokens, experts] weight matrix (zero for unchosen experts), which
+    equals HF's gather/index_add formulation and traces without data-dependent shapes.
+    """
+
+    def __init__(self, args: Gemma4TextArgs, index: int, lookup: TensorLookup):
+        super().__init__()
+        moe = args.moe
+        p = f"{args.prefix}layers.{index}."
+        self.top_k, self.num_experts, self.eps = moe.top_k, moe.num_experts, args.eps
+        self.root = args.hidden_size ** -0.5
+        self.router_scale = _const(lookup, p + "router.scale")
+        self.per_expert_scale = _const(lookup, p + "router.per_expert_scale")
+        self.router = PlaceholderLinear(p + "router.proj", args.hidden_size, moe.num_experts)
+        self.gate_up = nn.ModuleList(PlaceholderLinear(p + f"experts.{e}.gate_up_proj", args.hidden_size,
+                                                       2 * moe.width) for e in range(moe.num_experts))
+        self.down = nn.ModuleList(PlaceholderLinear(p + f"experts.{e}.down_proj", moe.width, args.hidden_size)
+                                  for e in range(moe.num_experts))
+
+    def routing(self, x):
+        h = rms_norm(x, None, self.eps) * self.router_scale * self.root
+        probs = torch.softmax(self.router(h).float(), dim=-1)
+        weights, chosen = torch.topk(probs, self.top_k, dim=-1)
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+        weights = weights * self.per_expert_scale[chosen]
+        return weights, chosen
+
+    def forward(self, routing_input, expert_input):
+        weights, chosen = self.routing(routing_input)
+        dense = torch.zeros(weights.shape[:-1] + (self.num_experts,), dtype=weights.dtype)
+        dense = dense.scatter(-1, chosen, weights).to(expert_input.dtype)
+        out = torch.zeros_like(expert_input)
+        for e in range(self.num_experts):
+            gate, up = self.gate_up[e](expert_input).chunk(2, dim=-1)
+            out = out + self.down[e](_act(gate) * up) * dense[..., e:e + 1]
+        return out
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, args: Gemma4TextArgs, layer: LayerSpec, lookup: TensorLookup):
+        super().__init__()
+        p = f"{args.prefix}layers.{layer.index}."
+        self.layer = layer
+        norm = lambda name: Norm(_const(lookup, p + name + ".weight"), args.eps)  # noqa: E731
+        self.input_layernorm = norm("input_layernorm")
+        self.post_attention_layernorm = norm("post_attention_layernorm")
+        self.pre_feedforward_layernorm = norm("pre_feedforward_layernorm")
+        self.post_feedforward_layernorm = norm("post_feedforward_layernorm")
+        self.self_attn = Attention(args, layer, lookup)
+        self.mlp = Mlp(p + "mlp.", args.hidden_size, layer.mlp_width)
+        self.moe = MoE(args, layer.index, lookup) if args.moe else None
+        if self.moe is not None:
+            self.post_feedforward_layernorm_1 = norm("post_feedforward_layernorm_1")
+            self.pre_feedforward_layernorm_2 = norm("pre_feedforward_layernorm_2")
+            self.post_feedforward_layernorm_2 = norm("post_feedforward_layernorm_2")
+        self.has_ple = args.ple_dim > 0
+        if self.has_ple:
+            self.per_layer_input_gate = PlaceholderLinear(p + "per_layer_input_gate", args.hidden_size, args.ple_dim)
+            self.per_layer_projection = PlaceholderLinear(p + "per_layer_projection", args.ple_dim, args.hidden_size)
+            self.post_per_layer_input_norm = norm("post_per_layer_input_norm")
+        self.layer_scalar = _const(lookup, p + "layer_scalar")
+
+    def forward(self, x, cos, sin, mask, ple, kv_store):
+        residual = x
+        x = self.self_attn(self.input_layernorm(x), cos, sin, mask, kv_store)
+        x = residual + self.post_attention_layernorm(x)
+        residual = x
+        x = self.mlp(self.pre_feedforward_layernorm(x))
+        if self.moe is not None:
+            moe_out = self.moe(residual, self.pre_feedforward_layernorm_2(residual))
+            x = self.post_feedforward_layernorm_1(x) + self.post_feedforward_layernorm_2(moe_out)
+        x = residual + self.post_feedforward_layernorm(x)
+        if self.has_ple:
+            gated = _act(self.per_layer_input_gate(x)) * ple
+            x = x + self.post_per_layer_input_norm(self.per_layer_projection(gated))
+        return x * self.layer_scalar
+
+
+class Gemma4TextGraph(nn.Module):
+    """Inputs (runtime layout): input_ids = embeddings [seq, 1, hidden] (unscaled),
+    attention_mask [2, 1, 1, seq, kv] (full, sliding) or [1, 1, seq, kv], position_ids int32
+    [1, seq], logits_index int32 [1], ple_embeddings [1, seq, layers * ple_dim] (scaled).
+    Outputs: logits [1, n, vocab], hidden_states [1, n, hidden] (final-normed, sliced)."""
+
+    def __init__(self, args: Gemma4TextArgs, lookup: TensorLookup):
+        super().__init__()
+        self.args = args
+        self.layers = nn.ModuleList(DecoderLayer(args, layer, lookup) for layer in args.layers)
+        self.norm = Norm(_const(lookup, args.prefix + "norm.weight"), args.eps)
+        self.lm_head = PlaceholderLinear("lm_head", args.hidden_size, args.vocab_size)
+        for kind, rope in args.rope.items():
+            self.register_buffer(f"inv_freq_{kind}", rope.inv_freq(), persistent=False)
+        self.mixed = len(args.rope) > 1
+        if args.ple_dim:
+            width = args.num_layers * args.ple_dim
+            self.per_layer_model_projection = PlaceholderLinear(
+                args.prefix + "per_layer_model_projection", args.hidden_size, width)
+            self.per_layer_projection_norm = Norm(_const(lookup, args.prefix + "per_layer_projection_norm.weight"),
+                                                  args.eps)
+
+    def _rope(self, position_ids, kind):
+        freqs = position_ids.float().view(1, -1, 1) * getattr(self, f"inv_freq_{kind}").view(1, 1, -1)
+        emb = torch.cat([freqs, freqs], dim=-1).unsqueeze(2)
+        return emb.cos(), emb.sin()
+
+    def _per_layer_inputs(self, x, ple_embeddings):
+        a = self.args
+        proj = self.per_layer_model_projection(x) * (a.hidden_size ** -0.5)
+        proj = self.per_layer_projection_norm(proj.view(1, -1, a.num_layers, a.ple_dim))
+        return (proj + ple_embeddings.view(1, -1, a.num_layers, a.ple_dim)) * (2.0 ** -0.5)
+
+    def forward(self, input_ids, attention_mask, position_ids, logits_index, ple_embeddings=None):
+        a = self.args
+        x = input_ids.view(1, -1, a.hidden_size) * math.sqrt(a.hidden_size)
+        ple = self._per_layer_inputs(x, ple_embeddings) if a.ple_dim else None
+        ropes = {kind: self._rope(position_ids, kind) for kind in a.rope}
+        masks = {FULL: attention_mask[0], SLIDING: attention_mask[1]} if self.mixed else None
+        kv_store: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        for i, layer in enumerate(self.layers):
+            kind = layer.layer.kind
+            cos, sin = ropes[kind]
+            mask = masks[kind] if masks else attention_mask
+            layer_ple = ple[:, :, i, :] if ple is not None else None
+            x = layer(x, cos, sin, mask, layer_ple, kv_store)
+        x = x[:, logits_index.to(torch.int64):, :]
+        hidden = self.norm(x)
+        logits = self.lm_head(hidden)
+        if a.final_softcap:
+            logits = torch.tanh(logits / a.final_softcap) * a.final_softcap
+        return logits, hidden

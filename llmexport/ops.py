@@ -1,0 +1,158 @@
+"""Placeholder ops: one eager reference and one ONNX symbolic form per op, in one place.
+
+While tracing for MNN (``custom_ops(True)``) each op is emitted as a node of the
+``LlmExport`` ONNX domain carrying its attributes; MNN's converter keeps such nodes as
+``Extra`` ops and ``llmexport.mnn.rebuild`` turns them into MNN's own ops. Outside that
+context the same modules compute the real thing in torch, so a test can compare a rewritten
+model with HF before any ONNX exists, and a plain-ONNX export (for onnxruntime) traces the
+reference math with real weights.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from typing import Iterator
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+DOMAIN = "LlmExport"
+_state = {"custom": False}
+
+
+@contextlib.contextmanager
+def custom_ops(enabled: bool = True) -> Iterator[None]:
+    """Within this context, placeholder modules trace as custom ONNX ops."""
+    previous = _state["custom"]
+    _state["custom"] = enabled
+    try:
+        yield
+    finally:
+        _state["custom"] = previous
+
+
+def emitting_custom_ops() -> bool:
+    return _state["custom"] and torch.onnx.is_in_onnx_export()
+
+
+def _sizes(value) -> list:
+    from torch.onnx.symbolic_helper import _get_tensor_sizes
+
+    return list(_get_tensor_sizes(value) or [])
+
+
+class _LinearOp(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, in_features: int, out_features: int, has_bias: int, name: str):
+        return x.new_zeros(list(x.shape[:-1]) + [out_features])
+
+    @staticmethod
+    def symbolic(g, x, in_features, out_features, has_bias, name):
+        out = g.op(f"{DOMAIN}::Linear", x, in_features_i=in_features, out_features_i=out_features,
+                   has_bias_i=has_bias, name_s=name)
+        sizes = _sizes(x)
+        if sizes:
+            out.setType(x.type().with_sizes(sizes[:-1] + [out_features]))
+        return out
+
+
+class PlaceholderLinear(nn.Module):
+    """A linear layer whose weight stays outside the traced graph.
+
+    ``name`` ties the graph node to the weight: the weight writer asks the architecture for
+    the tensors of that name. For eager use, ``bind`` attaches real (or dequantized) weights.
+    """
+
+    def __init__(self, name: str, in_features: int, out_features: int, bias: bool = False):
+        super().__init__()
+        self.name = name
+        self.in_features = in_features
+        self.out_features = out_features
+        self.has_bias = bias
+        self.weight: torch.Tensor | None = None
+        self.bias: torch.Tensor | None = None
+
+    def bind(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
+        if tuple(weight.shape) != (self.out_features, self.in_features):
+            raise ValueError(f"{self.name}: weight shape {tuple(weight.shape)} != "
+                             f"{(self.out_features, self.in_features)}")
+        self.weight = weight
+        self.bias = bias
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if emitting_custom_ops():
+            return _LinearOp.apply(x, self.in_features, self.out_features, int(self.has_bias), self.name)
+        if self.weight is None:
+            raise RuntimeError(f"{self.name}: no weight bound for eager execution")
+        return F.linear(x, self.weight.to(x.dtype), None if self.bias is None else self.bias.to(x.dtype))
+
+    def extra_repr(self) -> str:
+        return f"{self.name}, in={self.in_features}, out={self.out_features}, bias={self.has_bias}"
+
+
+class _AttentionOp(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, mask, name: str, layer_index: int, kv_shared_layer_index: int, scale: float):
+        return q.new_zeros([q.shape[0], q.shape[1], q.shape[2] * q.shape[3]])
+
+    @staticmethod
+    def symbolic(g, q, k, v, mask, name, layer_index, kv_shared_layer_index, scale):
+        out = g.op(f"{DOMAIN}::Attention", q, k, v, mask, name_s=name, layer_index_i=layer_index,
+                   kv_shared_layer_index_i=kv_shared_layer_index, scale_f=scale)
+        sizes = _sizes(q)
+        if len(sizes) == 4:
+            heads, dim = sizes[2], sizes[3]
+            width = heads * dim if isinstance(heads, int) and isinstance(dim, int) else None
+            out.setType(q.type().with_sizes([sizes[0], sizes[1], width]))
+        return out
+
+
+class FusedAttention(nn.Module):
+    """Softmax attention over a KV cache, MNN's ``Attention`` op at runtime.
+
+    q: [1, seq, heads, dim]; k, v: [1, kv_seq, kv_heads, dim]; mask: additive float,
+    broadcastable to [1, 1, seq, kv_seq]. Output [1, seq, heads * dim].
+    ``kv_shared_layer_index`` >= 0 makes the runtime read the KV cache of that layer instead
+    of appending k/v (which then only carry their shape).
+    """
+
+    def __init__(self, name: str, layer_index: int, kv_shared_layer_index: int, scale: float):
+        super().__init__()
+        self.name = name
+        self.layer_index = layer_index
+        self.kv_shared_layer_index = kv_shared_layer_index
+        self.scale = scale
+
+    def forward(self, q, k, v, mask):
+        if emitting_custom_ops():
+            return _AttentionOp.apply(q, k, v, mask, self.name, self.layer_index,
+                                      self.kv_shared_layer_index, self.scale)
+        return attention_reference(q, k, v, mask, self.scale)
+
+
+def attention_reference(q, k, v, mask, scale: float) -> torch.Tensor:
+    """Eager attention with grouped KV heads; softmax in fp32 as HF's eager path does."""
+    heads, kv_heads = q.shape[2], k.shape[2]
+    q = q.transpose(1, 2)
+    k = k.transpose(1, 2).repeat_interleave(heads // kv_heads, dim=1)
+    v = v.transpose(1, 2).repeat_interleave(heads // kv_heads, dim=1)
+    scores = torch.matmul(q, k.transpose(2, 3)) * scale + mask
+    probs = torch.softmax(scores.float(), dim=-1).to(q.dtype)
+    out = torch.matmul(probs, v).transpose(1, 2)
+    return out.reshape(out.shape[0], out.shape[1], -1)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
+    """RMSNorm in fp32 written as pow/mean so MNN's converter can fuse it."""
+    xf = x.float()
+    out = xf * torch.pow(xf.pow(2).mean(-1, keepdim=True) + eps, -0.5)
+    if weight is not None:
+        out = out * weight.float()
+    return out.to(x.dtype)
+
+
+def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
+    """gelu with the tanh approximation, spelled out (ONNX opsets before 20 lack it)."""
+    return 0.5 * x * (1.0 + torch.tanh(math.sqrt(2.0 / math.pi) * (x + 0.044715 * torch.pow(x, 3.0))))
