@@ -60,6 +60,16 @@ class GraphInputs:
     output_names: list[str]
 
 
+@dataclass
+class StoredWeights:
+    """What an export stored, read back from its files: per-linear weights (placeholder name
+    -> [out, in] fp32), and the token embedding / PLE tables as the runtime decodes them."""
+
+    linears: dict[str, torch.Tensor]
+    embedding: torch.Tensor | None = None
+    ple: torch.Tensor | None = None
+
+
 class Architecture(abc.ABC):
     """Base class of a registered architecture family."""
 
@@ -115,9 +125,9 @@ class Architecture(abc.ABC):
 
     # --- reference -----------------------------------------------------------------------
     @abc.abstractmethod
-    def load_reference(self, stored: dict[str, torch.Tensor] | None) -> nn.Module:
-        """The HF model in fp32; ``stored`` (placeholder name -> weight, plus table names)
-        replaces the checkpoint values with what the export wrote."""
+    def load_reference(self, stored: StoredWeights | None) -> nn.Module:
+        """The HF model in fp32; ``stored`` replaces the checkpoint values with what the
+        export wrote (the fair oracle for the runtime)."""
 
     @abc.abstractmethod
     def reference_logits(self, model: nn.Module, ids: torch.Tensor) -> torch.Tensor:

@@ -18,7 +18,7 @@ from torch import nn
 from llmexport.checkpoint import Checkpoint
 from llmexport.errors import InputError
 from llmexport.models import register
-from llmexport.models.base import Architecture, GraphInputs, LinearRole, LinearSpec
+from llmexport.models.base import Architecture, GraphInputs, LinearRole, LinearSpec, StoredWeights
 from llmexport.models.gemma4_args import FULL, SLIDING, Gemma4TextArgs, parse_text_args
 from llmexport.models.gemma4_graph import Gemma4TextGraph
 
@@ -200,6 +200,9 @@ class Gemma4(Architecture):
     def llm_config(self) -> dict[str, Any]:
         a = self.args
         config: dict[str, Any] = {
+            "model_type": "gemma4",
+            "hidden_size": a.hidden_size,
+            "layer_nums": a.num_layers,
             "attention_type": "mix" if len(a.rope) > 1 else "full",
             "attn_scale": 1.0,
             "max_position_embeddings": a.max_position_embeddings,
@@ -217,7 +220,7 @@ class Gemma4(Architecture):
         return {"precision": "normal"}
 
     # --- reference --------------------------------------------------------------------------
-    def load_reference(self, stored: dict[str, torch.Tensor] | None) -> nn.Module:
+    def load_reference(self, stored: StoredWeights | None) -> nn.Module:
         import transformers
 
         cls = (transformers.Gemma4ForConditionalGeneration if self.checkpoint.model_type == "gemma4"
@@ -228,13 +231,17 @@ class Gemma4(Architecture):
             self._apply_stored(model, stored)
         return model
 
-    def _apply_stored(self, model: nn.Module, stored: dict[str, torch.Tensor]) -> None:
+    def _apply_stored(self, model: nn.Module, stored: StoredWeights) -> None:
         params = dict(model.named_parameters())
-        params.update(dict(model.named_buffers()))
+        a = self.args
+        targets: list[tuple[str, int | None, torch.Tensor]] = [
+            (*self._checkpoint_name(name), value) for name, value in stored.linears.items()]
+        if stored.embedding is not None and not a.tie_embeddings:
+            targets.append((a.prefix + "embed_tokens.weight", None, stored.embedding))
+        if stored.ple is not None:
+            targets.append((a.prefix + "embed_tokens_per_layer.weight", None, stored.ple))
         with torch.no_grad():
-            for name, value in stored.items():
-                target, expert = self._checkpoint_name(name) if name in {s.name for s in self._linears} \
-                    else (name, None)
+            for target, expert, value in targets:
                 param = params[target]
                 (param[expert] if expert is not None else param).copy_(value.float())
 

@@ -1,0 +1,53 @@
+"""config.json (runtime defaults) and llm_config.json (model description) for MNN's runtime."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+LLM_MODEL = "llm.mnn"
+LLM_WEIGHT = "llm.mnn.weight"
+TOKENIZER_FILE = "tokenizer.mtok"
+
+
+def embedding_file_name(bits: int) -> str:
+    return "embeddings_bf16.bin" if bits == 16 else f"embeddings_int{bits}.bin"
+
+
+def ple_file_name(bits: int) -> str:
+    return "ple_embeddings_bf16.bin" if bits == 16 else f"ple_embeddings_int{bits}.bin"
+
+
+def runtime_config(overrides: dict[str, Any], thread_num: int, embedding_file: str | None) -> dict[str, Any]:
+    """config.json: where the files are and how to run them (greedy sampling by default)."""
+    config: dict[str, Any] = {
+        "llm_model": LLM_MODEL,
+        "llm_weight": LLM_WEIGHT,
+        "tokenizer_file": TOKENIZER_FILE,
+        "backend_type": "cpu",
+        "thread_num": thread_num,
+        "precision": "low",
+        # memory "low" takes a cheaper dequantization path with visibly larger error.
+        "memory": "normal",
+        "sampler_type": "greedy",
+        "max_new_tokens": 512,
+        "use_mmap": False,
+    }
+    if embedding_file:
+        config["embedding_file"] = embedding_file
+    config.update(overrides)
+    return config
+
+
+def llm_config(family: dict[str, Any], files: dict[str, Any]) -> dict[str, Any]:
+    """llm_config.json: the family's keys (hidden_size, layer_nums, attention type, ...) plus
+    what the export wrote (tie_embeddings / ple_embed_file / ple_quant)."""
+    config: dict[str, Any] = {"attention_mask": "float", "is_mrope": False}
+    config.update(family)
+    config.update(files)
+    return config
+
+
+def write_json(path: Path, data: dict[str, Any]) -> None:
+    path.write_text(json.dumps(data, indent=2, ensure_ascii=False, sort_keys=True) + "\n", encoding="utf-8")

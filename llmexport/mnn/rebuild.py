@@ -1,0 +1,125 @@
+"""Replace the converter's ``Extra`` placeholder ops with MNN's own ops.
+
+After ONNX -> MNN -> JSON, every ``LlmExport::Linear`` node is an ``Extra`` op carrying its
+attributes. Each becomes a 1x1 ``Convolution`` whose (quantized) weights live in
+``llm.mnn.weight`` (wrapped in the reshapes/layout converts MNN's convolution needs), and each
+``LlmExport::Attention`` becomes MNN's KV-cached ``Attention`` op. Weights are pulled from the
+checkpoint one linear at a time, in graph order, so memory stays at one tensor.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any, BinaryIO, Callable, Iterable
+
+import torch
+
+from llmexport.errors import ConversionError
+from llmexport.mnn.weights import LinearRecord, WeightFileWriter
+from llmexport.models.base import LinearSpec
+from llmexport.quant.scheme import QuantScheme
+
+log = logging.getLogger(__name__)
+
+WeightFn = Callable[[str], tuple[torch.Tensor, torch.Tensor | None]]
+SchemeFn = Callable[[LinearSpec], QuantScheme]
+
+
+@dataclass
+class RebuildResult:
+    graph: dict[str, Any]
+    records: dict[str, LinearRecord]
+    schemes: dict[str, QuantScheme]
+
+
+def extra_attrs(op: dict[str, Any]) -> dict[str, Any]:
+    """Attributes of a converter ``Extra`` op as a plain dict (ints, floats or strings)."""
+    out: dict[str, Any] = {}
+    for attr in op["main"].get("attr", []):
+        if "s" in attr:
+            out[attr["key"]] = attr["s"]
+        elif attr.get("f", 0.0) != 0.0:
+            out[attr["key"]] = attr["f"]
+        else:
+            out[attr["key"]] = attr.get("i", 0)
+    return out
+
+
+def _extra_type(op: dict[str, Any]) -> str | None:
+    return op["main"].get("type") if op.get("type") == "Extra" else None
+
+
+def _new_tensor(graph: dict[str, Any], name: str) -> int:
+    graph["tensorName"].append(name)
+    return len(graph["tensorName"]) - 1
+
+
+def _op(name: str, op_type: str, inputs: list[int], outputs: list[int], main_type: str, main: dict) -> dict:
+    return {"name": name, "type": op_type, "inputIndexes": inputs, "outputIndexes": outputs,
+            "main_type": main_type, "main": main, "defaultDimentionFormat": "NHWC"}
+
+
+def _conv_ops(graph: dict[str, Any], op: dict[str, Any], name: str, record: LinearRecord) -> list[dict]:
+    """[.., ic] -> Reshape[-1, ic, 1, 1] -> NC4HW4 -> Conv1x1 -> NCHW -> Reshape[1, -1, oc]."""
+    t = [_new_tensor(graph, f"{name}/{suffix}") for suffix in ("pre_reshape", "pre_convert", "conv",
+                                                               "post_convert")]
+    oc, ic = record.oc, record.ic
+    common = {"dilateX": 1, "dilateY": 1, "strideX": 1, "strideY": 1, "kernelX": 1, "kernelY": 1,
+              "padX": 0, "padY": 0, "group": 1, "outputCount": oc, "relu": False, "padMode": "CAFFE",
+              "relu6": False, "inputCount": ic, "hasOutputShape": False}
+    return [
+        _op(f"{name}/pre_reshape", "Reshape", op["inputIndexes"], [t[0]], "Reshape",
+            {"dims": [-1, ic, 1, 1], "dimType": "NCHW"}),
+        _op(f"{name}/pre_convert", "ConvertTensor", [t[0]], [t[1]], "TensorConvertInfo",
+            {"source": "NCHW", "dest": "NC4HW4"}),
+        _op(name, "Convolution", [t[1]], [t[2]], "Convolution2D",
+            {"common": common, "quanParameter": record.quan_parameter(), "external": record.external()}),
+        _op(f"{name}/post_convert", "ConvertTensor", [t[2]], [t[3]], "TensorConvertInfo",
+            {"source": "NC4HW4", "dest": "NCHW"}),
+        _op(f"{name}/post_reshape", "Reshape", [t[3]], op["outputIndexes"], "Reshape",
+            {"dims": [1, -1, oc], "dimType": "NCHW"}),
+    ]
+
+
+def _attention_op(op: dict[str, Any]) -> dict:
+    a = extra_attrs(op)
+    return _op(a["name"], "Attention", op["inputIndexes"], op["outputIndexes"], "AttentionParam",
+               {"kv_cache": True, "layer_index": int(a["layer_index"]),
+                "kv_shared_layer_index": int(a["kv_shared_layer_index"]), "attnScale": float(a["scale"])})
+
+
+def rebuild_graph(graph: dict[str, Any], linears: Iterable[LinearSpec], weight_fn: WeightFn,
+                  scheme_fn: SchemeFn, weight_file: BinaryIO,
+                  progress: Callable[[int], None] | None = None) -> RebuildResult:
+    """Rewrite ``graph`` in place and stream every linear's weights into ``weight_file``."""
+    specs = {spec.name: spec for spec in linears}
+    writer = WeightFileWriter(weight_file, offset=0)
+    records: dict[str, LinearRecord] = {}
+    schemes: dict[str, QuantScheme] = {}
+    new_ops: list[dict] = []
+    for op in graph["oplists"]:
+        kind = _extra_type(op)
+        if kind == "Linear":
+            name = extra_attrs(op)["name"]
+            spec = specs.get(name)
+            if spec is None or name in records:
+                raise ConversionError(f"graph linear {name!r} is unknown or appears twice")
+            weight, bias = weight_fn(name)
+            schemes[name] = scheme_fn(spec)
+            records[name] = writer.write_linear(weight, bias, schemes[name])
+            if progress:
+                progress(weight.numel() * weight.element_size())
+            new_ops += _conv_ops(graph, op, name, records[name])
+        elif kind == "Attention":
+            new_ops.append(_attention_op(op))
+        elif kind is not None:
+            raise ConversionError(f"unexpected custom op {kind!r} in converted graph")
+        else:
+            new_ops.append(op)
+    missing = set(specs) - set(records)
+    if missing:
+        raise ConversionError(f"{len(missing)} linear(s) missing from the traced graph, e.g. {sorted(missing)[0]!r}")
+    graph["oplists"] = new_ops
+    graph["tensorNumber"] = len(graph["tensorName"])
+    return RebuildResult(graph, records, schemes)

@@ -1,0 +1,1 @@
+"""Tiny, deterministic stand-ins for real checkpoints (tokenizer, models) used by tests."""

@@ -1,0 +1,152 @@
+"""Verification: MNN's runtime on the exported folder next to the HF model.
+
+The fair oracle is the HF model carrying exactly the weights the export stored (read back from
+the exported files), so rounding and quantization never hide a wrong graph: it must agree.
+The error against the unmodified fp32 HF model is reported beside it (the cost of the bits).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from llmexport.checkpoint import Checkpoint
+from llmexport.errors import VerificationFailed
+from llmexport.mnn.readback import read_stored
+from llmexport.mnn.runtime import run_runtime
+from llmexport.models import architecture_for
+
+log = logging.getLogger(__name__)
+
+TOKENIZER_SAMPLES = [
+    "Hello, world! How are you today?",
+    "  multiple   spaces\tand\ttabs\nnew lines\n\n",
+    "Zahlen 1234567 und Umlaute: Grüße aus Köln, Straße.",
+    "中文测试，混合 English 文本。",
+    "emoji 🎉🚀 and symbols <>&%$#@!",
+    "def f(x):\n    return x ** 2  # code",
+]
+_PROMPT_TEXT = ("Explain, step by step, why the sky looks blue at noon and red at sunset; "
+                "antworte kurz auf Deutsch, 然后用中文总结一下。 ")
+
+
+@dataclass(frozen=True)
+class Bounds:
+    """Pass criteria against the stored-weights oracle."""
+
+    max_abs_err: float
+
+    @staticmethod
+    def for_export(stored_bits: set[int]) -> "Bounds":
+        # fp16 weights: a correct graph reaches ~1e-4; quantized kernels add their own rounding.
+        return Bounds(0.005 if stored_bits <= {16} else 0.2)
+
+
+def _step_stats(mnn: np.ndarray, ref: np.ndarray) -> list[dict[str, Any]]:
+    steps = []
+    for m, r in zip(mnn, ref):
+        top2 = np.sort(r)[-2:]
+        err = np.abs(m - r)
+        steps.append({"max_abs_err": float(err.max()), "mean_abs_err": float(err.mean()),
+                      "ref_top2_margin": float(top2[1] - top2[0]), "top1_match": int(m.argmax()) == int(r.argmax()),
+                      "mnn_top1": int(m.argmax()), "ref_top1": int(r.argmax())})
+    return steps
+
+
+def _summary(steps: list[dict[str, Any]]) -> dict[str, Any]:
+    return {"top1_agreement": sum(s["top1_match"] for s in steps) / len(steps),
+            "max_abs_err": max(s["max_abs_err"] for s in steps),
+            "mean_abs_err": float(np.mean([s["mean_abs_err"] for s in steps])), "per_step": steps}
+
+
+def default_prompt(tokenizer, min_tokens: int) -> list[int]:
+    """A chat-templated prompt at least ``min_tokens`` long (longer than the sliding window)."""
+    text = _PROMPT_TEXT
+    while True:
+        ids = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
+                                            tokenize=True, return_dict=False)
+        ids = list(ids["input_ids"] if isinstance(ids, dict) else ids)
+        if len(ids) >= min_tokens:
+            return ids
+        text += _PROMPT_TEXT
+
+
+def _hf_greedy(model, arch, prompt: list[int], steps: int) -> list[int]:
+    ids = torch.tensor(prompt).view(1, -1)
+    with torch.no_grad():
+        out = model.generate(ids, max_new_tokens=steps, do_sample=False, min_new_tokens=steps,
+                             pad_token_id=0, eos_token_id=None)
+    return [int(t) for t in out[0, len(prompt):]]
+
+
+def verify_export(export_dir: Path, model_path: Path, steps: int = 24, prompt_ids: list[int] | None = None,
+                  raise_on_failure: bool = False) -> dict[str, Any]:
+    from transformers import AutoTokenizer
+
+    arch = architecture_for(Checkpoint.open(model_path))
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    window = int(arch.llm_config().get("sliding_window") or 0)
+    prompt = prompt_ids or default_prompt(tokenizer, window + 8)
+    stored = read_stored(export_dir, arch)
+    oracle = arch.load_reference(stored)
+    greedy_ref = _hf_greedy(oracle, arch, prompt, steps)
+    forced = prompt + greedy_ref[:-1]
+    ref_logits = arch.reference_logits(oracle, torch.tensor(forced))[len(prompt) - 1:].numpy()
+    del oracle
+    fp32_logits = arch.reference_logits(arch.load_reference(None), torch.tensor(forced))[len(prompt) - 1:].numpy()
+    texts = TOKENIZER_SAMPLES + [tokenizer.decode(prompt[1:])]
+    run = run_runtime(export_dir, prompt, greedy_ref[:-1], steps, texts=texts)
+    tok_cases = {t: (run.encoded[t], tokenizer(t, add_special_tokens=False)["input_ids"]) for t in texts}
+    report = {
+        "prompt_tokens": len(prompt), "steps": steps,
+        "tokenizer": {"agree": all(m == h for m, h in tok_cases.values()), "cases": len(tok_cases),
+                      "mismatches": [t for t, (m, h) in tok_cases.items() if m != h]},
+        "oracle": {"greedy_ref": greedy_ref, "greedy_mnn": run.greedy_ids,
+                   "greedy_match": greedy_ref == run.greedy_ids, **_summary(_step_stats(run.forced_logits, ref_logits))},
+        "fp32": _summary(_step_stats(run.forced_logits, fp32_logits)),
+    }
+    bits = {int(r["quanParameter"].get("aMaxOrBits", 16)) if r["quanParameter"].get("type") == 1 else 16
+            for r in _records(export_dir)}
+    _judge(report, Bounds.for_export(bits))
+    (export_dir / "verify.json").write_text(json.dumps(report, indent=2))
+    log.info("verify: %s", summary_line(report))
+    if raise_on_failure and not report["passed"]:
+        raise VerificationFailed(f"{export_dir}: verification failed: {'; '.join(report['failures'])}")
+    return report
+
+
+def _records(export_dir: Path) -> list[dict]:
+    from llmexport.mnn.readback import linear_records
+
+    return list(linear_records(export_dir).values())
+
+
+def _judge(report: dict[str, Any], bounds: Bounds) -> None:
+    """Pass when every teacher-forced step agrees on top-1 (unless the oracle's own top-2
+    margin is below the error measured at that step: a near-tie) and errors stay in bounds."""
+    failures = []
+    oracle = report["oracle"]
+    for i, s in enumerate(oracle["per_step"]):
+        if not s["top1_match"] and s["ref_top2_margin"] >= s["max_abs_err"]:
+            failures.append(f"step {i}: top-1 {s['mnn_top1']} != {s['ref_top1']} (margin {s['ref_top2_margin']:.4f})")
+    if oracle["max_abs_err"] >= bounds.max_abs_err:
+        failures.append(f"max abs logit error {oracle['max_abs_err']:.5f} >= {bounds.max_abs_err}")
+    if not report["tokenizer"]["agree"]:
+        failures.append(f"tokenizer disagrees on {len(report['tokenizer']['mismatches'])} sample(s)")
+    report["bounds"] = {"max_abs_err": bounds.max_abs_err}
+    report["failures"] = failures
+    report["passed"] = not failures
+
+
+def summary_line(report: dict[str, Any]) -> str:
+    o, f = report["oracle"], report["fp32"]
+    return (f"{'PASS' if report['passed'] else 'FAIL'}: vs stored-weights HF: top-1 {o['top1_agreement']:.0%}, "
+            f"greedy {'match' if o['greedy_match'] else 'differs'}, max |dlogit| {o['max_abs_err']:.2e} "
+            f"(bound {report['bounds']['max_abs_err']}); vs fp32 HF: top-1 {f['top1_agreement']:.0%}, "
+            f"max |dlogit| {f['max_abs_err']:.2e}; tokenizer {'agrees' if report['tokenizer']['agree'] else 'DISAGREES'}")
