@@ -1,0 +1,24 @@
+"""llmexport: HuggingFace LLM checkpoints -> MNN, verified against transformers.
+
+    import llmexport
+    llmexport.export("path/to/hf", "out/", llmexport.ExportOptions())
+    llmexport.verify("out/", "path/to/hf")
+"""
+
+from __future__ import annotations
+
+__version__ = "0.1.0"
+__all__ = ["export", "verify", "ExportOptions", "__version__"]
+
+
+def __getattr__(name: str):
+    # Lazy: importing the package (e.g. for `llmexport --help`) must not import torch.
+    if name in ("export", "verify"):
+        from llmexport import api
+
+        return getattr(api, name)
+    if name == "ExportOptions":
+        from llmexport.options import ExportOptions
+
+        return ExportOptions
+    raise AttributeError(name)

@@ -127,8 +127,9 @@ class MoE(nn.Module):
 
     def forward(self, routing_input, expert_input):
         weights, chosen = self.routing(routing_input)
-        dense = torch.zeros(weights.shape[:-1] + (self.num_experts,), dtype=weights.dtype)
-        dense = dense.scatter(-1, chosen, weights).to(expert_input.dtype)
+        # [tokens, k] -> [tokens, experts] with comparisons (MNN's JSON path rejects ScatterElements).
+        one_hot = (chosen.unsqueeze(-1) == torch.arange(self.num_experts)).to(weights.dtype)
+        dense = (one_hot * weights.unsqueeze(-1)).sum(dim=-2).to(expert_input.dtype)
         out = torch.zeros_like(expert_input)
         for e in range(self.num_experts):
             gate, up = self.gate_up[e](expert_input).chunk(2, dim=-1)

@@ -1,0 +1,82 @@
+"""Command line: parse flags into ExportOptions, call the API, map errors to exit codes.
+
+Heavy modules (torch, transformers, MNN) are imported only after parsing, so ``--help`` and
+``--version`` answer at once.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+
+import click
+
+from llmexport import __version__
+
+EXIT_INTERNAL = 1
+
+
+def _configure_logging(quiet: bool) -> None:
+    logging.basicConfig(level=logging.WARNING if quiet else logging.INFO,
+                        format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+
+
+@click.command(context_settings={"help_option_names": ["-h", "--help"]})
+@click.option("--path", required=True, type=click.Path(file_okay=False, path_type=str),
+              help="HF checkpoint folder (config.json, *.safetensors, tokenizer.json).")
+@click.option("--export", "export_format", type=click.Choice(["mnn", "onnx"]), default="mnn", show_default=True,
+              help="mnn: a folder MNN's LLM runtime loads; onnx: a standard-op ONNX with the weights.")
+@click.option("--dst_path", required=True, type=click.Path(path_type=str),
+              help="Output folder; replaced atomically when the export succeeds.")
+@click.option("--quant_bit", type=int, default=4, show_default=True, help="Linear weights: 4 or 8 (block RTN), 16 = fp16.")
+@click.option("--quant_block", type=int, default=64, show_default=True,
+              help="Block size along the input dimension: 0 (per channel), 32, 64, 128, 256.")
+@click.option("--sym", is_flag=True, help="Symmetric quantization (scale only) instead of asymmetric.")
+@click.option("--lm_quant_bit", type=int, default=None, help="lm_head bits (default: --quant_bit).")
+@click.option("--embed_bit", type=int, default=16, show_default=True,
+              help="Token/PLE embedding tables read from their own files: 16 (bf16), 8 or 4.")
+@click.option("--thread_num", type=int, default=4, show_default=True, help="Runtime threads written to config.json.")
+@click.option("--verify", is_flag=True, help="Run the export in MNN's runtime next to HF; fail on disagreement.")
+@click.option("--quiet", is_flag=True, help="Only warnings and errors.")
+@click.version_option(__version__, "--version", prog_name="llmexport")
+def main(path: str, export_format: str, dst_path: str, quant_bit: int, quant_block: int, sym: bool,
+         lm_quant_bit: int | None, embed_bit: int, thread_num: int, verify: bool, quiet: bool) -> None:
+    """Export a HuggingFace LLM checkpoint to MNN (or ONNX), optionally verified."""
+    _configure_logging(quiet)
+    from llmexport.errors import LlmExportError
+
+    try:
+        from llmexport.api import export
+        from llmexport.options import ExportFormat, ExportOptions
+        from llmexport.quant.scheme import QuantScheme
+
+        options = ExportOptions(
+            export=ExportFormat(export_format),
+            quant=QuantScheme(bits=quant_bit, block=quant_block, sym=sym),
+            lm_quant=None if lm_quant_bit is None else QuantScheme(bits=lm_quant_bit, block=quant_block, sym=sym),
+            embed_bit=embed_bit, verify=verify, quiet=quiet, thread_num=thread_num,
+        )
+        result = export(path, dst_path, options)
+    except LlmExportError as exc:
+        click.echo(f"llmexport: error: {exc}", err=True)
+        sys.exit(exc.exit_code)
+    except KeyboardInterrupt:
+        click.echo("llmexport: interrupted; the destination was left unchanged", err=True)
+        sys.exit(130)
+    except Exception as exc:  # an llmexport bug: say so in one line, keep the traceback in the log
+        logging.getLogger("llmexport").debug("internal error", exc_info=True)
+        click.echo(f"llmexport: internal error: {type(exc).__name__}: {exc}", err=True)
+        sys.exit(EXIT_INTERNAL)
+    _report(result, quiet)
+
+
+def _report(result, quiet: bool) -> None:
+    if quiet:
+        return
+    click.echo(f"exported {result.plan['family']} ({result.plan['layers']} layers) to {result.dst}")
+    click.echo("stages (s): " + json.dumps(result.timings))
+    if result.verification is not None:
+        from llmexport.verify import summary_line
+
+        click.echo("verify: " + summary_line(result.verification))

@@ -1,0 +1,144 @@
+"""Independent decoder for linear records in ``llm.mnn.weight``.
+
+It re-implements, from the bytes alone, what MNN 3.6.1's loader does for a 1x1 Convolution
+with external data (source/core/ConvolutionCommon.cpp, ``ConvolutionCommon::load`` and
+``IDSTDecoder::ReadQuanData_c``; bias per source/core/OpCommonUtils.cpp). It deliberately
+shares no code with the writer side (no rtn/pack imports), so a writer bug cannot hide behind
+a reader that makes the same mistake.
+
+Decoding, as the runtime does it:
+  * header: dims count byte, dims as uint16 (uint32 if ``shapeInt32``), a count byte
+    (0 = 256) and that many int8 map entries, sorted ascending;
+  * levels: ``ceil(bits * oc * ic / 8)`` bytes read as one MSB-first bit stream; each index
+    selects a map entry (for the usual linear map this is ``stored - 2^(bits-1)``);
+  * alpha: fp16 or fp32 per ``scaleStorage``; asymmetric iff ``readType != 0``;
+    blocks per row = alpha count (halved when asymmetric) / oc;
+  * value = level * scale + zero (asymmetric) or level * scale (symmetric), in fp32.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Optional, Union
+
+import numpy as np
+import torch
+
+Source = Union[str, os.PathLike, bytes, bytearray, memoryview]
+
+
+def _read_span(src: Source, offset: int, size: int) -> bytes:
+    if isinstance(src, (bytes, bytearray, memoryview)):
+        data = bytes(src[offset: offset + size])
+    else:
+        with open(src, "rb") as f:
+            f.seek(offset)
+            data = f.read(size)
+    if len(data) != size:
+        raise ValueError(f"record wants {size} bytes at offset {offset}, only {len(data)} available")
+    return data
+
+
+def _bits_from_count(count: int) -> int:
+    bits = count.bit_length() - 1
+    if count <= 1 or (1 << bits) != count:
+        raise ValueError(f"value map of {count} entries is not a power of two")
+    return bits
+
+
+def _split_stream(raw: np.ndarray, bits: int, count: int) -> np.ndarray:
+    """MSB-first bit stream -> ``count`` unsigned indices, bit by bit."""
+    stream = np.unpackbits(raw)[: count * bits].reshape(count, bits).astype(np.int32)
+    index = np.zeros(count, dtype=np.int32)
+    for column in range(bits):
+        index = (index << 1) | stream[:, column]
+    return index
+
+
+def _parse_levels(blob: bytes, shape_int32: bool, oc: int, ic: int) -> tuple[np.ndarray, int]:
+    """Header + packed levels -> signed levels [oc*ic] (int32) and the bit width."""
+    if blob[0] != 2:
+        raise ValueError(f"expected a 2-D shape header, found {blob[0]} dims")
+    dim_dtype, dim_size = ("<u4", 4) if shape_int32 else ("<u2", 2)
+    dims = np.frombuffer(blob, dtype=dim_dtype, count=2, offset=1)
+    if (int(dims[0]), int(dims[1])) != (oc, ic):
+        raise ValueError(f"header shape {tuple(int(d) for d in dims)} != expected {(oc, ic)}")
+    pos = 1 + 2 * dim_size
+    count = blob[pos] or 256
+    table = np.sort(np.frombuffer(blob, dtype=np.int8, count=count, offset=pos + 1)).astype(np.int32)
+    pos += 1 + count
+    bits = _bits_from_count(count)
+    packed_size = -(-bits * oc * ic // 8)
+    if len(blob) - pos != packed_size:
+        raise ValueError(f"record has {len(blob) - pos} packed bytes, {packed_size} expected")
+    index = _split_stream(np.frombuffer(blob, dtype=np.uint8, offset=pos), bits, oc * ic)
+    return table[index], bits
+
+
+def _check_quant_flags(qp: dict, asym: bool, oc: int, nblocks: int) -> None:
+    """Fields the loader reacts to that a well-formed llmexport record must hold."""
+    if float(qp.get("quantScale", 1.0)) != 1.0 or qp.get("has_scaleInt", False):
+        raise ValueError("quantScale must be 1.0 and has_scaleInt false")
+    if float(qp.get("scaleIn", 0.0)) != 0.0:
+        raise ValueError("scaleIn != 0 makes the loader read alpha as PTQ fp32")
+    if asym and int(qp.get("readType", 0)) != oc * nblocks:
+        raise ValueError(f"readType {qp.get('readType')} != rows*blocks {oc * nblocks}")
+    if asym and int(qp.get("aMin", 0)) <= 0:
+        raise ValueError("aMin <= 0 on an asymmetric record shifts every zero in the loader")
+
+
+def _decode_quantized(blob: bytes, alpha_raw: bytes, qp: dict, oc: int, ic: int, strict: bool) -> np.ndarray:
+    levels, bits = _parse_levels(blob, bool(qp.get("shapeInt32", False)), oc, ic)
+    if bits != int(qp.get("aMaxOrBits", bits)):
+        raise ValueError(f"value map says {bits} bits, aMaxOrBits says {qp.get('aMaxOrBits')}")
+    alpha_dtype = "<f2" if qp.get("scaleStorage", "FP32") == "FP16" else "<f4"
+    alpha = np.frombuffer(alpha_raw, dtype=alpha_dtype).astype(np.float32)
+    asym = int(qp.get("readType", 0)) != 0
+    groups = alpha.size // 2 if asym else alpha.size
+    if groups == 0 or (oc * ic) % groups != 0 or groups % oc != 0:
+        raise ValueError(f"{alpha.size} alpha values do not fit a [{oc}, {ic}] weight")
+    if strict:
+        _check_quant_flags(qp, asym, oc, groups // oc)
+    grouped = levels.astype(np.float32).reshape(groups, -1)
+    if asym:
+        zero, scale = alpha[0::2].copy(), alpha[1::2]
+        clamp_min = -128.0 if int(qp.get("aMin", 0)) == 0 else float(qp["aMin"])
+        if clamp_min < 0:
+            zero = zero - np.float32(clamp_min) * scale
+        out = grouped * scale[:, None] + zero[:, None]
+    else:
+        out = grouped * alpha[:, None]
+    return out.reshape(oc, ic)
+
+
+def read_linear(
+    src: Source,
+    external: list,
+    quan_parameter: dict,
+    oc: int,
+    ic: int,
+    strict: bool = True,
+) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """Decode one record to (fp32 weight [oc, ic], fp32 bias [oc] or None).
+
+    ``strict`` additionally rejects flag values the runtime would accept but mis-decode
+    (readType that does not match the alpha count, aMin 0 on an asymmetric record, ...).
+    """
+    offset, weight_len, alpha_len, bias_len = (int(v) for v in external[:4])
+    record = _read_span(src, offset, weight_len + alpha_len + bias_len)
+    blob, alpha_raw = record[:weight_len], record[weight_len: weight_len + alpha_len]
+    kind = int(quan_parameter.get("type", 0))
+    if kind == 3:
+        if weight_len != oc * ic * 2:
+            raise ValueError(f"fp16 record holds {weight_len} bytes, {oc * ic * 2} expected")
+        weight = np.frombuffer(blob, dtype="<f2").astype(np.float32).reshape(oc, ic)
+    elif kind == 1:
+        weight = _decode_quantized(blob, alpha_raw, quan_parameter, oc, ic, strict)
+    else:
+        raise ValueError(f"unsupported quanParameter type {kind}")
+    bias = None
+    if bias_len:
+        if bias_len != 4 * oc:
+            raise ValueError(f"bias holds {bias_len} bytes, {4 * oc} expected")
+        bias = torch.from_numpy(np.frombuffer(record[weight_len + alpha_len:], dtype="<f4").copy())
+    return torch.from_numpy(np.ascontiguousarray(weight, dtype=np.float32)), bias

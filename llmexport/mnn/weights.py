@@ -1,0 +1,222 @@
+"""Byte-level writer for linear weights in ``llm.mnn.weight``.
+
+Each linear becomes one record that the graph's 1x1 Convolution points at through
+``external = [offset, weight_bytes, alpha_bytes, bias_bytes, 0]`` and describes with a
+``quanParameter``. What MNN 3.6.1 requires of those bytes (source/core/ConvolutionCommon.cpp,
+source/core/OpCommonUtils.cpp):
+
+* quantized record (``quanParameter.type 1``):
+  ``[uint8 2][oc, ic as uint16, or uint32 when either exceeds 65535]`` — the loader reads the
+  dims unsigned, which is byte-identical to MNN's exporter writing int16;
+  ``[uint8 n][n int8 levels]`` — the value map; n = 2^bits, written as 0 for 256. The loader
+  sorts it and, when it is exactly ``-2^(b-1) .. 2^(b-1)-1``, decodes ``stored - 2^(b-1)``;
+  the packed stored levels ``q + 2^(b-1)`` of ``[oc, nblocks, block]``, one MSB-first bit
+  stream over the whole tensor (see llmexport.quant.pack);
+  alpha in fp16: ``[zero, scale]`` per (row, block) when asymmetric, ``scale`` when symmetric;
+  then the fp32 bias, if any.
+* fp16 record (``type 3``): raw fp16 ``[oc, ic]``, no header, no alpha; then the bias.
+
+The loader treats a record as asymmetric exactly when ``readType != 0`` and takes the number of
+blocks from the alpha byte count, so readType must be non-zero for every asymmetric record
+(``QuantScheme.block_for`` guarantees at least one block per row). ``aMin`` must be non-zero for
+asymmetric records: 0 makes the loader shift every zero by ``128 * scale``. ``scaleIn`` must be
+0, or the loader takes the record for a PTQ one and reads the alpha as fp32.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import BinaryIO, Callable, Iterator, Optional
+
+import numpy as np
+import torch
+
+from llmexport.quant.pack import pack_bits
+from llmexport.quant.rtn import QuantizedTensor, quantize_rtn
+from llmexport.quant.scheme import FP16_BITS, QuantScheme
+
+log = logging.getLogger(__name__)
+
+Quantizer = Callable[[torch.Tensor, int, int, bool], QuantizedTensor]
+
+_UINT16_MAX = 65535
+_CHUNK_ELEMENTS = 1 << 24  # weight values quantized at a time
+
+
+@dataclass(frozen=True)
+class LinearRecord:
+    """Where one linear's bytes landed and how the graph must describe them."""
+
+    offset: int
+    weight_bytes: int
+    alpha_bytes: int
+    bias_bytes: int
+    header_bytes: int
+    oc: int
+    ic: int
+    bits: int
+    block: int
+    sym: bool
+
+    @property
+    def shape_int32(self) -> bool:
+        return self.bits != FP16_BITS and (self.oc > _UINT16_MAX or self.ic > _UINT16_MAX)
+
+    @property
+    def weight_offset(self) -> int:
+        """Absolute offset of the packed levels (what a tied embedding reads)."""
+        return self.offset + self.header_bytes
+
+    @property
+    def alpha_offset(self) -> int:
+        return self.offset + self.weight_bytes
+
+    @property
+    def total_bytes(self) -> int:
+        return self.weight_bytes + self.alpha_bytes + self.bias_bytes
+
+    def external(self) -> list[int]:
+        return [self.offset, self.weight_bytes, self.alpha_bytes, self.bias_bytes, 0]
+
+    def quan_parameter(self) -> dict:
+        """The Convolution2D ``quanParameter`` JSON for this record."""
+        if self.bits == FP16_BITS:
+            return {"type": 3}
+        return {
+            "quantScale": 1.0,
+            "scaleIn": 0.0,
+            "scaleOut": 0.0,
+            "useInt32": False,
+            "has_scaleInt": False,
+            "shapeInt32": self.shape_int32,
+            "type": 1,
+            "aMaxOrBits": self.bits,
+            "aMin": 0 if self.sym else 1,
+            "readType": 0 if self.sym else self.oc * (self.ic // self.block),
+            "weightSize": 0,
+            "scaleStorage": "FP16",
+        }
+
+
+def value_map(bits: int) -> bytes:
+    """Count byte (0 standing for 256) followed by the signed levels in ascending order."""
+    half = 1 << (bits - 1)
+    levels = np.arange(-half, half, dtype=np.int8)
+    count = levels.size if levels.size < 256 else 0
+    return bytes([count]) + levels.tobytes()
+
+
+def record_header(oc: int, ic: int, bits: int) -> bytes:
+    """Shape block and value map that precede the packed levels."""
+    wide = oc > _UINT16_MAX or ic > _UINT16_MAX
+    shape = np.array([oc, ic], dtype="<u4" if wide else "<u2")
+    return b"\x02" + shape.tobytes() + value_map(bits)
+
+
+def _alpha_bytes(qt: QuantizedTensor) -> bytes:
+    """fp16 alpha; refuses values fp16 would round, since the reader would then disagree."""
+    if qt.zero is None:
+        alpha = qt.scale.reshape(-1)
+    else:
+        alpha = torch.stack([qt.zero, qt.scale], dim=-1).reshape(-1)
+    alpha = alpha.detach().to(torch.float32).cpu()
+    half = alpha.to(torch.float16)
+    if not torch.equal(half.to(torch.float32), alpha):
+        raise ValueError("quantizer returned scales/zeros that are not exactly representable in fp16")
+    return half.numpy().astype("<f2").tobytes()
+
+
+def _check_quantized(qt: QuantizedTensor, oc: int, ic: int, bits: int, block: int, sym: bool) -> None:
+    nblocks = ic // block
+    if tuple(qt.q.shape) != (oc, nblocks, block) or qt.bits != bits or qt.block != block:
+        raise ValueError(
+            f"quantizer returned q {tuple(qt.q.shape)} at {qt.bits} bits / block {qt.block}; "
+            f"expected {(oc, nblocks, block)} at {bits} bits / block {block}"
+        )
+    if qt.sym != sym:
+        raise ValueError(f"quantizer returned a {'symmetric' if qt.sym else 'asymmetric'} tensor")
+    half = 1 << (bits - 1)
+    if qt.q.numel() and (int(qt.q.min()) < -half or int(qt.q.max()) > half - 1):
+        raise ValueError(f"quantized levels fall outside [{-half}, {half - 1}]")
+
+
+def _row_slices(oc: int, ic: int) -> Iterator[slice]:
+    step = max(8, (_CHUNK_ELEMENTS // max(ic, 1)) // 8 * 8)
+    return (slice(i, min(i + step, oc)) for i in range(0, oc, step))
+
+
+class WeightFileWriter:
+    """Appends linear records to an open binary file and keeps the running offset."""
+
+    def __init__(self, fileobj: BinaryIO, offset: Optional[int] = None) -> None:
+        self._file = fileobj
+        self.offset = fileobj.tell() if offset is None else offset
+
+    def _write(self, data: bytes) -> int:
+        written = self._file.write(data)
+        written = len(data) if written is None else written
+        self.offset += written
+        return written
+
+    def write_raw(self, data: bytes) -> int:
+        """Append bytes that are not a linear record (e.g. norm weights); returns their offset."""
+        start = self.offset
+        self._write(data)
+        return start
+
+    def write_linear(
+        self,
+        weight: torch.Tensor,
+        bias: Optional[torch.Tensor],
+        scheme: QuantScheme,
+        quantizer: Optional[Quantizer] = None,
+    ) -> LinearRecord:
+        """Write one ``[oc, ic]`` linear (and its bias) and describe where it went."""
+        scheme.validate()
+        if weight.dim() != 2:
+            raise ValueError(f"linear weight must be 2-D [oc, ic], got {tuple(weight.shape)}")
+        oc, ic = (int(d) for d in weight.shape)
+        start = self.offset
+        if scheme.is_fp16:
+            fp16 = weight.detach().to(torch.float16).cpu().numpy().astype("<f2")
+            header_bytes, weight_bytes, alpha_bytes, block = 0, self._write(fp16.tobytes()), 0, 0
+        else:
+            header_bytes, weight_bytes, alpha_bytes, block = self._write_quantized(weight, scheme, quantizer)
+        bias_bytes = self._write_bias(bias, oc)
+        return LinearRecord(
+            offset=start, weight_bytes=weight_bytes, alpha_bytes=alpha_bytes, bias_bytes=bias_bytes,
+            header_bytes=header_bytes, oc=oc, ic=ic, bits=scheme.bits, block=block,
+            sym=scheme.sym and not scheme.is_fp16,
+        )
+
+    def _write_quantized(
+        self, weight: torch.Tensor, scheme: QuantScheme, quantizer: Optional[Quantizer]
+    ) -> tuple[int, int, int, int]:
+        """Header, packed levels and alpha; returns (header, header+levels, alpha, block) sizes.
+
+        Rows are quantized in chunks to bound memory on large matrices (a 262144-row lm_head);
+        chunks hold a multiple of 8 rows so each one ends on a byte boundary of the bit stream.
+        """
+        oc, ic = (int(d) for d in weight.shape)
+        block = scheme.block_for(ic)
+        if scheme.block not in (0, block):
+            log.debug("linear %dx%d: block %d does not divide %d, using %d",
+                      oc, ic, scheme.block, ic, block)
+        quantize = quantizer or quantize_rtn
+        header_bytes = self._write(record_header(oc, ic, scheme.bits))
+        packed_bytes, alphas = 0, []
+        for rows in _row_slices(oc, ic):
+            qt = quantize(weight[rows], scheme.bits, block, scheme.sym)
+            _check_quantized(qt, rows.stop - rows.start, ic, scheme.bits, block, scheme.sym)
+            packed_bytes += self._write(pack_bits(qt.stored(), scheme.bits))
+            alphas.append(_alpha_bytes(qt))
+        alpha_bytes = self._write(b"".join(alphas))
+        return header_bytes, header_bytes + packed_bytes, alpha_bytes, block
+
+    def _write_bias(self, bias: Optional[torch.Tensor], oc: int) -> int:
+        if bias is None:
+            return 0
+        if bias.numel() != oc:
+            raise ValueError(f"bias has {bias.numel()} values for {oc} output channels")
+        return self._write(bias.detach().reshape(-1).to(torch.float32).cpu().numpy().astype("<f4").tobytes())
