@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import mmap
 import struct
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator
@@ -141,7 +142,10 @@ class SafetensorsIndex:
             with e.file.open("rb") as f:
                 mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
             self._maps[e.file] = mm
-        flat = torch.frombuffer(memoryview(mm)[e.begin:e.end], dtype=torch.uint8)
+        with warnings.catch_warnings():
+            # The map is read-only; tensors handed out are never written to (callers copy).
+            warnings.simplefilter("ignore", UserWarning)
+            flat = torch.frombuffer(memoryview(mm)[e.begin:e.end], dtype=torch.uint8)
         return flat.view(e.dtype).view(e.shape)
 
     def total_bytes(self) -> int:

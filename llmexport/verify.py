@@ -77,12 +77,12 @@ def default_prompt(tokenizer, min_tokens: int) -> list[int]:
         text += _PROMPT_TEXT
 
 
-def _hf_greedy(model, arch, prompt: list[int], steps: int) -> list[int]:
-    ids = torch.tensor(prompt).view(1, -1)
-    with torch.no_grad():
-        out = model.generate(ids, max_new_tokens=steps, do_sample=False, min_new_tokens=steps,
-                             pad_token_id=0, eos_token_id=None)
-    return [int(t) for t in out[0, len(prompt):]]
+def _reference_greedy(model, arch, prompt: list[int], steps: int) -> list[int]:
+    """Greedy ids of the reference, recomputing the whole sequence each step (no cache path)."""
+    ids = list(prompt)
+    for _ in range(steps):
+        ids.append(int(arch.reference_logits(model, torch.tensor(ids))[-1].argmax()))
+    return ids[len(prompt):]
 
 
 def verify_export(export_dir: Path, model_path: Path, steps: int = 24, prompt_ids: list[int] | None = None,
@@ -95,7 +95,7 @@ def verify_export(export_dir: Path, model_path: Path, steps: int = 24, prompt_id
     prompt = prompt_ids or default_prompt(tokenizer, window + 8)
     stored = read_stored(export_dir, arch)
     oracle = arch.load_reference(stored)
-    greedy_ref = _hf_greedy(oracle, arch, prompt, steps)
+    greedy_ref = _reference_greedy(oracle, arch, prompt, steps)
     forced = prompt + greedy_ref[:-1]
     ref_logits = arch.reference_logits(oracle, torch.tensor(forced))[len(prompt) - 1:].numpy()
     del oracle

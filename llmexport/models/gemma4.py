@@ -246,5 +246,9 @@ class Gemma4(Architecture):
                 (param[expert] if expert is not None else param).copy_(value.float())
 
     def reference_logits(self, model: nn.Module, ids: torch.Tensor) -> torch.Tensor:
+        ids = ids.view(1, -1)
+        # A tensor logits_to_keep (all positions) also keeps HF from its KV-shared-layer
+        # slicing shortcut, which fails on checkpoints with KV sharing but no PLE.
+        keep = torch.arange(ids.shape[1])
         with torch.no_grad():
-            return model(input_ids=ids.view(1, -1), use_cache=False).logits[0].float()
+            return model(input_ids=ids, use_cache=False, logits_to_keep=keep).logits[0].float()

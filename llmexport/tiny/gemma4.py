@@ -114,20 +114,33 @@ def build_tiny_gemma4(
     dtype: torch.dtype = torch.float32,
     text_only: bool = False,
 ) -> Path:
-    """Write a random-weight Gemma4 checkpoint (config, safetensors, tokenizer) to ``out_dir``.
+    """Write a random-weight Gemma4 checkpoint of one of ``SHAPES`` to ``out_dir``.
 
     ``text_only`` writes a ``gemma4_text`` / ``Gemma4ForCausalLM`` checkpoint; otherwise the
     multimodal-style ``gemma4`` / ``Gemma4ForConditionalGeneration`` layout real checkpoints use
     (without vision/audio towers).
     """
-    from transformers import Gemma4Config, Gemma4ForCausalLM, Gemma4ForConditionalGeneration, Gemma4TextConfig
-
     if shape not in SHAPES:
         raise ValueError(f"unknown tiny Gemma4 shape {shape!r}; choose from {sorted(SHAPES)}")
+    return build_gemma4_checkpoint(out_dir, text_config_dict(SHAPES[shape]), seed=seed, dtype=dtype,
+                                   text_only=text_only)
+
+
+def build_gemma4_checkpoint(
+    out_dir: Path | str,
+    text_kwargs: dict[str, Any],
+    *,
+    seed: int = 0,
+    dtype: torch.dtype = torch.float32,
+    text_only: bool = False,
+) -> Path:
+    """Write a random-weight Gemma4 checkpoint for arbitrary text-config keyword arguments."""
+    from transformers import Gemma4Config, Gemma4ForCausalLM, Gemma4ForConditionalGeneration, Gemma4TextConfig
+
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(seed)
-    text_config = Gemma4TextConfig(**text_config_dict(SHAPES[shape]))
+    text_config = Gemma4TextConfig(**text_kwargs)
     if text_only:
         model = Gemma4ForCausalLM(text_config)
     else:
@@ -136,13 +149,13 @@ def build_tiny_gemma4(
         model = Gemma4ForConditionalGeneration(config)
     generator = torch.Generator().manual_seed(seed + 1)
     with torch.no_grad():
-        for name, param in model.named_parameters():
+        for _, param in model.named_parameters():
             if param.dim() >= 2:
                 param.copy_(torch.randn(param.shape, generator=generator) * 0.05)
     _randomize_vectors(model, generator)
     model = model.to(dtype)
     model.save_pretrained(out, safe_serialization=True)
-    build_tiny_gemma_tokenizer(out, vocab_size=TINY_VOCAB)
+    build_tiny_gemma_tokenizer(out, vocab_size=text_config.vocab_size)
     _write_generation_config(out)
     return out
 

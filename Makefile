@@ -1,0 +1,37 @@
+# Two entry points for a fresh machine: `make demo` and `make test` (both install first).
+PYTHON ?= python3
+VENV   := .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.installed
+
+.PHONY: install demo test test-fast bench clean
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	# The CPU build of torch first: a looser spec would pull a multi-GB CUDA build.
+	$(BIN)/python -m pip install -q torch==2.13.0
+	$(BIN)/python -m pip install -q -e '.[test]'
+	touch $(STAMP)
+
+install: $(STAMP)
+
+# Build a tiny random Gemma4 (E2B-shaped) checkpoint, export it to MNN and verify it in MNN's runtime.
+demo: install
+	HF_HUB_OFFLINE=1 $(BIN)/python -m llmexport.tiny demo-out/tiny-gemma4 --shape e2b
+	HF_HUB_OFFLINE=1 $(BIN)/llmexport --path demo-out/tiny-gemma4 --export mnn --dst_path demo-out/mnn \
+		--quant_bit 4 --verify
+
+# pytest exits 5 when it collects nothing: that is a failure here.
+test: install
+	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -q; code=$$?; \
+		if [ $$code -eq 5 ]; then echo "pytest collected no tests" >&2; exit 1; fi; exit $$code
+
+test-fast: install
+	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -q -m "not slow"
+
+bench: install
+	$(BIN)/python bench/quant.py --quick
+
+clean:
+	rm -rf demo-out .pytest_cache

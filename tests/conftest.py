@@ -1,0 +1,33 @@
+"""Shared fixtures: tiny random checkpoints built once per session, never downloaded."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+os.environ["HF_HUB_OFFLINE"] = "1"
+os.environ["TRANSFORMERS_OFFLINE"] = "1"
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import pytest  # noqa: E402
+
+GEMMA4_SHAPES = ("e2b", "e4b", "31b", "26b-a4b")
+
+
+@pytest.fixture(scope="session")
+def tiny_gemma4(tmp_path_factory):
+    """``tiny_gemma4(shape, text_only=False)`` -> path of a cached tiny checkpoint."""
+    from llmexport.tiny.gemma4 import build_tiny_gemma4
+
+    cache: dict[tuple, Path] = {}
+
+    def build(shape: str, text_only: bool = False, seed: int = 0) -> Path:
+        key = (shape, text_only, seed)
+        if key not in cache:
+            out = tmp_path_factory.mktemp(f"gemma4-{shape}-{'text' if text_only else 'mm'}-{seed}")
+            cache[key] = build_tiny_gemma4(out, shape, seed=seed, text_only=text_only)
+        return cache[key]
+
+    return build

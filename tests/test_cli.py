@@ -1,0 +1,100 @@
+"""The command line: a verified export end to end, and one-line errors with documented exit codes
+that leave --dst_path untouched."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+
+import pytest
+from click.testing import CliRunner
+
+from llmexport.cli import main
+
+
+def _run(*args: str):
+    return CliRunner().invoke(main, list(args))
+
+
+@pytest.fixture()
+def old_dst(tmp_path):
+    dst = tmp_path / "dst"
+    dst.mkdir()
+    (dst / "previous.txt").write_text("old export")
+    return dst
+
+
+def _unchanged(dst) -> bool:
+    return [p.name for p in dst.iterdir()] == ["previous.txt"] and (dst / "previous.txt").read_text() == "old export"
+
+
+@pytest.mark.slow
+def test_cli_exports_and_verifies(tiny_gemma4, tmp_path):
+    dst = tmp_path / "out"
+    proc = subprocess.run([sys.executable, "-c", "from llmexport.cli import main; main()", "--path",
+                           str(tiny_gemma4("e2b")), "--export", "mnn", "--dst_path", str(dst), "--quant_bit", "8",
+                           "--verify"], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "verify: PASS" in proc.stdout
+    report = json.loads((dst / "verify.json").read_text())
+    assert report["passed"] and report["oracle"]["top1_agreement"] == 1.0
+
+
+def test_cli_onnx_export_runs_in_onnxruntime(tiny_gemma4, tmp_path):
+    import onnxruntime as ort
+
+    result = _run("--path", str(tiny_gemma4("31b")), "--export", "onnx", "--dst_path", str(tmp_path / "o"), "--quiet")
+    assert result.exit_code == 0, result.output
+    session = ort.InferenceSession(str(tmp_path / "o" / "llm.onnx"))
+    assert [i.name for i in session.get_inputs()] == ["input_ids", "attention_mask", "position_ids", "logits_index"]
+
+
+def test_missing_path_is_an_input_error(tmp_path, old_dst):
+    result = _run("--path", str(tmp_path / "nope"), "--dst_path", str(old_dst))
+    assert result.exit_code == 3
+    assert "model path does not exist" in result.output and len(result.output.strip().splitlines()) == 1
+    assert _unchanged(old_dst)
+
+
+def test_unsupported_model_type_lists_supported(tiny_gemma4, tmp_path, old_dst):
+    model = tmp_path / "m"
+    shutil.copytree(tiny_gemma4("31b"), model)
+    config = json.loads((model / "config.json").read_text())
+    config["model_type"] = "llama"
+    (model / "config.json").write_text(json.dumps(config))
+    result = _run("--path", str(model), "--dst_path", str(old_dst))
+    assert result.exit_code == 3
+    assert "unsupported model_type 'llama'" in result.output and "gemma4, gemma4_text" in result.output
+    assert _unchanged(old_dst)
+
+
+@pytest.mark.parametrize("flags, needle", [
+    (["--quant_bit", "5"], "--quant_bit"),
+    (["--quant_block", "48"], "--quant_block"),
+    (["--embed_bit", "2"], "--embed_bit"),
+])
+def test_invalid_options_are_usage_errors(tiny_gemma4, old_dst, flags, needle):
+    result = _run("--path", str(tiny_gemma4("31b")), "--dst_path", str(old_dst), *flags)
+    assert result.exit_code == 2
+    assert needle in result.output
+    assert _unchanged(old_dst)
+
+
+def test_malformed_config_is_an_input_error(tiny_gemma4, tmp_path, old_dst):
+    model = tmp_path / "m"
+    shutil.copytree(tiny_gemma4("31b"), model)
+    (model / "config.json").write_text("{not json")
+    result = _run("--path", str(model), "--dst_path", str(old_dst))
+    assert result.exit_code == 3 and "config.json" in result.output and "malformed JSON" in result.output
+    assert _unchanged(old_dst)
+
+
+def test_help_and_version_do_not_import_torch():
+    code = ("import sys; from llmexport.cli import main\n"
+            "try:\n    main(['--version'])\nexcept SystemExit:\n    pass\n"
+            "assert 'torch' not in sys.modules, 'torch imported'")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    assert "llmexport, version" in proc.stdout

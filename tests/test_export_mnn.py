@@ -1,0 +1,77 @@
+"""Stage 3 parity: the exported folder run by MNN's runtime vs the HF model carrying exactly the
+weights the export stored (read back from the files). Errors against fp32 HF are reported only."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from conftest import GEMMA4_SHAPES
+from llmexport import ExportOptions, export
+from llmexport.quant.scheme import QuantScheme
+from llmexport.verify import summary_line, verify_export
+
+RUNTIME_FILES = {"config.json", "llm_config.json", "llm.mnn", "llm.mnn.weight", "tokenizer.mtok"}
+
+
+@pytest.fixture(scope="module")
+def exported(tiny_gemma4, tmp_path_factory):
+    cache = {}
+
+    def get(shape: str, bits: int):
+        if (shape, bits) not in cache:
+            out = tmp_path_factory.mktemp(f"export-{shape}-{bits}") / "out"
+            result = export(tiny_gemma4(shape), out, ExportOptions(quant=QuantScheme(bits, 64)))
+            cache[shape, bits] = (out, result, verify_export(out, tiny_gemma4(shape), steps=24))
+        return cache[shape, bits]
+
+    return get
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("shape", GEMMA4_SHAPES)
+def test_fp16_export_agrees_with_stored_weights_oracle(exported, shape):
+    out, result, report = exported(shape, 16)
+    print(f"\n{shape} q16 export {sum(result.timings.values()):.2f}s: {summary_line(report)}")
+    oracle = report["oracle"]
+    assert report["prompt_tokens"] > 8  # longer than the sliding window
+    assert oracle["greedy_ref"] == oracle["greedy_mnn"] and len(oracle["greedy_mnn"]) == 24
+    assert oracle["top1_agreement"] == 1.0
+    assert oracle["max_abs_err"] < 0.005
+    assert report["tokenizer"]["agree"]
+    assert report["passed"]
+    assert "max_abs_err" in report["fp32"]  # reported, not bounded
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("shape", ["e2b", "26b-a4b"])
+def test_4bit_export_agrees_with_read_back_weights(exported, shape):
+    out, result, report = exported(shape, 4)
+    print(f"\n{shape} q4 export {sum(result.timings.values()):.2f}s: {summary_line(report)}")
+    assert report["passed"], report["failures"]
+    assert report["oracle"]["max_abs_err"] < 0.2
+
+
+@pytest.mark.slow
+def test_export_folder_holds_what_the_runtime_reads(exported):
+    out, result, _ = exported("e2b", 16)
+    names = {p.name for p in out.iterdir()}
+    assert RUNTIME_FILES | {"ple_embeddings_bf16.bin"} <= names
+    assert not any(name.startswith(".") for name in names)  # no staging leftovers
+    llm_config = json.loads((out / "llm_config.json").read_text())
+    assert llm_config["attention_type"] == "mix" and llm_config["sliding_window"] == 8
+    assert llm_config["attn_scale"] == 1.0
+    assert llm_config["ple_embed_dim"] == 8 * 16 and llm_config["ple_embed_scale"] == 4.0
+    assert llm_config["tie_embeddings"]["quant_bit"] == 16
+    assert json.loads((out / "config.json").read_text())["precision"] == "normal"
+
+
+@pytest.mark.slow
+def test_untied_export_writes_its_embedding_file(exported):
+    out, _, report = exported("31b", 16)
+    config = json.loads((out / "config.json").read_text())
+    assert config["embedding_file"] == "embeddings_bf16.bin"
+    assert (out / "embeddings_bf16.bin").stat().st_size == 512 * 64 * 2
+    assert "tie_embeddings" not in json.loads((out / "llm_config.json").read_text())
+    assert report["passed"]
