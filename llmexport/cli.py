@@ -33,30 +33,29 @@ def _configure_logging(quiet: bool) -> None:
 @click.option("--quant_block", type=int, default=64, show_default=True,
               help="Block size along the input dimension: 0 (per channel), 32, 64, 128, 256.")
 @click.option("--sym", is_flag=True, help="Symmetric quantization (scale only) instead of asymmetric.")
-@click.option("--lm_quant_bit", type=int, default=None, help="lm_head bits (default: --quant_bit).")
-@click.option("--embed_bit", type=int, default=16, show_default=True,
-              help="Token/PLE embedding tables read from their own files: 16 (bf16), 8 or 4.")
+@click.option("--hqq", is_flag=True, help="Half-quadratic optimisation of each block's zero point (slower, more accurate).")
+@click.option("--quant_config", default=None, metavar="FILE|RECIPE",
+              help="Per-module schemes: a JSON file (see docs/quantization.md) or a recipe: uniform, mlp4-attn8.")
+@click.option("--lm_quant_bit", type=int, default=None, help="lm_head bits (default: from the scheme).")
+@click.option("--lm_quant_block", type=int, default=None, help="lm_head block (default: --quant_block).")
+@click.option("--embed_bit", type=int, default=None,
+              help="Token/PLE embedding tables read from their own files: 16 (bf16, default), 8 or 4.")
 @click.option("--thread_num", type=int, default=4, show_default=True, help="Runtime threads written to config.json.")
 @click.option("--verify", is_flag=True, help="Run the export in MNN's runtime next to HF; fail on disagreement.")
 @click.option("--quiet", is_flag=True, help="Only warnings and errors.")
 @click.version_option(__version__, "--version", prog_name="llmexport")
-def main(path: str, export_format: str, dst_path: str, quant_bit: int, quant_block: int, sym: bool,
-         lm_quant_bit: int | None, embed_bit: int, thread_num: int, verify: bool, quiet: bool) -> None:
+def main(path: str, export_format: str, dst_path: str, quant_bit: int, quant_block: int, sym: bool, hqq: bool,
+         quant_config: str | None, lm_quant_bit: int | None, lm_quant_block: int | None, embed_bit: int | None,
+         thread_num: int, verify: bool, quiet: bool) -> None:
     """Export a HuggingFace LLM checkpoint to MNN (or ONNX), optionally verified."""
     _configure_logging(quiet)
     from llmexport.errors import LlmExportError
 
     try:
         from llmexport.api import export
-        from llmexport.options import ExportFormat, ExportOptions
-        from llmexport.quant.scheme import QuantScheme
 
-        options = ExportOptions(
-            export=ExportFormat(export_format),
-            quant=QuantScheme(bits=quant_bit, block=quant_block, sym=sym),
-            lm_quant=None if lm_quant_bit is None else QuantScheme(bits=lm_quant_bit, block=quant_block, sym=sym),
-            embed_bit=embed_bit, verify=verify, quiet=quiet, thread_num=thread_num,
-        )
+        options = _options(export_format, quant_bit, quant_block, sym, hqq, quant_config, lm_quant_bit,
+                           lm_quant_block, embed_bit, verify, quiet, thread_num)
         result = export(path, dst_path, options)
     except LlmExportError as exc:
         click.echo(f"llmexport: error: {exc}", err=True)
@@ -69,6 +68,35 @@ def main(path: str, export_format: str, dst_path: str, quant_bit: int, quant_blo
         click.echo(f"llmexport: internal error: {type(exc).__name__}: {exc}", err=True)
         sys.exit(EXIT_INTERNAL)
     _report(result, quiet)
+
+
+def _options(export_format, quant_bit, quant_block, sym, hqq, quant_config, lm_quant_bit, lm_quant_block,
+             embed_bit, verify, quiet, thread_num):
+    from pathlib import Path
+
+    from llmexport.errors import UsageError
+    from llmexport.options import ExportFormat, ExportOptions
+    from llmexport.quant.recipes import RECIPES, load_quant_config, recipe
+    from llmexport.quant.scheme import QuantMethod, QuantScheme
+
+    method = QuantMethod.HQQ if hqq else QuantMethod.RTN
+    default = QuantScheme(bits=quant_bit, block=quant_block, sym=sym, method=method)
+    lm = None
+    if lm_quant_bit is not None or lm_quant_block is not None:
+        lm = QuantScheme(bits=quant_bit if lm_quant_bit is None else lm_quant_bit,
+                         block=quant_block if lm_quant_block is None else lm_quant_block, sym=sym, method=method)
+    options = ExportOptions(export=ExportFormat(export_format), quant=default, lm_quant=lm, embed_bit=embed_bit,
+                            verify=verify, quiet=quiet, thread_num=thread_num)
+    if quant_config is None:
+        return options
+    try:
+        if quant_config in RECIPES and not Path(quant_config).exists():
+            return options.with_plan(recipe(quant_config, default))
+        if not Path(quant_config).is_file():
+            raise ValueError(f"{quant_config}: neither a file nor a recipe ({', '.join(RECIPES)})")
+        return options.with_plan(load_quant_config(Path(quant_config), default))
+    except ValueError as exc:
+        raise UsageError(f"--quant_config: {exc}") from None
 
 
 def _report(result, quiet: bool) -> None:

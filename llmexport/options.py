@@ -7,6 +7,7 @@ from enum import Enum
 
 from llmexport.errors import UsageError
 from llmexport.models.base import LinearRole, LinearSpec
+from llmexport.quant.recipes import QuantPlan, QuantRule
 from llmexport.quant.scheme import QuantScheme
 
 EMBED_BITS = (16, 8, 4)
@@ -21,15 +22,19 @@ class ExportFormat(str, Enum):
 class ExportOptions:
     """Everything that decides what an export writes.
 
-    ``quant`` applies to every linear; ``lm_quant`` (default: ``quant``) to lm_head, which a
-    tied model's runtime also reads as its token embedding. ``embed_bit`` is the width of the
-    embedding/PLE tables the runtime reads from their own files.
+    ``quant`` is the default scheme of every linear; ``rules`` (from ``--quant_config`` or a
+    recipe) override it per module, first match wins; ``lm_quant`` (when given) is lm_head's,
+    which a tied model's runtime also reads as its token embedding. ``embed_bit`` is the width
+    of the embedding/PLE tables read from their own files (None: the recipe's, else 16).
     """
 
     export: ExportFormat = ExportFormat.MNN
     quant: QuantScheme = field(default_factory=lambda: QuantScheme(bits=4, block=64))
     lm_quant: QuantScheme | None = None
-    embed_bit: int = 16
+    rules: tuple[QuantRule, ...] = ()
+    embed_bit: int | None = None
+    recipe_embed_bit: int | None = None
+    use_gpu: bool = True
     verify: bool = False
     quiet: bool = False
     thread_num: int = 4
@@ -42,14 +47,28 @@ class ExportOptions:
                 scheme.validate()
             except ValueError as exc:
                 raise UsageError(f"{flag}: {exc}") from None
-        if self.embed_bit not in EMBED_BITS:
-            raise UsageError(f"--embed_bit: {self.embed_bit} is not one of {', '.join(map(str, EMBED_BITS))}")
+        if self.table_bits not in EMBED_BITS:
+            raise UsageError(f"--embed_bit: {self.table_bits} is not one of {', '.join(map(str, EMBED_BITS))} "
+                             "(MNN 3.6.1 decodes 2- and 3-bit tables wrongly)")
         if self.thread_num < 1:
             raise UsageError(f"--thread_num: must be >= 1, got {self.thread_num}")
         return self
+
+    @property
+    def table_bits(self) -> int:
+        """Bits of the embedding/PLE tables."""
+        if self.embed_bit is not None:
+            return self.embed_bit
+        return self.recipe_embed_bit if self.recipe_embed_bit is not None else 16
 
     def scheme_for(self, spec: LinearSpec) -> QuantScheme:
         """The quantization scheme of one linear layer."""
         if spec.role is LinearRole.LM_HEAD and self.lm_quant is not None:
             return self.lm_quant
-        return self.quant
+        return QuantPlan(self.quant, self.rules).scheme_for(spec)
+
+    def with_plan(self, plan: QuantPlan) -> "ExportOptions":
+        """These options with a recipe's or quant_config's default, rules and table width."""
+        from dataclasses import replace
+
+        return replace(self, quant=plan.default, rules=plan.rules, recipe_embed_bit=plan.embed_bit)

@@ -80,7 +80,8 @@ def _export_mnn(arch: Architecture, graph, checkpoint: Checkpoint, out: Path, op
         onnx_to_mnn(work / "llm.onnx", work / "llm.mnn")
         graph_json = mnn_to_json(work / "llm.mnn", work / "llm.mnn.json")
     with _stage(timings, "weights"), open(out / mnn_config.LLM_WEIGHT, "wb") as weight_file:
-        rebuilt = rebuild_graph(graph_json, arch.linears(), arch.linear_weight, options.scheme_for, weight_file)
+        rebuilt = rebuild_graph(graph_json, arch.linears(), arch.linear_weight, options.scheme_for, weight_file,
+                                use_gpu=options.use_gpu)
     with _stage(timings, "rebuild"):
         json_to_mnn(rebuilt.graph, work / "llm.rebuilt.json", out / mnn_config.LLM_MODEL)
     files: dict[str, Any] = {}
@@ -106,27 +107,27 @@ def _write_tables(arch: Architecture, out: Path, options: ExportOptions, records
             "weight_offset": lm.weight_offset, "alpha_offset": lm.alpha_offset, "alpha_size": lm.alpha_bytes,
             "quant_bit": lm.bits, "quant_block": lm.block, "alpha_dtype": "fp16"}
     else:
-        embedding_file = mnn_config.embedding_file_name(options.embed_bit)
+        embedding_file = mnn_config.embedding_file_name(options.table_bits)
         with open(out / embedding_file, "wb") as f:
             rec = _table(write_embedding_table, f, arch.embedding_table(), options, "embedding")
-        if options.embed_bit != 16:
+        if options.table_bits != 16:
             files["tie_embeddings"] = {
                 "weight_offset": 0, "alpha_offset": rec.weight_bytes, "alpha_size": rec.alpha_bytes,
                 "quant_bit": rec.bits, "quant_block": rec.block, "alpha_dtype": "fp32"}
     ple = arch.ple_table()
     if ple is not None:
-        name = mnn_config.ple_file_name(options.embed_bit)
+        name = mnn_config.ple_file_name(options.table_bits)
         with open(out / name, "wb") as f:
             rec = _table(write_embedding_table, f, ple, options, "PLE")
         files["ple_embed_file"] = name
-        if options.embed_bit != 16:
+        if options.table_bits != 16:
             files["ple_quant"] = [0, rec.weight_bytes, rec.alpha_bytes, rec.bits, rec.block]
     return embedding_file
 
 
 def _table(writer, fileobj, table, options: ExportOptions, what: str):
     try:
-        return writer(fileobj, table, options.embed_bit, options.quant.block)
+        return writer(fileobj, table, options.table_bits, options.quant.block)
     except ValueError as exc:
         raise InputError(f"--embed_bit/--quant_block: {what} table of width {table.shape[-1]}: {exc}") from None
 

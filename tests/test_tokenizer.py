@@ -22,9 +22,9 @@ if str(_ROOT) not in sys.path:  # allow running without installing the package
 from transformers import AutoTokenizer  # noqa: E402
 
 from llmexport.mnn.tokenizer import write_mnn_tokenizer  # noqa: E402
+from llmexport.models.gemma4 import MINJA_CHAT_TEMPLATE  # noqa: E402
 from llmexport.tiny.tokenizer import (  # noqa: E402
     BYTE_TOKEN_OFFSET,
-    GEMMA4_MINJA_TEMPLATE,
     SPECIAL_TOKENS,
     TRAINING_CORPUS,
     build_tiny_gemma_tokenizer,
@@ -152,7 +152,7 @@ def tiny(tmp_path_factory):
             "mnn_dir": str(mnn_dir),
             "tokenizer_file": MNN_TOKENIZER_FILE,
             "vocab_size": len(tok),
-            "template": GEMMA4_MINJA_TEMPLATE,
+            "template": MINJA_CHAT_TEMPLATE,
             "texts": ALL_TEXTS,
             "chats": CHATS,
             "variants": {"prefix": str(root / "prefix"), "no_bos": str(root / "no_bos")},

@@ -18,7 +18,7 @@ import torch
 from llmexport.errors import ConversionError
 from llmexport.mnn.weights import LinearRecord, WeightFileWriter
 from llmexport.models.base import LinearSpec
-from llmexport.quant.scheme import QuantScheme
+from llmexport.quant.scheme import QuantMethod, QuantScheme
 
 log = logging.getLogger(__name__)
 
@@ -90,9 +90,13 @@ def _attention_op(op: dict[str, Any]) -> dict:
 
 
 def rebuild_graph(graph: dict[str, Any], linears: Iterable[LinearSpec], weight_fn: WeightFn,
-                  scheme_fn: SchemeFn, weight_file: BinaryIO,
+                  scheme_fn: SchemeFn, weight_file: BinaryIO, use_gpu: bool = True,
                   progress: Callable[[int], None] | None = None) -> RebuildResult:
     """Rewrite ``graph`` in place and stream every linear's weights into ``weight_file``."""
+    from llmexport.quant.device import on_best_device
+    from llmexport.quant.hqq import quantizer_for
+
+    quantizers = {m: on_best_device(quantizer_for(m), enabled=use_gpu) for m in QuantMethod}
     specs = {spec.name: spec for spec in linears}
     writer = WeightFileWriter(weight_file, offset=0)
     records: dict[str, LinearRecord] = {}
@@ -107,7 +111,7 @@ def rebuild_graph(graph: dict[str, Any], linears: Iterable[LinearSpec], weight_f
                 raise ConversionError(f"graph linear {name!r} is unknown or appears twice")
             weight, bias = weight_fn(name)
             schemes[name] = scheme_fn(spec)
-            records[name] = writer.write_linear(weight, bias, schemes[name])
+            records[name] = writer.write_linear(weight, bias, schemes[name], quantizers[schemes[name].method])
             if progress:
                 progress(weight.numel() * weight.element_size())
             new_ops += _conv_ops(graph, op, name, records[name])

@@ -27,10 +27,14 @@ log = logging.getLogger(__name__)
 # The full HF Gemma4 template is beyond MNN's minja engine; this renders the same text for
 # system/user/assistant turns (role "assistant" is written "model").
 MINJA_CHAT_TEMPLATE = (
-    "{{ bos_token }}{% for message in messages %}"
-    "{% if message.role == \"assistant\" %}<|turn>model\n{{ message.content }}<turn|>\n"
-    "{% else %}<|turn>{{ message.role }}\n{{ message.content }}<turn|>\n{% endif %}"
-    "{% endfor %}{% if add_generation_prompt %}<|turn>model\n{% endif %}"
+    "{{ bos_token }}"
+    "{% for message in messages %}"
+    "{% if message['role'] == 'assistant' %}<|turn>model\n"
+    "{% else %}<|turn>{{ message['role'] }}\n"
+    "{% endif %}"
+    "{{ message['content'] }}<turn|>\n"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<|turn>model\n{% endif %}"
 )
 _TOWER_PREFIXES = ("model.vision_tower.", "model.audio_tower.", "model.embed_vision.", "model.embed_audio.")
 _EXPERT = re.compile(r"^(?P<p>.*layers\.\d+\.experts\.)(?P<e>\d+)\.(?P<w>gate_up_proj|down_proj)$")

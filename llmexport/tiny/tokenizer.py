@@ -24,7 +24,6 @@ __all__ = [
     "SPECIAL_TOKENS",
     "BYTE_TOKEN_OFFSET",
     "GEMMA4_CHAT_TEMPLATE",
-    "GEMMA4_MINJA_TEMPLATE",
     "TRAINING_CORPUS",
     "build_tiny_gemma_tokenizer",
 ]
@@ -75,20 +74,6 @@ GEMMA4_CHAT_TEMPLATE = (
     "    {{- '<turn|>\\n' -}}\n"
     "{%- endfor -%}\n"
     "{%- if add_generation_prompt -%}{{- '<|turn>model\\n' -}}{%- endif -%}\n"
-)
-
-# The same rendering for plain-text messages, restricted to what MNN's runtime template engine
-# (transformers/llm/engine/src/tokenizer/jinja.hpp) handles. `bos_token` comes from the
-# tokenizer file MNN reads (see llmexport.mnn.tokenizer), not from llm_config.json.
-GEMMA4_MINJA_TEMPLATE = (
-    "{{ bos_token }}"
-    "{% for message in messages %}"
-    "{% if message['role'] == 'assistant' %}<|turn>model\n"
-    "{% else %}<|turn>{{ message['role'] }}\n"
-    "{% endif %}"
-    "{{ message['content'] }}<turn|>\n"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}<|turn>model\n{% endif %}"
 )
 
 # Small multilingual training text: English, German with umlauts, Chinese, emoji, digits, code
