@@ -8,12 +8,12 @@
 from __future__ import annotations
 
 __version__ = "0.1.0"
-__all__ = ["export", "verify", "ExportOptions", "__version__"]
+__all__ = ["export", "plan", "verify", "ExportOptions", "__version__"]
 
 
 def __getattr__(name: str):
     # Lazy: importing the package (e.g. for `llmexport --help`) must not import torch.
-    if name in ("export", "verify"):
+    if name in ("export", "plan", "verify"):
         from llmexport import api
 
         return getattr(api, name)

@@ -24,7 +24,7 @@ log = logging.getLogger(__name__)
 class ExportResult:
     dst: Path
     files: list[str]
-    plan: dict[str, Any]
+    plan: dict[str, Any]  # see llmexport.plan.export_plan
     timings: dict[str, float] = field(default_factory=dict)
     verification: dict[str, Any] | None = None
 
@@ -43,6 +43,13 @@ def export(path: str | os.PathLike, dst: str | os.PathLike, options: ExportOptio
         return result
     finally:
         shutil.rmtree(staging, ignore_errors=True)
+
+
+def plan(path: str | os.PathLike, options: ExportOptions | None = None) -> dict[str, Any]:
+    """What ``export`` would do (architecture, per-module schemes, estimated size); writes nothing."""
+    from llmexport.pipeline import dry_run
+
+    return dry_run(Path(path), (options or ExportOptions()).validate())
 
 
 def verify(dst: str | os.PathLike, path: str | os.PathLike, **kwargs: Any) -> dict[str, Any]:

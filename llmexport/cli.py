@@ -41,21 +41,27 @@ def _configure_logging(quiet: bool) -> None:
 @click.option("--embed_bit", type=int, default=None,
               help="Token/PLE embedding tables read from their own files: 16 (bf16, default), 8 or 4.")
 @click.option("--thread_num", type=int, default=4, show_default=True, help="Runtime threads written to config.json.")
+@click.option("--dry-run", "dry_run", is_flag=True, help="Print the plan (layers, schemes, size) and write nothing.")
 @click.option("--verify", is_flag=True, help="Run the export in MNN's runtime next to HF; fail on disagreement.")
 @click.option("--quiet", is_flag=True, help="Only warnings and errors.")
 @click.version_option(__version__, "--version", prog_name="llmexport")
 def main(path: str, export_format: str, dst_path: str, quant_bit: int, quant_block: int, sym: bool, hqq: bool,
          quant_config: str | None, lm_quant_bit: int | None, lm_quant_block: int | None, embed_bit: int | None,
-         thread_num: int, verify: bool, quiet: bool) -> None:
+         thread_num: int, dry_run: bool, verify: bool, quiet: bool) -> None:
     """Export a HuggingFace LLM checkpoint to MNN (or ONNX), optionally verified."""
     _configure_logging(quiet)
     from llmexport.errors import LlmExportError
 
     try:
-        from llmexport.api import export
+        from llmexport.api import export, plan
 
         options = _options(export_format, quant_bit, quant_block, sym, hqq, quant_config, lm_quant_bit,
                            lm_quant_block, embed_bit, verify, quiet, thread_num)
+        if dry_run:
+            from llmexport.plan import plan_summary
+
+            click.echo(plan_summary(plan(path, options)))
+            return
         result = export(path, dst_path, options)
     except LlmExportError as exc:
         click.echo(f"llmexport: error: {exc}", err=True)
@@ -102,7 +108,8 @@ def _options(export_format, quant_bit, quant_block, sym, hqq, quant_config, lm_q
 def _report(result, quiet: bool) -> None:
     if quiet:
         return
-    click.echo(f"exported {result.plan['family']} ({result.plan['layers']} layers) to {result.dst}")
+    arch = result.plan["architecture"]
+    click.echo(f"exported {arch['family']} ({arch['layers']} layers) to {result.dst}")
     click.echo("stages (s): " + json.dumps(result.timings))
     if result.verification is not None:
         from llmexport.verify import summary_line

@@ -19,6 +19,7 @@ from llmexport.mnn import config as mnn_config
 from llmexport.models import architecture_for
 from llmexport.models.base import Architecture
 from llmexport.options import ExportFormat, ExportOptions
+from llmexport.plan import export_plan, write_manifest
 
 log = logging.getLogger(__name__)
 TRACE_SEQ_LEN = 3
@@ -42,18 +43,29 @@ def run_export(path: Path, out: Path, options: ExportOptions) -> ExportResult:
         checkpoint = Checkpoint.open(path)
         arch = architecture_for(checkpoint)
         graph = arch.build_graph()
-    plan = arch.describe()
+    plan = export_plan(arch, options)
+    for adjusted in plan["adjusted_blocks"]:
+        log.info("block %d does not divide %s (width %d): using %d", adjusted["requested"], adjusted["name"],
+                 adjusted["in_features"], adjusted["used"])
     if options.export is ExportFormat.ONNX:
         _export_reference_onnx(arch, graph, out, timings)
     else:
         _export_mnn(arch, graph, checkpoint, out, options, timings)
-    result = ExportResult(out, sorted(p.name for p in out.iterdir()), plan, timings)
+    result = ExportResult(out, [], plan, timings)
     if options.verify and options.export is ExportFormat.MNN:
         from llmexport.verify import verify_export
 
         with _stage(timings, "verify"):
             result.verification = verify_export(out, path, raise_on_failure=True)
+    with _stage(timings, "manifest"):
+        write_manifest(out, arch, options, plan)
+    result.files = sorted(p.name for p in out.iterdir())
     return result
+
+
+def dry_run(path: Path, options: ExportOptions) -> dict:
+    """The plan of an export, computed without writing anything."""
+    return export_plan(architecture_for(Checkpoint.open(path)), options)
 
 
 def _export_reference_onnx(arch: Architecture, graph, out: Path, timings: dict[str, float]) -> None:

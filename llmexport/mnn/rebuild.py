@@ -126,4 +126,6 @@ def rebuild_graph(graph: dict[str, Any], linears: Iterable[LinearSpec], weight_f
         raise ConversionError(f"{len(missing)} linear(s) missing from the traced graph, e.g. {sorted(missing)[0]!r}")
     graph["oplists"] = new_ops
     graph["tensorNumber"] = len(graph["tensorName"])
+    # The converter stamps a random uuid; a fixed one keeps exports byte-for-byte reproducible.
+    graph["mnn_uuid"] = "00000000-0000-0000-0000-000000000000"
     return RebuildResult(graph, records, schemes)

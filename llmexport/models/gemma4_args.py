@@ -183,7 +183,7 @@ def _rope_specs(cfg: dict[str, Any], layers: list[LayerSpec], where: str) -> dic
     if not isinstance(params, dict):
         raise InputError(f"{where}: 'rope_parameters' must map layer types to RoPE settings")
     specs = {}
-    for kind in {layer.kind for layer in layers}:
+    for kind in sorted({layer.kind for layer in layers}):  # sorted: trace order must be deterministic
         p = params.get(kind)
         if not isinstance(p, dict) or "rope_theta" not in p:
             raise InputError(f"{where}: rope_parameters[{kind!r}] needs 'rope_theta'")

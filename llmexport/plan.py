@@ -1,0 +1,120 @@
+"""The export plan (what ``--dry-run`` prints) and the manifest written beside every export."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+from dataclasses import asdict
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+from llmexport.models.base import Architecture
+from llmexport.options import ExportOptions
+from llmexport.quant.scheme import QuantScheme
+
+
+def record_bytes(out_features: int, in_features: int, scheme: QuantScheme, bias: bool = False) -> int:
+    """Size of one linear record in llm.mnn.weight (see docs/output-format.md)."""
+    extra = 4 * out_features if bias else 0
+    if scheme.is_fp16:
+        return 2 * out_features * in_features + extra
+    block = scheme.block_for(in_features)
+    wide = out_features > 65535 or in_features > 65535
+    header = 1 + (8 if wide else 4) + 1 + 2 ** scheme.bits
+    levels = math.ceil(out_features * in_features * scheme.bits / 8)
+    alpha = out_features * (in_features // block) * (1 if scheme.sym else 2) * 2
+    return header + levels + alpha + extra
+
+
+def table_bytes(rows: int, dim: int, bits: int, block: int) -> int:
+    if bits == 16:
+        return rows * dim * 2
+    used = dim if block == 0 else block
+    return rows * dim * bits // 8 + rows * (dim // used) * 2 * 4
+
+
+def export_plan(arch: Architecture, options: ExportOptions) -> dict[str, Any]:
+    linears, adjusted, total = [], [], 0
+    for spec in arch.linears():
+        scheme = options.scheme_for(spec)
+        block = 0 if scheme.is_fp16 else scheme.block_for(spec.in_features)
+        if not scheme.is_fp16 and scheme.block and block != scheme.block:
+            adjusted.append({"name": spec.name, "in_features": spec.in_features, "requested": scheme.block,
+                             "used": block})
+        size = record_bytes(spec.out_features, spec.in_features, scheme, spec.bias)
+        total += size
+        linears.append({"name": spec.name, "role": spec.role.value, "shape": [spec.out_features, spec.in_features],
+                        "bits": scheme.bits, "block": block, "sym": scheme.sym, "method": scheme.method.value})
+    tables = {}
+    if not arch.tied_embedding:
+        rows, dim = arch.embedding_table().shape
+        tables["embedding"] = {"rows": rows, "dim": dim, "bits": options.table_bits}
+        total += table_bytes(rows, dim, options.table_bits, options.quant.block)
+    ple = arch.ple_table()
+    if ple is not None:
+        rows, dim = ple.shape
+        tables["ple"] = {"rows": rows, "dim": dim, "bits": options.table_bits}
+        total += table_bytes(rows, dim, options.table_bits, options.quant.block)
+    return {"architecture": arch.describe(), "linears": linears, "adjusted_blocks": adjusted, "tables": tables,
+            "estimated_bytes": total}
+
+
+def plan_summary(plan: dict[str, Any]) -> str:
+    """Human-readable plan: architecture, layer kinds, schemes per role, adjusted blocks, size."""
+    a = plan["architecture"]
+    lines = [f"architecture: {a['family']} (model_type {a['model_type']}), {a['layers']} layers, "
+             f"hidden {a['hidden_size']}, vocab {a['vocab_size']}"]
+    lines += [f"  layer {kind}" for kind in a["layer_kinds"]]
+    groups: dict[tuple, int] = {}
+    for linear in plan["linears"]:
+        key = (linear["role"], linear["bits"], linear["block"], linear["sym"], linear["method"])
+        groups[key] = groups.get(key, 0) + 1
+    lines.append("quantization (role: bits/block/sym/method x count):")
+    lines += [f"  {r}: {b} bits, block {bl}, {'sym' if s else 'asym'}, {m} x {n}"
+              for (r, b, bl, s, m), n in sorted(groups.items())]
+    for adj in plan["adjusted_blocks"]:
+        lines.append(f"  block {adj['requested']} does not divide {adj['name']} (width {adj['in_features']}): "
+                     f"using {adj['used']}")
+    for name, t in plan["tables"].items():
+        lines.append(f"table {name}: {t['rows']} x {t['dim']} at {t['bits']} bits")
+    lines.append(f"estimated size: {plan['estimated_bytes'] / 2**20:.1f} MiB")
+    return "\n".join(lines)
+
+
+def _versions() -> dict[str, str]:
+    out = {}
+    for package in ("llmexport", "torch", "transformers", "MNN", "onnx", "safetensors"):
+        try:
+            out[package] = metadata.version(package)
+        except metadata.PackageNotFoundError:
+            out[package] = "not installed"
+    return out
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def write_manifest(out: Path, arch: Architecture, options: ExportOptions, plan: dict[str, Any]) -> None:
+    """manifest.json: file hashes, versions, options and the detected architecture."""
+    files = {p.name: {"bytes": p.stat().st_size, "sha256": _sha256(p)}
+             for p in sorted(out.iterdir()) if p.is_file() and p.name != "manifest.json"}
+    manifest = {"versions": _versions(), "architecture": arch.describe(), "options": _jsonable(asdict(options)),
+                "adjusted_blocks": plan["adjusted_blocks"], "files": files}
+    (out / "manifest.json").write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
+
+
+def _jsonable(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {k: _jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_jsonable(v) for v in value]
+    if hasattr(value, "value"):  # enums
+        return value.value
+    return value

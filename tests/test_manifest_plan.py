@@ -1,0 +1,72 @@
+"""Manifest, reproducibility and the dry-run plan."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+import llmexport
+from llmexport import ExportOptions
+from llmexport.quant.scheme import QuantScheme
+
+
+@pytest.mark.slow
+def test_two_exports_are_byte_identical_and_manifest_hashes_match(tiny_gemma4, tmp_path):
+    outs = []
+    for seed in ("1", "2"):  # different hash seeds: no set/dict order may leak into the files
+        out = tmp_path / f"out{seed}"
+        env = {**os.environ, "PYTHONHASHSEED": seed}
+        proc = subprocess.run([sys.executable, "-c", "from llmexport.cli import main; main()", "--path",
+                               str(tiny_gemma4("26b-a4b")), "--dst_path", str(out), "--quiet"],
+                              env=env, capture_output=True, text=True)
+        assert proc.returncode == 0, proc.stderr[-1500:]
+        outs.append(out)
+    names = sorted(p.name for p in outs[0].iterdir())
+    assert names == sorted(p.name for p in outs[1].iterdir())
+    for name in names:
+        assert (outs[0] / name).read_bytes() == (outs[1] / name).read_bytes(), name
+    manifest = json.loads((outs[0] / "manifest.json").read_text())
+    for name, info in manifest["files"].items():
+        data = (outs[0] / name).read_bytes()
+        assert info["sha256"] == hashlib.sha256(data).hexdigest() and info["bytes"] == len(data)
+    assert set(manifest["versions"]) >= {"llmexport", "torch", "transformers", "MNN"}
+    assert manifest["architecture"]["family"] == "gemma4" and manifest["options"]["quant"]["bits"] == 4
+
+
+@pytest.mark.parametrize("shape, options", [
+    ("e2b", ExportOptions()),
+    ("31b", ExportOptions(quant=QuantScheme(8, 32), embed_bit=8)),
+    ("26b-a4b", ExportOptions(quant=QuantScheme(16))),
+])
+def test_plan_estimates_the_exact_size(tiny_gemma4, tmp_path, shape, options):
+    plan = llmexport.plan(tiny_gemma4(shape), options)
+    llmexport.export(tiny_gemma4(shape), tmp_path / "out", options)
+    written = sum(p.stat().st_size for p in (tmp_path / "out").iterdir()
+                  if p.name == "llm.mnn.weight" or p.name.endswith(".bin"))
+    assert plan["estimated_bytes"] == written
+
+
+def test_plan_lists_adjusted_blocks(tiny_gemma4):
+    plan = llmexport.plan(tiny_gemma4("e2b"), ExportOptions(quant=QuantScheme(4, 64)))
+    adjusted = {a["name"]: a["used"] for a in plan["adjusted_blocks"]}
+    assert adjusted["model.language_model.layers.0.mlp.down_proj"] == 48  # width 96
+    assert adjusted["model.language_model.layers.0.per_layer_projection"] == 16  # width 16 < block
+    assert all(linear["block"] > 0 for linear in plan["linears"])
+
+
+def test_dry_run_writes_nothing(tiny_gemma4, tmp_path):
+    from click.testing import CliRunner
+
+    from llmexport.cli import main
+
+    result = CliRunner().invoke(main, ["--path", str(tiny_gemma4("e2b")), "--dst_path", str(tmp_path / "x"),
+                                       "--dry-run", "--quant_config", "mlp4-attn8"])
+    assert result.exit_code == 0, result.output
+    assert "layer 7: full kv<-2 head_dim=32" in result.output
+    assert "mlp: 4 bits, block 32" in result.output and "estimated size" in result.output
+    assert not (tmp_path / "x").exists()
