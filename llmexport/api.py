@@ -24,7 +24,7 @@ log = logging.getLogger(__name__)
 class ExportResult:
     dst: Path
     files: list[str]
-    plan: dict[str, Any]  # see llmexport.plan.export_plan
+    plan: dict[str, Any]  # see llmexport.export_plan.export_plan
     timings: dict[str, float] = field(default_factory=dict)
     verification: dict[str, Any] | None = None
 

@@ -58,7 +58,7 @@ def main(path: str, export_format: str, dst_path: str, quant_bit: int, quant_blo
         options = _options(export_format, quant_bit, quant_block, sym, hqq, quant_config, lm_quant_bit,
                            lm_quant_block, embed_bit, verify, quiet, thread_num)
         if dry_run:
-            from llmexport.plan import plan_summary
+            from llmexport.export_plan import plan_summary
 
             click.echo(plan_summary(plan(path, options)))
             return

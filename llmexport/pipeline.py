@@ -19,7 +19,7 @@ from llmexport.mnn import config as mnn_config
 from llmexport.models import architecture_for
 from llmexport.models.base import Architecture
 from llmexport.options import ExportFormat, ExportOptions
-from llmexport.plan import export_plan, write_manifest
+from llmexport.export_plan import export_plan, write_manifest
 
 log = logging.getLogger(__name__)
 TRACE_SEQ_LEN = 3
