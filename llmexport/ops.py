@@ -156,3 +156,48 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.
 def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
     """gelu with the tanh approximation, spelled out (ONNX opsets before 20 lack it)."""
     return 0.5 * x * (1.0 + torch.tanh(math.sqrt(2.0 / math.pi) * (x + 0.044715 * torch.pow(x, 3.0))))
+
+
+class _MoEOp(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden, weights, chosen, num_experts: int, top_k: int, layer_id: int):
+        return hidden.clone()
+
+    @staticmethod
+    def symbolic(g, hidden, weights, chosen, num_experts, top_k, layer_id):
+        out = g.op(f"{DOMAIN}::MoE", hidden, weights, chosen, num_experts_i=num_experts, top_k_i=top_k,
+                   layer_id_i=layer_id)
+        out.setType(hidden.type())
+        return out
+
+
+def expert_subgraph_name(layer_id: int, expert: int) -> str:
+    """The subgraph name MNN's MoE module looks up for one expert (express/module/MoEModule.cpp)."""
+    return f"/expert/{layer_id}_{expert}"
+
+
+class FusedMoE(nn.Module):
+    """Routed experts, MNN's ``MoE`` op at runtime: only the chosen experts run.
+
+    hidden: [tokens, hidden]; weights: [tokens, top_k] float; chosen: [tokens, top_k] expert ids.
+    Each expert is a module mapping [n, hidden] -> [n, hidden]; at runtime they are subgraphs
+    named by ``expert_subgraph_name``. The eager path weights every expert's output with a dense
+    [tokens, experts] matrix, equal to a gather/scatter formulation.
+    """
+
+    def __init__(self, experts: nn.ModuleList, top_k: int, layer_id: int):
+        super().__init__()
+        self.experts = experts
+        self.top_k = top_k
+        self.layer_id = layer_id
+
+    def forward(self, hidden, weights, chosen):
+        if emitting_custom_ops():
+            return _MoEOp.apply(hidden, weights.float(), chosen.to(torch.int32), len(self.experts), self.top_k,
+                                self.layer_id)
+        one_hot = (chosen.unsqueeze(-1) == torch.arange(len(self.experts))).to(weights.dtype)
+        dense = (one_hot * weights.unsqueeze(-1)).sum(dim=-2).to(hidden.dtype)
+        out = torch.zeros_like(hidden)
+        for e, expert in enumerate(self.experts):
+            out = out + expert(hidden) * dense[..., e:e + 1]
+        return out

@@ -91,9 +91,10 @@ def _export_mnn(arch: Architecture, graph, checkpoint: Checkpoint, out: Path, op
     with _stage(timings, "convert"):
         onnx_to_mnn(work / "llm.onnx", work / "llm.mnn")
         graph_json = mnn_to_json(work / "llm.mnn", work / "llm.mnn.json")
+        experts = _convert_expert_template(arch, work)
     with _stage(timings, "weights"), open(out / mnn_config.LLM_WEIGHT, "wb") as weight_file:
         rebuilt = rebuild_graph(graph_json, arch.linears(), arch.linear_weight, options.scheme_for, weight_file,
-                                use_gpu=options.use_gpu)
+                                use_gpu=options.use_gpu, experts=experts)
     with _stage(timings, "rebuild"):
         json_to_mnn(rebuilt.graph, work / "llm.rebuilt.json", out / mnn_config.LLM_MODEL)
     files: dict[str, Any] = {}
@@ -106,6 +107,24 @@ def _export_mnn(arch: Architecture, graph, checkpoint: Checkpoint, out: Path, op
     with _stage(timings, "tokenizer"):
         _write_tokenizer(checkpoint, out)
     _remove_tree(work)
+
+
+def _convert_expert_template(arch: Architecture, work: Path):
+    """Trace and convert the one-expert template graph (None when the family has no experts)."""
+    import torch
+
+    from llmexport.mnn.convert import mnn_to_json, onnx_to_mnn
+    from llmexport.models.base import GraphInputs
+    from llmexport.onnx_export import export_onnx
+
+    template = arch.expert_template()
+    if template is None:
+        return None
+    inputs = GraphInputs((torch.randn(TRACE_SEQ_LEN, template.hidden_size),), ["hidden_states"],
+                         {"hidden_states": {0: "tokens"}}, ["expert_out"])
+    export_onnx(template.module, inputs, work / "expert.onnx", for_mnn=True)
+    onnx_to_mnn(work / "expert.onnx", work / "expert.mnn")
+    return mnn_to_json(work / "expert.mnn", work / "expert.json"), template
 
 
 def _write_tables(arch: Architecture, out: Path, options: ExportOptions, records, files: dict[str, Any]) -> str | None:

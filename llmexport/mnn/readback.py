@@ -23,7 +23,8 @@ def linear_records(export_dir: Path) -> dict[str, dict]:
     with tempfile.TemporaryDirectory(prefix="llmexport-readback-") as tmp:
         graph = mnn_to_json(export_dir / LLM_MODEL, Path(tmp) / "llm.json")
     records = {}
-    for op in graph["oplists"]:
+    ops = list(graph["oplists"]) + [op for sub in graph.get("subgraphs", []) for op in sub["nodes"]]
+    for op in ops:
         if op.get("type") == "Convolution" and "external" in op.get("main", {}):
             main = op["main"]
             records[op["name"]] = {"external": main["external"], "quanParameter": main.get("quanParameter", {}),

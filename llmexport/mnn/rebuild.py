@@ -9,6 +9,7 @@ checkpoint one linear at a time, in graph order, so memory stays at one tensor.
 
 from __future__ import annotations
 
+import copy
 import logging
 from dataclasses import dataclass
 from typing import Any, BinaryIO, Callable, Iterable
@@ -17,7 +18,8 @@ import torch
 
 from llmexport.errors import ConversionError
 from llmexport.mnn.weights import LinearRecord, WeightFileWriter
-from llmexport.models.base import LinearSpec
+from llmexport.models.base import ExpertTemplate, LinearSpec
+from llmexport.ops import expert_subgraph_name
 from llmexport.quant.scheme import QuantMethod, QuantScheme
 
 log = logging.getLogger(__name__)
@@ -50,9 +52,9 @@ def _extra_type(op: dict[str, Any]) -> str | None:
     return op["main"].get("type") if op.get("type") == "Extra" else None
 
 
-def _new_tensor(graph: dict[str, Any], name: str) -> int:
-    graph["tensorName"].append(name)
-    return len(graph["tensorName"]) - 1
+def _new_tensor(tensors: list[str], name: str) -> int:
+    tensors.append(name)
+    return len(tensors) - 1
 
 
 def _op(name: str, op_type: str, inputs: list[int], outputs: list[int], main_type: str, main: dict) -> dict:
@@ -60,10 +62,11 @@ def _op(name: str, op_type: str, inputs: list[int], outputs: list[int], main_typ
             "main_type": main_type, "main": main, "defaultDimentionFormat": "NHWC"}
 
 
-def _conv_ops(graph: dict[str, Any], op: dict[str, Any], name: str, record: LinearRecord) -> list[dict]:
-    """[.., ic] -> Reshape[-1, ic, 1, 1] -> NC4HW4 -> Conv1x1 -> NCHW -> Reshape[1, -1, oc]."""
-    t = [_new_tensor(graph, f"{name}/{suffix}") for suffix in ("pre_reshape", "pre_convert", "conv",
-                                                               "post_convert")]
+def _conv_ops(tensors: list[str], op: dict[str, Any], name: str, record: LinearRecord, rank: int) -> list[dict]:
+    """[.., ic] -> Reshape[-1, ic, 1, 1] -> NC4HW4 -> Conv1x1 -> NCHW -> Reshape[1, -1, oc] (rank 3)
+    or [-1, oc] (rank 2, inside expert subgraphs)."""
+    t = [_new_tensor(tensors, f"{name}/{suffix}") for suffix in ("pre_reshape", "pre_convert", "conv",
+                                                                 "post_convert")]
     oc, ic = record.oc, record.ic
     common = {"dilateX": 1, "dilateY": 1, "strideX": 1, "strideY": 1, "kernelX": 1, "kernelY": 1,
               "padX": 0, "padY": 0, "group": 1, "outputCount": oc, "relu": False, "padMode": "CAFFE",
@@ -78,7 +81,7 @@ def _conv_ops(graph: dict[str, Any], op: dict[str, Any], name: str, record: Line
         _op(f"{name}/post_convert", "ConvertTensor", [t[2]], [t[3]], "TensorConvertInfo",
             {"source": "NC4HW4", "dest": "NCHW"}),
         _op(f"{name}/post_reshape", "Reshape", [t[3]], op["outputIndexes"], "Reshape",
-            {"dims": [1, -1, oc], "dimType": "NCHW"}),
+            {"dims": [1, -1, oc] if rank == 3 else [-1, oc], "dimType": "NCHW"}),
     ]
 
 
@@ -89,43 +92,87 @@ def _attention_op(op: dict[str, Any]) -> dict:
                 "kv_shared_layer_index": int(a["kv_shared_layer_index"]), "attnScale": float(a["scale"])})
 
 
+def _moe_op(op: dict[str, Any]) -> dict:
+    """MNN's MoE module reads num_experts, top_k and layer_id from the Extra attributes."""
+    moe = dict(op)
+    moe["type"] = "MoE"
+    moe["main"] = {"attr": [a for a in op["main"]["attr"] if a["key"] in ("num_experts", "top_k", "layer_id")]}
+    return moe
+
+
+class _Rebuilder:
+    def __init__(self, linears: Iterable[LinearSpec], weight_fn: WeightFn, scheme_fn: SchemeFn,
+                 weight_file: BinaryIO, use_gpu: bool, progress: Callable[[int], None] | None):
+        from llmexport.quant.device import on_best_device
+        from llmexport.quant.hqq import quantizer_for
+
+        self.quantizers = {m: on_best_device(quantizer_for(m), enabled=use_gpu) for m in QuantMethod}
+        self.specs = {spec.name: spec for spec in linears}
+        self.writer = WeightFileWriter(weight_file, offset=0)
+        self.weight_fn, self.scheme_fn, self.progress = weight_fn, scheme_fn, progress
+        self.records: dict[str, LinearRecord] = {}
+        self.schemes: dict[str, QuantScheme] = {}
+
+    def linear(self, name: str) -> LinearRecord:
+        spec = self.specs.get(name)
+        if spec is None or name in self.records:
+            raise ConversionError(f"graph linear {name!r} is unknown or appears twice")
+        weight, bias = self.weight_fn(name)
+        scheme = self.schemes[name] = self.scheme_fn(spec)
+        self.records[name] = self.writer.write_linear(weight, bias, scheme, self.quantizers[scheme.method])
+        if self.progress:
+            self.progress(weight.numel() * weight.element_size())
+        return self.records[name]
+
+    def ops(self, ops: list[dict], tensors: list[str], rank: int, rename: Callable[[str], str] = str) -> list[dict]:
+        out: list[dict] = []
+        for op in ops:
+            kind = _extra_type(op)
+            if kind == "Linear":
+                name = rename(extra_attrs(op)["name"])
+                out += _conv_ops(tensors, op, name, self.linear(name), rank)
+            elif kind == "Attention":
+                out.append(_attention_op(op))
+            elif kind == "MoE":
+                out.append(_moe_op(op))
+            elif kind is not None:
+                raise ConversionError(f"unexpected custom op {kind!r} in converted graph")
+            else:
+                out.append(op)
+        return out
+
+
+def _expert_subgraphs(rb: _Rebuilder, template: dict[str, Any], experts: ExpertTemplate) -> list[dict]:
+    """One subgraph per (layer, expert): the converted template with its placeholders renamed."""
+    inputs = [op["outputIndexes"][0] for op in template["oplists"] if op["type"] == "Input"]
+    outputs = [template["tensorName"].index(name) for name in template["outputName"]]
+    subgraphs = []
+    for layer_id, expert, replacement in experts.instances:
+        tensors = list(template["tensorName"])
+        nodes = rb.ops(copy.deepcopy(template["oplists"]), tensors, rank=2,
+                       rename=lambda name: name.replace(experts.marker, replacement))
+        subgraphs.append({"name": expert_subgraph_name(layer_id, expert), "inputs": inputs, "outputs": outputs,
+                          "tensors": tensors, "nodes": nodes})
+    return subgraphs
+
+
 def rebuild_graph(graph: dict[str, Any], linears: Iterable[LinearSpec], weight_fn: WeightFn,
                   scheme_fn: SchemeFn, weight_file: BinaryIO, use_gpu: bool = True,
-                  progress: Callable[[int], None] | None = None) -> RebuildResult:
-    """Rewrite ``graph`` in place and stream every linear's weights into ``weight_file``."""
-    from llmexport.quant.device import on_best_device
-    from llmexport.quant.hqq import quantizer_for
+                  progress: Callable[[int], None] | None = None,
+                  experts: tuple[dict[str, Any], ExpertTemplate] | None = None) -> RebuildResult:
+    """Rewrite ``graph`` in place and stream every linear's weights into ``weight_file``.
 
-    quantizers = {m: on_best_device(quantizer_for(m), enabled=use_gpu) for m in QuantMethod}
-    specs = {spec.name: spec for spec in linears}
-    writer = WeightFileWriter(weight_file, offset=0)
-    records: dict[str, LinearRecord] = {}
-    schemes: dict[str, QuantScheme] = {}
-    new_ops: list[dict] = []
-    for op in graph["oplists"]:
-        kind = _extra_type(op)
-        if kind == "Linear":
-            name = extra_attrs(op)["name"]
-            spec = specs.get(name)
-            if spec is None or name in records:
-                raise ConversionError(f"graph linear {name!r} is unknown or appears twice")
-            weight, bias = weight_fn(name)
-            schemes[name] = scheme_fn(spec)
-            records[name] = writer.write_linear(weight, bias, schemes[name], quantizers[schemes[name].method])
-            if progress:
-                progress(weight.numel() * weight.element_size())
-            new_ops += _conv_ops(graph, op, name, records[name])
-        elif kind == "Attention":
-            new_ops.append(_attention_op(op))
-        elif kind is not None:
-            raise ConversionError(f"unexpected custom op {kind!r} in converted graph")
-        else:
-            new_ops.append(op)
-    missing = set(specs) - set(records)
+    ``experts``: the converted expert template graph and its instances, which become the
+    ``/expert/{layer}_{e}`` subgraphs MNN's MoE op runs.
+    """
+    rb = _Rebuilder(linears, weight_fn, scheme_fn, weight_file, use_gpu, progress)
+    graph["oplists"] = rb.ops(graph["oplists"], graph["tensorName"], rank=3)
+    if experts is not None:
+        graph["subgraphs"] = _expert_subgraphs(rb, *experts)
+    missing = set(rb.specs) - set(rb.records)
     if missing:
         raise ConversionError(f"{len(missing)} linear(s) missing from the traced graph, e.g. {sorted(missing)[0]!r}")
-    graph["oplists"] = new_ops
     graph["tensorNumber"] = len(graph["tensorName"])
     # The converter stamps a random uuid; a fixed one keeps exports byte-for-byte reproducible.
     graph["mnn_uuid"] = "00000000-0000-0000-0000-000000000000"
-    return RebuildResult(graph, records, schemes)
+    return RebuildResult(graph, rb.records, rb.schemes)

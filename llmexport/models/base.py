@@ -60,6 +60,20 @@ class GraphInputs:
     output_names: list[str]
 
 
+@dataclass(frozen=True)
+class ExpertTemplate:
+    """Routed experts exported once as a template graph and instantiated per (layer, expert).
+
+    ``module`` maps [n, hidden] -> [n, hidden]; its placeholder names contain ``marker``, which
+    each instance replaces (so the weights of that expert are found by name).
+    """
+
+    module: nn.Module
+    marker: str
+    hidden_size: int
+    instances: tuple[tuple[int, int, str], ...]  # (layer_id, expert index, replacement for marker)
+
+
 @dataclass
 class StoredWeights:
     """What an export stored, read back from its files: per-linear weights (placeholder name
@@ -113,6 +127,10 @@ class Architecture(abc.ABC):
     @abc.abstractmethod
     def graph_inputs(self, seq_len: int) -> GraphInputs:
         """Tracing inputs in the runtime's layout."""
+
+    def expert_template(self) -> ExpertTemplate | None:
+        """Routed experts to export as MNN MoE subgraphs, if the family has any."""
+        return None
 
     # --- runtime files -----------------------------------------------------------------
     @abc.abstractmethod

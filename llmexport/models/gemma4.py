@@ -18,9 +18,9 @@ from torch import nn
 from llmexport.checkpoint import Checkpoint
 from llmexport.errors import InputError
 from llmexport.models import register
-from llmexport.models.base import Architecture, GraphInputs, LinearRole, LinearSpec, StoredWeights
+from llmexport.models.base import Architecture, ExpertTemplate, GraphInputs, LinearRole, LinearSpec, StoredWeights
 from llmexport.models.gemma4_args import FULL, SLIDING, Gemma4TextArgs, parse_text_args
-from llmexport.models.gemma4_graph import Gemma4TextGraph
+from llmexport.models.gemma4_graph import Expert, Gemma4TextGraph
 
 log = logging.getLogger(__name__)
 
@@ -186,6 +186,16 @@ class Gemma4(Architecture):
             names.append("ple_embeddings")
             axes["ple_embeddings"] = {1: "seq_len"}
         return GraphInputs(tuple(args), names, axes, ["logits", "hidden_states"])
+
+    def expert_template(self) -> ExpertTemplate | None:
+        a = self.args
+        if a.moe is None:
+            return None
+        marker = "@expert@"
+        instances = tuple((layer.index, e, f"{a.prefix}layers.{layer.index}.experts.{e}")
+                          for layer in a.layers for e in range(a.moe.num_experts))
+        return ExpertTemplate(Expert(marker + ".", a.hidden_size, a.moe.width).eval(), marker, a.hidden_size,
+                              instances)
 
     def describe(self) -> dict[str, Any]:
         a = self.args

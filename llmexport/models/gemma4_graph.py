@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from llmexport.models.gemma4_args import FULL, SLIDING, Gemma4TextArgs, LayerSpec
-from llmexport.ops import FusedAttention, PlaceholderLinear, emitting_custom_ops, rms_norm
+from llmexport.ops import FusedAttention, FusedMoE, PlaceholderLinear, emitting_custom_ops, rms_norm
 
 TensorLookup = Callable[[str], torch.Tensor]
 
@@ -94,28 +94,38 @@ class Mlp(nn.Module):
         return self.down_proj(_act(self.gate_proj(x)) * self.up_proj(x))
 
 
+class Expert(nn.Module):
+    """One routed expert (HF Gemma4TextExperts row): [n, hidden] -> [n, hidden]."""
+
+    def __init__(self, prefix: str, hidden: int, width: int):
+        super().__init__()
+        self.gate_up_proj = PlaceholderLinear(prefix + "gate_up_proj", hidden, 2 * width)
+        self.down_proj = PlaceholderLinear(prefix + "down_proj", width, hidden)
+
+    def forward(self, x):
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(_act(gate) * up)
+
+
 class MoE(nn.Module):
     """Router + routed experts (HF Gemma4TextRouter / Gemma4TextExperts).
 
     Routing: RMSNorm without scale, times ``scale * hidden^-0.5``, linear, softmax in fp32,
-    top-k, renormalise, times ``per_expert_scale``. Experts are evaluated for every token and
-    combined with a dense [tokens, experts] weight matrix (zero for unchosen experts), which
-    equals HF's gather/index_add formulation and traces without data-dependent shapes.
+    top-k, renormalise, times ``per_expert_scale``; the chosen experts run in MNN's MoE op.
     """
 
     def __init__(self, args: Gemma4TextArgs, index: int, lookup: TensorLookup):
         super().__init__()
         moe = args.moe
         p = f"{args.prefix}layers.{index}."
-        self.top_k, self.num_experts, self.eps = moe.top_k, moe.num_experts, args.eps
+        self.top_k, self.eps, self.hidden = moe.top_k, args.eps, args.hidden_size
         self.root = args.hidden_size ** -0.5
         self.router_scale = _const(lookup, p + "router.scale")
         self.per_expert_scale = _const(lookup, p + "router.per_expert_scale")
         self.router = PlaceholderLinear(p + "router.proj", args.hidden_size, moe.num_experts)
-        self.gate_up = nn.ModuleList(PlaceholderLinear(p + f"experts.{e}.gate_up_proj", args.hidden_size,
-                                                       2 * moe.width) for e in range(moe.num_experts))
-        self.down = nn.ModuleList(PlaceholderLinear(p + f"experts.{e}.down_proj", moe.width, args.hidden_size)
-                                  for e in range(moe.num_experts))
+        experts = nn.ModuleList(Expert(p + f"experts.{e}.", args.hidden_size, moe.width)
+                                for e in range(moe.num_experts))
+        self.experts = FusedMoE(experts, moe.top_k, index)
 
     def routing(self, x):
         h = rms_norm(x, None, self.eps) * self.router_scale * self.root
@@ -126,15 +136,9 @@ class MoE(nn.Module):
         return weights, chosen
 
     def forward(self, routing_input, expert_input):
-        weights, chosen = self.routing(routing_input)
-        # [tokens, k] -> [tokens, experts] with comparisons (MNN's JSON path rejects ScatterElements).
-        one_hot = (chosen.unsqueeze(-1) == torch.arange(self.num_experts)).to(weights.dtype)
-        dense = (one_hot * weights.unsqueeze(-1)).sum(dim=-2).to(expert_input.dtype)
-        out = torch.zeros_like(expert_input)
-        for e in range(self.num_experts):
-            gate, up = self.gate_up[e](expert_input).chunk(2, dim=-1)
-            out = out + self.down[e](_act(gate) * up) * dense[..., e:e + 1]
-        return out
+        weights, chosen = self.routing(routing_input.view(-1, self.hidden))
+        out = self.experts(expert_input.view(-1, self.hidden), weights, chosen)
+        return out.view(1, -1, self.hidden)
 
 
 class DecoderLayer(nn.Module):
