@@ -35,6 +35,8 @@ class ExportOptions:
     embed_bit: int | None = None
     recipe_embed_bit: int | None = None
     use_gpu: bool = True
+    visual_quant_bit: int = 8
+    audio_quant_bit: int = 8
     verify: bool = False
     quiet: bool = False
     thread_num: int = 4
@@ -50,6 +52,9 @@ class ExportOptions:
         if self.table_bits not in EMBED_BITS:
             raise UsageError(f"--embed_bit: {self.table_bits} is not one of {', '.join(map(str, EMBED_BITS))} "
                              "(MNN 3.6.1 decodes 2- and 3-bit tables wrongly)")
+        for flag, bits in (("--visual_quant_bit", self.visual_quant_bit), ("--audio_quant_bit", self.audio_quant_bit)):
+            if bits not in (4, 8, 16):
+                raise UsageError(f"{flag}: {bits} is not one of 4, 8, 16")
         if self.thread_num < 1:
             raise UsageError(f"--thread_num: must be >= 1, got {self.thread_num}")
         return self
@@ -66,6 +71,11 @@ class ExportOptions:
         if spec.role is LinearRole.LM_HEAD and self.lm_quant is not None:
             return self.lm_quant
         return QuantPlan(self.quant, self.rules).scheme_for(spec)
+
+    def tower_scheme(self, tower: str) -> QuantScheme:
+        """Scheme of every linear of a multimodal tower ("visual", "audio")."""
+        bits = {"visual": self.visual_quant_bit, "audio": self.audio_quant_bit}.get(tower, self.quant.bits)
+        return QuantScheme(bits=bits, block=self.quant.block, sym=self.quant.sym, method=self.quant.method)
 
     def with_plan(self, plan: QuantPlan) -> "ExportOptions":
         """These options with a recipe's or quant_config's default, rules and table width."""

@@ -80,33 +80,47 @@ def _export_reference_onnx(arch: Architecture, graph, out: Path, timings: dict[s
 
 def _export_mnn(arch: Architecture, graph, checkpoint: Checkpoint, out: Path, options: ExportOptions,
                 timings: dict[str, float]) -> None:
+    work = out / ".work"
+    work.mkdir()
+    rebuilt = _export_graph("llm", graph, arch.graph_inputs(TRACE_SEQ_LEN), arch.linears(), arch.linear_weight,
+                            options.scheme_for, out, work, options, timings, _convert_expert_template(arch, work))
+    files: dict[str, Any] = {}
+    family_llm, family_runtime = dict(arch.llm_config()), dict(arch.runtime_config())
+    for tower in arch.towers():
+        _export_graph(tower.name, tower.build_graph(), tower.graph_inputs(), tower.linears(), tower.linear_weight,
+                      lambda spec, t=tower: options.tower_scheme(t.name), out, work, options, timings)
+        family_llm.update(tower.llm_config())
+        family_runtime.update(tower.runtime_config())
+    with _stage(timings, "embeddings"):
+        embedding_file = _write_tables(arch, out, options, rebuilt.records, files)
+    with _stage(timings, "configs"):
+        mnn_config.write_json(out / "llm_config.json", mnn_config.llm_config(family_llm, files))
+        mnn_config.write_json(out / "config.json", mnn_config.runtime_config(
+            family_runtime, options.thread_num, embedding_file))
+    with _stage(timings, "tokenizer"):
+        _write_tokenizer(checkpoint, out)
+    _remove_tree(work)
+
+
+def _export_graph(stem: str, graph, inputs, linears, weight_fn, scheme_fn, out: Path, work: Path,
+                  options: ExportOptions, timings: dict[str, float], experts=None):
+    """One graph: trace -> ONNX -> MNN -> JSON -> rebuilt with streamed weights -> {stem}.mnn(.weight)."""
     from llmexport.mnn.convert import json_to_mnn, mnn_to_json, onnx_to_mnn
     from llmexport.mnn.rebuild import rebuild_graph
     from llmexport.onnx_export import export_onnx
 
-    work = out / ".work"
-    work.mkdir()
-    with _stage(timings, "onnx"):
-        export_onnx(graph, arch.graph_inputs(TRACE_SEQ_LEN), work / "llm.onnx", for_mnn=True)
-    with _stage(timings, "convert"):
-        onnx_to_mnn(work / "llm.onnx", work / "llm.mnn")
-        graph_json = mnn_to_json(work / "llm.mnn", work / "llm.mnn.json")
-        experts = _convert_expert_template(arch, work)
-    with _stage(timings, "weights"), open(out / mnn_config.LLM_WEIGHT, "wb") as weight_file:
-        rebuilt = rebuild_graph(graph_json, arch.linears(), arch.linear_weight, options.scheme_for, weight_file,
+    label = "" if stem == "llm" else f"{stem}_"
+    with _stage(timings, f"{label}onnx"):
+        export_onnx(graph, inputs, work / f"{stem}.onnx", for_mnn=True)
+    with _stage(timings, f"{label}convert"):
+        onnx_to_mnn(work / f"{stem}.onnx", work / f"{stem}.mnn")
+        graph_json = mnn_to_json(work / f"{stem}.mnn", work / f"{stem}.mnn.json")
+    with _stage(timings, f"{label}weights"), open(out / f"{stem}.mnn.weight", "wb") as weight_file:
+        rebuilt = rebuild_graph(graph_json, linears, weight_fn, scheme_fn, weight_file,
                                 use_gpu=options.use_gpu, experts=experts)
-    with _stage(timings, "rebuild"):
-        json_to_mnn(rebuilt.graph, work / "llm.rebuilt.json", out / mnn_config.LLM_MODEL)
-    files: dict[str, Any] = {}
-    with _stage(timings, "embeddings"):
-        embedding_file = _write_tables(arch, out, options, rebuilt.records, files)
-    with _stage(timings, "configs"):
-        mnn_config.write_json(out / "llm_config.json", mnn_config.llm_config(arch.llm_config(), files))
-        mnn_config.write_json(out / "config.json", mnn_config.runtime_config(
-            arch.runtime_config(), options.thread_num, embedding_file))
-    with _stage(timings, "tokenizer"):
-        _write_tokenizer(checkpoint, out)
-    _remove_tree(work)
+    with _stage(timings, f"{label}rebuild"):
+        json_to_mnn(rebuilt.graph, work / f"{stem}.rebuilt.json", out / f"{stem}.mnn")
+    return rebuilt
 
 
 def _convert_expert_template(arch: Architecture, work: Path):

@@ -11,6 +11,7 @@ from __future__ import annotations
 import abc
 from dataclasses import dataclass
 from enum import Enum
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -58,6 +59,40 @@ class GraphInputs:
     names: list[str]
     dynamic_axes: dict[str, dict[int, str]]
     output_names: list[str]
+
+
+class Tower(abc.ABC):
+    """A multimodal encoder exported as its own MNN graph (``{name}.mnn`` + ``{name}.mnn.weight``).
+
+    Same streaming contract as the text graph: placeholder linears in ``build_graph``, weights
+    pulled per linear by name. ``llm_config``/``runtime_config`` return the keys the runtime reads
+    for this tower; ``verify`` compares the exported tower with HF and returns a report section.
+    """
+
+    #: file stem and report key ("visual", "audio")
+    name: str = ""
+
+    @abc.abstractmethod
+    def linears(self) -> list["LinearSpec"]: ...
+
+    @abc.abstractmethod
+    def linear_weight(self, name: str) -> tuple[torch.Tensor, torch.Tensor | None]: ...
+
+    @abc.abstractmethod
+    def build_graph(self) -> nn.Module: ...
+
+    @abc.abstractmethod
+    def graph_inputs(self) -> "GraphInputs": ...
+
+    def llm_config(self) -> dict[str, Any]:
+        return {}
+
+    def runtime_config(self) -> dict[str, Any]:
+        return {}
+
+    def verify(self, export_dir: "Path", stored_text: "StoredWeights") -> dict[str, Any]:
+        """Tower parity against HF; must contain a boolean ``passed`` and ``failures`` list."""
+        return {"passed": True, "failures": []}
 
 
 @dataclass(frozen=True)
@@ -131,6 +166,10 @@ class Architecture(abc.ABC):
     def expert_template(self) -> ExpertTemplate | None:
         """Routed experts to export as MNN MoE subgraphs, if the family has any."""
         return None
+
+    def towers(self) -> list[Tower]:
+        """Multimodal encoders present in the checkpoint and exported beside the text graph."""
+        return []
 
     # --- runtime files -----------------------------------------------------------------
     @abc.abstractmethod

@@ -133,8 +133,11 @@ def build_gemma4_checkpoint(
     seed: int = 0,
     dtype: torch.dtype = torch.float32,
     text_only: bool = False,
+    vision_config: dict[str, Any] | None = None,
+    audio_config: dict[str, Any] | None = None,
 ) -> Path:
-    """Write a random-weight Gemma4 checkpoint for arbitrary text-config keyword arguments."""
+    """Write a random-weight Gemma4 checkpoint for arbitrary text-config keyword arguments
+    (and optional vision/audio tower configs, multimodal layout only)."""
     from transformers import Gemma4Config, Gemma4ForCausalLM, Gemma4ForConditionalGeneration, Gemma4TextConfig
 
     out = Path(out_dir)
@@ -144,8 +147,12 @@ def build_gemma4_checkpoint(
     if text_only:
         model = Gemma4ForCausalLM(text_config)
     else:
-        config = Gemma4Config(text_config=text_config.to_dict(), vision_config=None, audio_config=None,
-                              tie_word_embeddings=text_config.tie_word_embeddings)
+        ids = {name: SPECIAL_TOKENS[name][1] for name in SPECIAL_TOKENS}
+        config = Gemma4Config(text_config=text_config.to_dict(), vision_config=vision_config,
+                              audio_config=audio_config, tie_word_embeddings=text_config.tie_word_embeddings,
+                              boi_token_id=ids["boi"], eoi_token_id=ids["eoi"], image_token_id=ids["image"],
+                              boa_token_id=ids["boa"], eoa_token_index=ids["eoa"], audio_token_id=ids["audio"],
+                              video_token_id=ids["video"])
         model = Gemma4ForConditionalGeneration(config)
     generator = torch.Generator().manual_seed(seed + 1)
     with torch.no_grad():
