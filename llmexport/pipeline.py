@@ -83,7 +83,7 @@ def _export_mnn(arch: Architecture, graph, checkpoint: Checkpoint, out: Path, op
     work = out / ".work"
     work.mkdir()
     rebuilt = _export_graph("llm", graph, arch.graph_inputs(TRACE_SEQ_LEN), arch.linears(), arch.linear_weight,
-                            options.scheme_for, out, work, options, timings, _convert_expert_template(arch, work))
+                            options.scheme_for, out, work, options, timings, _convert_expert_templates(arch, work))
     files: dict[str, Any] = {}
     family_llm, family_runtime = dict(arch.llm_config()), dict(arch.runtime_config())
     for tower in arch.towers():
@@ -103,7 +103,7 @@ def _export_mnn(arch: Architecture, graph, checkpoint: Checkpoint, out: Path, op
 
 
 def _export_graph(stem: str, graph, inputs, linears, weight_fn, scheme_fn, out: Path, work: Path,
-                  options: ExportOptions, timings: dict[str, float], experts=None):
+                  options: ExportOptions, timings: dict[str, float], experts=()):
     """One graph: trace -> ONNX -> MNN -> JSON -> rebuilt with streamed weights -> {stem}.mnn(.weight)."""
     from llmexport.mnn.convert import json_to_mnn, mnn_to_json, onnx_to_mnn
     from llmexport.mnn.rebuild import rebuild_graph
@@ -123,22 +123,22 @@ def _export_graph(stem: str, graph, inputs, linears, weight_fn, scheme_fn, out: 
     return rebuilt
 
 
-def _convert_expert_template(arch: Architecture, work: Path):
-    """Trace and convert the one-expert template graph (None when the family has no experts)."""
+def _convert_expert_templates(arch: Architecture, work: Path) -> list:
+    """Trace and convert each expert template graph: [(converted JSON, template), ...]."""
     import torch
 
     from llmexport.mnn.convert import mnn_to_json, onnx_to_mnn
     from llmexport.models.base import GraphInputs
     from llmexport.onnx_export import export_onnx
 
-    template = arch.expert_template()
-    if template is None:
-        return None
-    inputs = GraphInputs((torch.randn(TRACE_SEQ_LEN, template.hidden_size),), ["hidden_states"],
-                         {"hidden_states": {0: "tokens"}}, ["expert_out"])
-    export_onnx(template.module, inputs, work / "expert.onnx", for_mnn=True)
-    onnx_to_mnn(work / "expert.onnx", work / "expert.mnn")
-    return mnn_to_json(work / "expert.mnn", work / "expert.json"), template
+    converted = []
+    for i, template in enumerate(arch.expert_templates()):
+        inputs = GraphInputs((torch.randn(TRACE_SEQ_LEN, template.hidden_size),), ["hidden_states"],
+                             {"hidden_states": {0: "tokens"}}, ["expert_out"])
+        export_onnx(template.module, inputs, work / f"expert{i}.onnx", for_mnn=True)
+        onnx_to_mnn(work / f"expert{i}.onnx", work / f"expert{i}.mnn")
+        converted.append((mnn_to_json(work / f"expert{i}.mnn", work / f"expert{i}.json"), template))
+    return converted
 
 
 def _write_tables(arch: Architecture, out: Path, options: ExportOptions, records, files: dict[str, Any]) -> str | None:

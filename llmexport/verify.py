@@ -111,6 +111,7 @@ def verify_export(export_dir: Path, model_path: Path, steps: int = 24, prompt_id
                    "greedy_match": greedy_ref == run.greedy_ids, **_summary(_step_stats(run.forced_logits, ref_logits))},
         "fp32": _summary(_step_stats(run.forced_logits, fp32_logits)),
     }
+    report["towers"] = {tower.name: tower.verify(export_dir, stored) for tower in arch.towers()}
     bits = {int(r["quanParameter"].get("aMaxOrBits", 16)) if r["quanParameter"].get("type") == 1 else 16
             for r in _records(export_dir)}
     _judge(report, Bounds.for_export(bits))
@@ -139,6 +140,8 @@ def _judge(report: dict[str, Any], bounds: Bounds) -> None:
         failures.append(f"max abs logit error {oracle['max_abs_err']:.5f} >= {bounds.max_abs_err}")
     if not report["tokenizer"]["agree"]:
         failures.append(f"tokenizer disagrees on {len(report['tokenizer']['mismatches'])} sample(s)")
+    for name, tower in report.get("towers", {}).items():
+        failures += [f"{name}: {failure}" for failure in tower["failures"]]
     report["bounds"] = {"max_abs_err": bounds.max_abs_err}
     report["failures"] = failures
     report["passed"] = not failures

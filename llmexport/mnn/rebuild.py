@@ -159,16 +159,17 @@ def _expert_subgraphs(rb: _Rebuilder, template: dict[str, Any], experts: ExpertT
 def rebuild_graph(graph: dict[str, Any], linears: Iterable[LinearSpec], weight_fn: WeightFn,
                   scheme_fn: SchemeFn, weight_file: BinaryIO, use_gpu: bool = True,
                   progress: Callable[[int], None] | None = None,
-                  experts: tuple[dict[str, Any], ExpertTemplate] | None = None) -> RebuildResult:
+                  experts: Iterable[tuple[dict[str, Any], ExpertTemplate]] = ()) -> RebuildResult:
     """Rewrite ``graph`` in place and stream every linear's weights into ``weight_file``.
 
-    ``experts``: the converted expert template graph and its instances, which become the
+    ``experts``: converted expert template graphs with their instances, which become the
     ``/expert/{layer}_{e}`` subgraphs MNN's MoE op runs.
     """
     rb = _Rebuilder(linears, weight_fn, scheme_fn, weight_file, use_gpu, progress)
     graph["oplists"] = rb.ops(graph["oplists"], graph["tensorName"], rank=3)
-    if experts is not None:
-        graph["subgraphs"] = _expert_subgraphs(rb, *experts)
+    subgraphs = [sub for template_json, template in experts for sub in _expert_subgraphs(rb, template_json, template)]
+    if subgraphs:
+        graph["subgraphs"] = subgraphs
     missing = set(rb.specs) - set(rb.records)
     if missing:
         raise ConversionError(f"{len(missing)} linear(s) missing from the traced graph, e.g. {sorted(missing)[0]!r}")

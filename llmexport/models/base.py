@@ -163,9 +163,11 @@ class Architecture(abc.ABC):
     def graph_inputs(self, seq_len: int) -> GraphInputs:
         """Tracing inputs in the runtime's layout."""
 
-    def expert_template(self) -> ExpertTemplate | None:
-        """Routed experts to export as MNN MoE subgraphs, if the family has any."""
-        return None
+    def expert_templates(self) -> list[ExpertTemplate]:
+        """Routed experts to export as MNN MoE subgraphs (one template per kind of expert).
+        Instances of all templates share one namespace ``/expert/{layer_id}_{e}``: a family with
+        two kinds of routed modules in one layer gives them distinct ``layer_id`` values."""
+        return []
 
     def towers(self) -> list[Tower]:
         """Multimodal encoders present in the checkpoint and exported beside the text graph."""

@@ -187,15 +187,15 @@ class Gemma4(Architecture):
             axes["ple_embeddings"] = {1: "seq_len"}
         return GraphInputs(tuple(args), names, axes, ["logits", "hidden_states"])
 
-    def expert_template(self) -> ExpertTemplate | None:
+    def expert_templates(self) -> list[ExpertTemplate]:
         a = self.args
         if a.moe is None:
-            return None
+            return []
         marker = "@expert@"
         instances = tuple((layer.index, e, f"{a.prefix}layers.{layer.index}.experts.{e}")
                           for layer in a.layers for e in range(a.moe.num_experts))
-        return ExpertTemplate(Expert(marker + ".", a.hidden_size, a.moe.width).eval(), marker, a.hidden_size,
-                              instances)
+        return [ExpertTemplate(Expert(marker + ".", a.hidden_size, a.moe.width).eval(), marker, a.hidden_size,
+                               instances)]
 
     def describe(self) -> dict[str, Any]:
         a = self.args
