@@ -8,9 +8,8 @@ into a torch tensor only when asked for, so a 30 GB checkpoint costs a few MB to
 from __future__ import annotations
 
 import json
-import mmap
+import os
 import struct
-import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator
@@ -94,12 +93,61 @@ def _entry(path: Path, name: str, info: Any, data_start: int, size: int) -> Tens
     return TensorEntry(path, dtype, tuple(shape), begin, end)
 
 
+class LazyTensor:
+    """A tensor left on disk: reads all of it, some rows of it, or row chunks, on demand.
+
+    Reads go through ``pread`` into private buffers rather than a memory map, so what the
+    process holds is exactly what it asked for: a 5 GB table streamed in 64 MB chunks never
+    becomes 5 GB of resident pages.
+    """
+
+    def __init__(self, entry: TensorEntry):
+        self.entry = entry
+        self.shape = torch.Size(entry.shape)
+        self.dtype = entry.dtype
+
+    @property
+    def row_bytes(self) -> int:
+        rows = self.shape[0] if self.shape else 1
+        return self.entry.nbytes // max(rows, 1)
+
+    def _read(self, begin: int, size: int, shape: tuple[int, ...]) -> torch.Tensor:
+        buf = bytearray(size)
+        with self.entry.file.open("rb", buffering=0) as f:
+            view, done = memoryview(buf), 0
+            while done < size:
+                got = os.preadv(f.fileno(), [view[done:]], begin + done)
+                if got <= 0:
+                    raise InputError(f"{self.entry.file}: file shrank while reading")
+                done += got
+        if size == 0:
+            return torch.empty(shape, dtype=self.dtype)
+        return torch.frombuffer(buf, dtype=torch.uint8).view(self.dtype).view(shape)
+
+    def read(self) -> torch.Tensor:
+        return self._read(self.entry.begin, self.entry.nbytes, tuple(self.shape))
+
+    def rows(self, start: int, stop: int) -> torch.Tensor:
+        """Rows [start, stop) along the first dimension."""
+        stop = min(stop, self.shape[0])
+        return self._read(self.entry.begin + start * self.row_bytes, (stop - start) * self.row_bytes,
+                          (stop - start, *self.shape[1:]))
+
+    def row_chunks(self, max_bytes: int = 64 << 20) -> Iterator[torch.Tensor]:
+        step = max(1, max_bytes // max(self.row_bytes, 1))
+        for start in range(0, self.shape[0], step):
+            yield self.rows(start, start + step)
+
+    def take(self, ids: torch.Tensor) -> torch.Tensor:
+        """Rows at ``ids`` (an embedding lookup), in order."""
+        return torch.stack([self.rows(int(i), int(i) + 1)[0] for i in ids.reshape(-1)])
+
+
 class SafetensorsIndex:
     """Lazy name -> tensor access over one or many safetensors files."""
 
     def __init__(self, entries: dict[str, TensorEntry]):
         self._entries = entries
-        self._maps: dict[Path, mmap.mmap] = {}
 
     @classmethod
     def open(cls, folder: Path) -> "SafetensorsIndex":
@@ -132,21 +180,12 @@ class SafetensorsIndex:
     def shape(self, name: str) -> tuple[int, ...]:
         return self.entry(name).shape
 
+    def lazy(self, name: str) -> "LazyTensor":
+        return LazyTensor(self.entry(name))
+
     def tensor(self, name: str) -> torch.Tensor:
-        """The tensor as stored (dtype kept), backed by the memory map until it is copied."""
-        e = self.entry(name)
-        if e.nbytes == 0:
-            return torch.empty(e.shape, dtype=e.dtype)
-        mm = self._maps.get(e.file)
-        if mm is None:
-            with e.file.open("rb") as f:
-                mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
-            self._maps[e.file] = mm
-        with warnings.catch_warnings():
-            # The map is read-only; tensors handed out are never written to (callers copy).
-            warnings.simplefilter("ignore", UserWarning)
-            flat = torch.frombuffer(memoryview(mm)[e.begin:e.end], dtype=torch.uint8)
-        return flat.view(e.dtype).view(e.shape)
+        """The whole tensor as stored (dtype kept), read into fresh memory."""
+        return self.lazy(name).read()
 
     def total_bytes(self) -> int:
         return sum(e.nbytes for e in self._entries.values())

@@ -13,6 +13,7 @@ from typing import Callable
 import torch
 from torch import nn
 
+from llmexport.checkpoint import LazyTensor
 from llmexport.models.base import Architecture
 from llmexport.ops import PlaceholderLinear
 
@@ -41,13 +42,17 @@ def _causal(seq: int, window: int | None) -> torch.Tensor:
     return torch.where(allowed, 0.0, lowest).view(1, 1, seq, seq)
 
 
+def _rows(table, ids: torch.Tensor) -> torch.Tensor:
+    return table.take(ids) if isinstance(table, LazyTensor) else table[ids]
+
+
 def prompt_inputs(arch: Architecture, ids: torch.Tensor, embedding: torch.Tensor,
                   ple: torch.Tensor | None, all_logits: bool = True) -> tuple[torch.Tensor, ...]:
     """Graph inputs for a whole prompt; ``embedding``/``ple`` are the tables the runtime reads."""
     config = arch.llm_config()
     seq = int(ids.numel())
     ids = ids.view(-1).long()
-    embeds = embedding[ids].float().view(seq, 1, -1)
+    embeds = _rows(embedding, ids).float().view(seq, 1, -1)
     if config.get("attention_type") == "mix":
         mask = torch.stack([_causal(seq, None), _causal(seq, int(config["sliding_window"]))])
     else:
@@ -56,5 +61,5 @@ def prompt_inputs(arch: Architecture, ids: torch.Tensor, embedding: torch.Tensor
     logits_index = torch.tensor([0 if all_logits else -1], dtype=torch.int32)
     args = [embeds, mask, positions, logits_index]
     if ple is not None:
-        args.append(ple[ids].float().view(1, seq, -1) * float(config["ple_embed_scale"]))
+        args.append(_rows(ple, ids).float().view(1, seq, -1) * float(config["ple_embed_scale"]))
     return tuple(args)

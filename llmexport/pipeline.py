@@ -172,7 +172,7 @@ def _write_tables(arch: Architecture, out: Path, options: ExportOptions, records
 
 def _table(writer, fileobj, table, options: ExportOptions, what: str):
     try:
-        return writer(fileobj, table, options.table_bits, options.quant.block)
+        return writer(fileobj, table.row_chunks(), options.table_bits, options.quant.block)
     except ValueError as exc:
         raise InputError(f"--embed_bit/--quant_block: {what} table of width {table.shape[-1]}: {exc}") from None
 

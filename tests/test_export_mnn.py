@@ -75,3 +75,12 @@ def test_untied_export_writes_its_embedding_file(exported):
     assert (out / "embeddings_bf16.bin").stat().st_size == 512 * 64 * 2
     assert "tie_embeddings" not in json.loads((out / "llm_config.json").read_text())
     assert report["passed"]
+
+
+@pytest.mark.slow
+def test_media_token_ids_in_plain_text_reach_the_text_graph_as_themselves(exported, tiny_gemma4):
+    """Stray media-token ids (image 9, audio 12) in a text prompt: runtime and text oracle agree."""
+    out, _, _ = exported("e2b", 16)
+    prompt = [2, 5, 30, 9, 9, 41, 12, 77, 6, 5] + list(range(100, 110))
+    report = verify_export(out, tiny_gemma4("e2b"), steps=8, prompt_ids=prompt)
+    assert report["passed"], report["failures"]

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from llmexport.checkpoint import Checkpoint
+from llmexport.checkpoint import Checkpoint, LazyTensor
 
 
 class LinearRole(str, Enum):
@@ -147,10 +147,10 @@ class Architecture(abc.ABC):
         """True when the runtime reads the token embedding out of the lm_head record."""
 
     @abc.abstractmethod
-    def embedding_table(self) -> torch.Tensor:
-        """The token embedding [vocab, hidden] as stored (lazy, memory-mapped)."""
+    def embedding_table(self) -> LazyTensor:
+        """The token embedding [vocab, hidden], left on disk until rows are asked for."""
 
-    def ple_table(self) -> torch.Tensor | None:
+    def ple_table(self) -> LazyTensor | None:
         """A per-layer-embedding table [vocab, layers * dim], if the family has one."""
         return None
 

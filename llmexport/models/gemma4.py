@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from llmexport.checkpoint import Checkpoint
+from llmexport.checkpoint import Checkpoint, LazyTensor
 from llmexport.errors import InputError
 from llmexport.models import register
 from llmexport.models.base import Architecture, ExpertTemplate, GraphInputs, LinearRole, LinearSpec, StoredWeights
@@ -151,22 +151,20 @@ class Gemma4(Architecture):
 
     def linear_weight(self, name: str) -> tuple[torch.Tensor, torch.Tensor | None]:
         tensor_name, expert = self._checkpoint_name(name)
-        weight = self.checkpoint.weights.tensor(tensor_name)
-        if expert is not None:
-            weight = weight[expert]
-        return weight, None
+        lazy = self.checkpoint.weights.lazy(tensor_name)
+        return (lazy.read() if expert is None else lazy.rows(expert, expert + 1)[0]), None
 
     @property
     def tied_embedding(self) -> bool:
         return self.args.tie_embeddings
 
-    def embedding_table(self) -> torch.Tensor:
-        return self.checkpoint.weights.tensor(self.args.prefix + "embed_tokens.weight")
+    def embedding_table(self) -> LazyTensor:
+        return self.checkpoint.weights.lazy(self.args.prefix + "embed_tokens.weight")
 
-    def ple_table(self) -> torch.Tensor | None:
+    def ple_table(self) -> LazyTensor | None:
         if not self.args.ple_dim:
             return None
-        return self.checkpoint.weights.tensor(self.args.prefix + "embed_tokens_per_layer.weight")
+        return self.checkpoint.weights.lazy(self.args.prefix + "embed_tokens_per_layer.weight")
 
     # --- graph ------------------------------------------------------------------------------
     def build_graph(self) -> nn.Module:
@@ -260,9 +258,20 @@ class Gemma4(Architecture):
                 (param[expert] if expert is not None else param).copy_(value.float())
 
     def reference_logits(self, model: nn.Module, ids: torch.Tensor) -> torch.Tensor:
+        """Logits of HF's text decoder + lm_head + softcapping for a text prompt.
+
+        The decoder is called directly, not through ``Gemma4ForConditionalGeneration``: that
+        wrapper turns media-token ids into pad ids (meant for prompts carrying media), whereas
+        a media token in plain text reaches the runtime's text graph as itself.
+        """
         ids = ids.view(1, -1)
+        decoder = getattr(model.model, "language_model", model.model)
         # A tensor logits_to_keep (all positions) also keeps HF from its KV-shared-layer
         # slicing shortcut, which fails on checkpoints with KV sharing but no PLE.
         keep = torch.arange(ids.shape[1])
         with torch.no_grad():
-            return model(input_ids=ids, use_cache=False, logits_to_keep=keep).logits[0].float()
+            hidden = decoder(input_ids=ids, use_cache=False, logits_to_keep=keep).last_hidden_state
+            logits = model.lm_head(hidden)[0].float()
+            if self.args.final_softcap:
+                logits = torch.tanh(logits / self.args.final_softcap) * self.args.final_softcap
+        return logits
