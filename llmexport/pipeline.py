@@ -20,6 +20,7 @@ from llmexport.models import architecture_for
 from llmexport.models.base import Architecture
 from llmexport.options import ExportFormat, ExportOptions
 from llmexport.export_plan import export_plan, write_manifest
+from llmexport.progress import Progress
 
 log = logging.getLogger(__name__)
 TRACE_SEQ_LEN = 3
@@ -115,9 +116,13 @@ def _export_graph(stem: str, graph, inputs, linears, weight_fn, scheme_fn, out: 
     with _stage(timings, f"{label}convert"):
         onnx_to_mnn(work / f"{stem}.onnx", work / f"{stem}.mnn")
         graph_json = mnn_to_json(work / f"{stem}.mnn", work / f"{stem}.mnn.json")
-    with _stage(timings, f"{label}weights"), open(out / f"{stem}.mnn.weight", "wb") as weight_file:
+    linears = list(linears)
+    total = sum(spec.in_features * spec.out_features for spec in linears)
+    with _stage(timings, f"{label}weights"), open(out / f"{stem}.mnn.weight", "wb") as weight_file, \
+            Progress(f"{stem} weights", total, options.quiet, unit="param") as progress:
         rebuilt = rebuild_graph(graph_json, linears, weight_fn, scheme_fn, weight_file,
-                                use_gpu=options.use_gpu, experts=experts)
+                                use_gpu=options.use_gpu, experts=experts,
+                                progress=progress.update)
     with _stage(timings, f"{label}rebuild"):
         json_to_mnn(rebuilt.graph, work / f"{stem}.rebuilt.json", out / f"{stem}.mnn")
     return rebuilt

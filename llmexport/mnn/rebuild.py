@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 import logging
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, BinaryIO, Callable, Iterable
 
@@ -100,6 +101,38 @@ def _moe_op(op: dict[str, Any]) -> dict:
     return moe
 
 
+class _Prefetcher:
+    """Reads the next linear's weights on a worker thread while the current one is quantized
+    (file reads and torch kernels both release the GIL)."""
+
+    def __init__(self, order: list[str], weight_fn: WeightFn):
+        self.order, self.weight_fn = order, weight_fn
+        self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="llmexport-read")
+        self.pending: dict[str, Future] = {}
+        self.position = 0
+        self._schedule()
+
+    def _schedule(self) -> None:
+        if self.position < len(self.order) and not self.pending:
+            name = self.order[self.position]
+            self.pending[name] = self.pool.submit(self.weight_fn, name)
+
+    def get(self, name: str):
+        future = self.pending.pop(name, None)
+        if future is None:  # out of the expected order: read directly
+            return self.weight_fn(name)
+        self.position += 1
+        self._schedule()
+        return future.result()
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=True, cancel_futures=True)
+
+
+def _linear_order(ops: list[dict], rename: Callable[[str], str] = str) -> list[str]:
+    return [rename(extra_attrs(op)["name"]) for op in ops if _extra_type(op) == "Linear"]
+
+
 class _Rebuilder:
     def __init__(self, linears: Iterable[LinearSpec], weight_fn: WeightFn, scheme_fn: SchemeFn,
                  weight_file: BinaryIO, use_gpu: bool, progress: Callable[[int], None] | None):
@@ -112,16 +145,17 @@ class _Rebuilder:
         self.weight_fn, self.scheme_fn, self.progress = weight_fn, scheme_fn, progress
         self.records: dict[str, LinearRecord] = {}
         self.schemes: dict[str, QuantScheme] = {}
+        self.reader: _Prefetcher | None = None
 
     def linear(self, name: str) -> LinearRecord:
         spec = self.specs.get(name)
         if spec is None or name in self.records:
             raise ConversionError(f"graph linear {name!r} is unknown or appears twice")
-        weight, bias = self.weight_fn(name)
+        weight, bias = self.reader.get(name) if self.reader else self.weight_fn(name)
         scheme = self.schemes[name] = self.scheme_fn(spec)
         self.records[name] = self.writer.write_linear(weight, bias, scheme, self.quantizers[scheme.method])
         if self.progress:
-            self.progress(weight.numel() * weight.element_size())
+            self.progress(weight.numel())
         return self.records[name]
 
     def ops(self, ops: list[dict], tensors: list[str], rank: int, rename: Callable[[str], str] = str) -> list[dict]:
@@ -165,9 +199,18 @@ def rebuild_graph(graph: dict[str, Any], linears: Iterable[LinearSpec], weight_f
     ``experts``: converted expert template graphs with their instances, which become the
     ``/expert/{layer}_{e}`` subgraphs MNN's MoE op runs.
     """
+    experts = list(experts)
     rb = _Rebuilder(linears, weight_fn, scheme_fn, weight_file, use_gpu, progress)
-    graph["oplists"] = rb.ops(graph["oplists"], graph["tensorName"], rank=3)
-    subgraphs = [sub for template_json, template in experts for sub in _expert_subgraphs(rb, template_json, template)]
+    order = _linear_order(graph["oplists"]) + [
+        name for template_json, template in experts for _, _, replacement in template.instances
+        for name in _linear_order(template_json["oplists"], lambda n: n.replace(template.marker, replacement))]
+    rb.reader = _Prefetcher(order, weight_fn)
+    try:
+        graph["oplists"] = rb.ops(graph["oplists"], graph["tensorName"], rank=3)
+        subgraphs = [sub for template_json, template in experts
+                     for sub in _expert_subgraphs(rb, template_json, template)]
+    finally:
+        rb.reader.close()
     if subgraphs:
         graph["subgraphs"] = subgraphs
     missing = set(rb.specs) - set(rb.records)
