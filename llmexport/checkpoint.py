@@ -71,7 +71,7 @@ def _parse_header(path: Path) -> dict[str, TensorEntry]:
 def _entry(path: Path, name: str, info: Any, data_start: int, size: int) -> TensorEntry:
     if not isinstance(info, dict) or not {"dtype", "shape", "data_offsets"} <= info.keys():
         raise InputError(f"{path}: corrupt safetensors header entry for {name!r}")
-    if info["dtype"] not in _DTYPES:
+    if not isinstance(info["dtype"], str) or info["dtype"] not in _DTYPES:
         raise InputError(f"{path}: tensor {name!r} has unsupported dtype {info['dtype']!r} "
                          f"(expected one of {', '.join(sorted(_DTYPES))})")
     dtype, itemsize = _DTYPES[info["dtype"]]

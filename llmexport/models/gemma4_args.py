@@ -90,10 +90,33 @@ class Gemma4TextArgs:
         return math.sqrt(self.hidden_size)
 
 
-def _require(cfg: dict[str, Any], key: str, kind: type | tuple, where: str) -> Any:
+def _int(cfg: dict[str, Any], key: str, where: str, default: int | None = None, minimum: int = 1) -> int:
+    """An integer config value >= ``minimum`` (None/absent -> ``default``, which None makes required)."""
     value = cfg.get(key)
-    if not isinstance(value, kind) or isinstance(value, bool) and kind is not bool:
-        raise InputError(f"{where}: '{key}' missing or not {getattr(kind, '__name__', kind)}")
+    if value is None:
+        if default is None:
+            raise InputError(f"{where}: '{key}' is missing (expected an integer)")
+        return default
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise InputError(f"{where}: '{key}' must be an integer >= {minimum}, got {value!r}")
+    return value
+
+
+def _float(cfg: dict[str, Any], key: str, where: str, default: float | None) -> float | None:
+    value = cfg.get(key)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+        raise InputError(f"{where}: '{key}' must be a positive number, got {value!r}")
+    return float(value)
+
+
+def _flag(cfg: dict[str, Any], key: str, where: str, default: bool) -> bool:
+    value = cfg.get(key)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise InputError(f"{where}: '{key}' must be true or false, got {value!r}")
     return value
 
 
@@ -117,45 +140,48 @@ def _kv_sources(layer_types: list[str], num_shared: int, where: str) -> tuple[li
 
 def parse_text_args(config: dict[str, Any], prefix: str, where: str) -> Gemma4TextArgs:
     cfg = config
-    n = _require(cfg, "num_hidden_layers", int, where)
-    hidden = _require(cfg, "hidden_size", int, where)
-    heads = _require(cfg, "num_attention_heads", int, where)
+    n, hidden, heads = (_int(cfg, k, where) for k in ("num_hidden_layers", "hidden_size", "num_attention_heads"))
     layer_types = cfg.get("layer_types")
     if not isinstance(layer_types, list) or len(layer_types) != n or set(layer_types) - {SLIDING, FULL}:
         raise InputError(f"{where}: 'layer_types' must list {n} of {SLIDING!r}/{FULL!r}")
     per_layer = _per_layer_overrides(cfg.get("per_layer_config") or {}, layer_types, where)
-    sources, stores = _kv_sources(layer_types, int(cfg.get("num_kv_shared_layers") or 0), where)
-    k_eq_v = bool(cfg.get("attention_k_eq_v", False))
-    width = _require(cfg, "intermediate_size", int, where)
-    double_wide = bool(cfg.get("use_double_wide_mlp", False))
+    sources, stores = _kv_sources(layer_types, _int(cfg, "num_kv_shared_layers", where, 0, minimum=0), where)
+    k_eq_v = _flag(cfg, "attention_k_eq_v", where, False)
+    width = _int(cfg, "intermediate_size", where)
+    double_wide = _flag(cfg, "use_double_wide_mlp", where, False)
     layers = []
     for i, kind in enumerate(layer_types):
-        override = per_layer.get(i, {})
+        merged = {**cfg, **per_layer.get(i, {})}
+        head_dim, kv_heads = _int(merged, "head_dim", where), _int(merged, "num_key_value_heads", where)
+        if head_dim % 2 or heads % kv_heads:
+            raise InputError(f"{where}: layer {i}: head_dim {head_dim} must be even and "
+                             f"{heads} heads divisible by {kv_heads} KV heads")
         layers.append(LayerSpec(
-            index=i, kind=kind,
-            head_dim=int(override.get("head_dim", _require(cfg, "head_dim", int, where))),
-            kv_heads=int(override.get("num_key_value_heads", _require(cfg, "num_key_value_heads", int, where))),
+            index=i, kind=kind, head_dim=head_dim, kv_heads=kv_heads,
             kv_source=sources[i], k_eq_v=k_eq_v and kind == FULL,
             mlp_width=width * (2 if double_wide and sources[i] >= 0 else 1),
             stores_kv=i in stores,
         ))
     rope = _rope_specs(cfg, layers, where)
     moe = None
-    if cfg.get("enable_moe_block"):
-        moe = MoESpec(_require(cfg, "num_experts", int, where), _require(cfg, "top_k_experts", int, where),
-                      _require(cfg, "moe_intermediate_size", int, where))
-    ple_dim = int(cfg.get("hidden_size_per_layer_input") or 0)
-    vocab = _require(cfg, "vocab_size", int, where)
+    if _flag(cfg, "enable_moe_block", where, False):
+        moe = MoESpec(*(_int(cfg, k, where) for k in ("num_experts", "top_k_experts", "moe_intermediate_size")))
+        if moe.top_k > moe.num_experts:
+            raise InputError(f"{where}: top_k_experts {moe.top_k} > num_experts {moe.num_experts}")
+    vocab = _int(cfg, "vocab_size", where)
+    activation = cfg.get("hidden_activation", "gelu_pytorch_tanh")
+    if activation != "gelu_pytorch_tanh":
+        raise InputError(f"{where}: hidden_activation {activation!r} is not supported (gelu_pytorch_tanh)")
     return Gemma4TextArgs(
         prefix=prefix, vocab_size=vocab, hidden_size=hidden, num_heads=heads,
-        eps=float(cfg.get("rms_norm_eps", 1e-6)), sliding_window=int(cfg.get("sliding_window") or 0),
-        layers=tuple(layers), rope=rope, ple_dim=ple_dim,
-        ple_vocab=int(cfg.get("vocab_size_per_layer_input") or vocab),
-        final_softcap=cfg.get("final_logit_softcapping"),
-        tie_embeddings=bool(cfg.get("tie_word_embeddings", True)),
-        activation=str(cfg.get("hidden_activation", "gelu_pytorch_tanh")), moe=moe,
-        max_position_embeddings=int(cfg.get("max_position_embeddings") or 131072),
-        pad_token_id=int(cfg.get("pad_token_id") or 0),
+        eps=_float(cfg, "rms_norm_eps", where, 1e-6), sliding_window=_int(cfg, "sliding_window", where, 0, 0),
+        layers=tuple(layers), rope=rope, ple_dim=_int(cfg, "hidden_size_per_layer_input", where, 0, 0),
+        ple_vocab=_int(cfg, "vocab_size_per_layer_input", where, vocab),
+        final_softcap=_float(cfg, "final_logit_softcapping", where, None),
+        tie_embeddings=_flag(cfg, "tie_word_embeddings", where, True),
+        activation=activation, moe=moe,
+        max_position_embeddings=_int(cfg, "max_position_embeddings", where, 131072),
+        pad_token_id=_int(cfg, "pad_token_id", where, 0, 0),
     )
 
 
@@ -185,16 +211,21 @@ def _rope_specs(cfg: dict[str, Any], layers: list[LayerSpec], where: str) -> dic
     specs = {}
     for kind in sorted({layer.kind for layer in layers}):  # sorted: trace order must be deterministic
         p = params.get(kind)
-        if not isinstance(p, dict) or "rope_theta" not in p:
-            raise InputError(f"{where}: rope_parameters[{kind!r}] needs 'rope_theta'")
-        head_dim = next(layer.head_dim for layer in layers if layer.kind == kind)
+        label = f"{where}: rope_parameters[{kind!r}]"
+        if not isinstance(p, dict):
+            raise InputError(f"{label} must be an object with 'rope_theta'")
+        head_dims = {layer.head_dim for layer in layers if layer.kind == kind}
+        if len(head_dims) != 1:
+            raise InputError(f"{where}: {kind} layers disagree on head_dim {sorted(head_dims)}")
+        head_dim = head_dims.pop()
         rope_type = p.get("rope_type", "default")
-        if rope_type == "default":
-            pairs = head_dim // 2
-        elif rope_type == "proportional":
-            pairs = int(float(p.get("partial_rotary_factor", 1.0)) * head_dim // 2)
-        else:
-            raise InputError(f"{where}: rope_type {rope_type!r} for {kind} is not supported "
-                             "(supported: default, proportional)")
-        specs[kind] = RopeSpec(float(p["rope_theta"]), head_dim, pairs, float(p.get("factor", 1.0)))
+        fraction = _float(p, "partial_rotary_factor", label, 1.0)
+        if rope_type not in ("default", "proportional") or fraction > 1.0:
+            raise InputError(f"{label}: rope_type {rope_type!r} with partial_rotary_factor {fraction} is not "
+                             "supported (default, or proportional with a factor <= 1)")
+        pairs = head_dim // 2 if rope_type == "default" else int(fraction * head_dim // 2)
+        theta = _float(p, "rope_theta", label, None)
+        if theta is None:
+            raise InputError(f"{label}: 'rope_theta' is missing")
+        specs[kind] = RopeSpec(theta, head_dim, pairs, _float(p, "factor", label, 1.0))
     return specs
