@@ -43,6 +43,8 @@ def run_export(path: Path, out: Path, options: ExportOptions) -> ExportResult:
     with _stage(timings, "load"):
         checkpoint = Checkpoint.open(path)
         arch = architecture_for(checkpoint)
+        if options.export is ExportFormat.MNN:
+            checkpoint.tokenizer_file()  # fail before the heavy stages, not after them
         graph = arch.build_graph()
     plan = export_plan(arch, options)
     for adjusted in plan["adjusted_blocks"]:
@@ -185,7 +187,6 @@ def _table(writer, fileobj, table, options: ExportOptions, what: str):
 def _write_tokenizer(checkpoint: Checkpoint, out: Path) -> None:
     from llmexport.mnn.tokenizer import write_mnn_tokenizer
 
-    checkpoint.tokenizer_file()
     try:
         write_mnn_tokenizer(checkpoint.path, out / mnn_config.TOKENIZER_FILE)
     except ValueError as exc:

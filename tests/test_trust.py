@@ -1,0 +1,154 @@
+"""Unattended use: atomic output under failures and SIGKILL, documented exit codes, no network."""
+
+from __future__ import annotations
+
+import errno
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from llmexport.cli import main
+
+SENTINEL = "old export"
+
+
+@pytest.fixture()
+def old_dst(tmp_path):
+    dst = tmp_path / "dst"
+    dst.mkdir()
+    (dst / "previous.txt").write_text(SENTINEL)
+    return dst
+
+
+def _unchanged(dst: Path) -> bool:
+    return sorted(p.name for p in dst.iterdir()) == ["previous.txt"] and (dst / "previous.txt").read_text() == SENTINEL
+
+
+def _no_staging_left(dst: Path) -> bool:
+    return not list(dst.parent.glob(f".{dst.name}.*"))
+
+
+def _cli(*args: str):
+    return CliRunner().invoke(main, list(args))
+
+
+def test_disk_full_during_weight_write(tiny_gemma4, old_dst, monkeypatch):
+    from llmexport.mnn import weights
+
+    original = weights.WeightFileWriter._write
+    calls = {"n": 0}
+
+    def full_disk(self, data):
+        calls["n"] += 1
+        if calls["n"] > 3:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return original(self, data)
+
+    monkeypatch.setattr(weights.WeightFileWriter, "_write", full_disk)
+    result = _cli("--path", str(tiny_gemma4("e2b")), "--dst_path", str(old_dst))
+    assert result.exit_code == 6, result.output
+    assert "No space left on device" in result.output and len(result.output.strip().splitlines()) == 1
+    assert _unchanged(old_dst) and _no_staging_left(old_dst)
+
+
+def test_unwritable_destination(tiny_gemma4, tmp_path):
+    blocker = tmp_path / "a_file"
+    blocker.write_text("not a folder")
+    result = _cli("--path", str(tiny_gemma4("e2b")), "--dst_path", str(blocker / "out"))
+    assert result.exit_code == 6 and str(blocker / "out") in result.output
+
+
+def test_converter_failure_shows_its_log_tail(tiny_gemma4, old_dst, monkeypatch):
+    from llmexport import onnx_export
+
+    def broken_onnx(graph, inputs, path, for_mnn=True):
+        path.write_bytes(b"this is not an onnx file")
+        return path
+
+    monkeypatch.setattr(onnx_export, "export_onnx", broken_onnx)
+    result = _cli("--path", str(tiny_gemma4("e2b")), "--dst_path", str(old_dst))
+    assert result.exit_code == 5
+    assert "MNN converter failed" in result.output and "Start to Convert" in result.output
+    assert _unchanged(old_dst) and _no_staging_left(old_dst)
+
+
+def test_missing_tokenizer_fails_before_any_work(tiny_gemma4, tmp_path, old_dst):
+    model = tmp_path / "m"
+    shutil.copytree(tiny_gemma4("31b"), model)
+    (model / "tokenizer.json").unlink()
+    result = _cli("--path", str(model), "--dst_path", str(old_dst))
+    assert result.exit_code == 3 and "tokenizer.json" in result.output
+    assert _unchanged(old_dst)
+
+
+def test_missing_weight_file_named_in_index(tiny_gemma4, tmp_path, old_dst):
+    import json
+
+    model = tmp_path / "m"
+    shutil.copytree(tiny_gemma4("31b"), model)
+    (model / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"x": "shard-2.safetensors"}}))
+    result = _cli("--path", str(model), "--dst_path", str(old_dst))
+    assert result.exit_code == 3 and "shard-2.safetensors" in result.output
+    assert _unchanged(old_dst)
+
+
+@pytest.fixture(scope="module")
+def wide_model(tmp_path_factory):
+    """A model whose weight write takes long enough to be interrupted."""
+    from conftest import GEMMA4_SHAPES  # noqa: F401  (conftest sets the offline environment)
+    from llmexport.tiny.gemma4 import build_gemma4_checkpoint, text_config_dict, SHAPES
+
+    config = text_config_dict(SHAPES["31b"])
+    config.update(hidden_size=512, intermediate_size=2048, vocab_size=4096, head_dim=64, global_head_dim=64,
+                  num_attention_heads=8, num_key_value_heads=2)
+    return build_gemma4_checkpoint(tmp_path_factory.mktemp("wide"), config)
+
+
+@pytest.mark.slow
+def test_sigkill_during_weight_write_leaves_previous_export_intact(wide_model, old_dst):
+    proc = subprocess.Popen([sys.executable, "-c", "from llmexport.cli import main; main()", "--path",
+                             str(wide_model), "--dst_path", str(old_dst), "--quant_bit", "4", "--hqq"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline, killed_while_writing = time.time() + 120, False
+    while time.time() < deadline and proc.poll() is None:
+        partial = list(old_dst.parent.glob(f".{old_dst.name}.*.partial/llm.mnn.weight"))
+        if partial and partial[0].stat().st_size > 0:
+            os.kill(proc.pid, signal.SIGKILL)
+            killed_while_writing = True
+            break
+        time.sleep(0.002)
+    proc.wait()
+    assert killed_while_writing, "the export finished before the weight write could be interrupted"
+    assert _unchanged(old_dst)
+
+
+@pytest.mark.slow
+def test_whole_export_and_verify_with_sockets_disabled(tiny_gemma4, tmp_path):
+    """Every Python process of the export (CLI, converter, runtime) runs with sockets refused."""
+    guard = tmp_path / "guard"
+    guard.mkdir()
+    attempts = tmp_path / "network-attempts.txt"
+    (guard / "sitecustomize.py").write_text(
+        "import socket\n"
+        f"_LOG = {str(attempts)!r}\n"
+        "def _refuse(*args, **kwargs):\n"
+        "    with open(_LOG, 'a') as f:\n"
+        "        f.write(repr(args) + '\\n')\n"
+        "    raise OSError('network disabled in this test')\n"
+        "socket.socket.connect = _refuse\n"
+        "socket.socket.connect_ex = _refuse\n"
+        "socket.create_connection = _refuse\n"
+        "socket.getaddrinfo = _refuse\n")
+    env = {**os.environ, "PYTHONPATH": str(guard) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    proc = subprocess.run([sys.executable, "-c", "from llmexport.cli import main; main()", "--path",
+                           str(tiny_gemma4("e2b")), "--dst_path", str(tmp_path / "out"), "--verify"],
+                          env=env, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert not attempts.exists(), attempts.read_text()
