@@ -187,12 +187,6 @@ class SafetensorsIndex:
         """The whole tensor as stored (dtype kept), read into fresh memory."""
         return self.lazy(name).read()
 
-    def total_bytes(self) -> int:
-        return sum(e.nbytes for e in self._entries.values())
-
-    def iter_entries(self) -> Iterator[tuple[str, TensorEntry]]:
-        return iter(self._entries.items())
-
 
 def _files_from_index(index_file: Path) -> list[Path]:
     try:

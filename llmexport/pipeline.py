@@ -7,6 +7,7 @@ weights streamed into llm.mnn.weight -> embedding/PLE files -> configs -> tokeni
 from __future__ import annotations
 
 import logging
+import shutil
 import time
 from contextlib import contextmanager
 from pathlib import Path
@@ -102,7 +103,7 @@ def _export_mnn(arch: Architecture, graph, checkpoint: Checkpoint, out: Path, op
             family_runtime, options.thread_num, embedding_file))
     with _stage(timings, "tokenizer"):
         _write_tokenizer(checkpoint, out)
-    _remove_tree(work)
+    shutil.rmtree(work, ignore_errors=True)
 
 
 def _export_graph(stem: str, graph, inputs, linears, weight_fn, scheme_fn, out: Path, work: Path,
@@ -110,6 +111,7 @@ def _export_graph(stem: str, graph, inputs, linears, weight_fn, scheme_fn, out: 
     """One graph: trace -> ONNX -> MNN -> JSON -> rebuilt with streamed weights -> {stem}.mnn(.weight)."""
     from llmexport.mnn.convert import json_to_mnn, mnn_to_json, onnx_to_mnn
     from llmexport.mnn.rebuild import rebuild_graph
+    from llmexport.mnn.external import rehome_external
     from llmexport.onnx_export import export_onnx
 
     label = "" if stem == "llm" else f"{stem}_"
@@ -125,6 +127,8 @@ def _export_graph(stem: str, graph, inputs, linears, weight_fn, scheme_fn, out: 
         rebuilt = rebuild_graph(graph_json, linears, weight_fn, scheme_fn, weight_file,
                                 use_gpu=options.use_gpu, experts=experts,
                                 progress=progress.update)
+        # Constants the converter moved out of the graph (norms wider than 1024, tables, convolutions).
+        rehome_external(rebuilt.graph, work / f"{stem}.mnn.weight", weight_file, skip=rebuilt.records)
     with _stage(timings, f"{label}rebuild"):
         json_to_mnn(rebuilt.graph, work / f"{stem}.rebuilt.json", out / f"{stem}.mnn")
     return rebuilt
@@ -191,9 +195,3 @@ def _write_tokenizer(checkpoint: Checkpoint, out: Path) -> None:
         write_mnn_tokenizer(checkpoint.path, out / mnn_config.TOKENIZER_FILE)
     except ValueError as exc:
         raise InputError(str(exc)) from None
-
-
-def _remove_tree(path: Path) -> None:
-    import shutil
-
-    shutil.rmtree(path, ignore_errors=True)

@@ -43,15 +43,6 @@ class LinearSpec:
 
 
 @dataclass(frozen=True)
-class TableSpec:
-    """An embedding-like table the runtime reads from its own file (main embedding, PLE)."""
-
-    name: str
-    rows: int
-    dim: int
-
-
-@dataclass(frozen=True)
 class GraphInputs:
     """Example inputs for tracing plus their ONNX names and dynamic axes."""
 
