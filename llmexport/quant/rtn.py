@@ -53,8 +53,6 @@ def _check_args(w: torch.Tensor, bits: int, block: int) -> None:
     ic = w.shape[1]
     if block <= 0 or ic % block != 0:
         raise ValueError(f"block {block} must be positive and divide the input width {ic}")
-    if not torch.isfinite(w).all():
-        raise ValueError("weight contains NaN or Inf; it cannot be quantized")
 
 
 def _to_storage(x: torch.Tensor, scale_dtype: torch.dtype) -> torch.Tensor:
@@ -87,21 +85,25 @@ def quantize_rtn(
     offset = 1 << (bits - 1)
     qmin, qmax = -offset, offset - 1
     wb = w.detach().to(torch.float32).reshape(oc, ic // block, block)
+    # amin/amax propagate NaN, so checking the block extremes also rejects NaN/Inf weights.
+    lo, hi = torch.aminmax(wb, dim=-1)
+    if not (torch.isfinite(lo).all() and torch.isfinite(hi).all()):
+        raise ValueError("weight contains NaN or Inf; it cannot be quantized")
     if sym:
-        absmax = wb.abs().amax(dim=-1)
-        scale = _to_storage(absmax / qmax, scale_dtype)
+        scale = _to_storage(torch.maximum(hi, -lo) / qmax, scale_dtype)
         zero = None
-        base = torch.zeros_like(scale)
     else:
-        lo, hi = wb.amin(dim=-1), wb.amax(dim=-1)
         scale = _to_storage((hi - lo) / (qmax - qmin), scale_dtype)
         zero = _to_storage(lo + offset * scale, scale_dtype)
-        base = zero
         _check_alpha(zero)
     _check_alpha(scale)
-    safe = torch.where(scale > 0, scale, torch.ones_like(scale))
-    levels = torch.round((wb - base.unsqueeze(-1)) / safe.unsqueeze(-1))
-    levels = torch.where((scale > 0).unsqueeze(-1), levels, torch.zeros_like(levels))
+    flat = scale == 0
+    inverse = 1.0 / torch.where(flat, torch.ones_like(scale), scale)
+    levels = wb if zero is None else wb - zero.unsqueeze(-1)
+    levels = levels.mul_(inverse.unsqueeze(-1)) if levels is not wb else levels * inverse.unsqueeze(-1)
+    levels = levels.round_()
+    if flat.any():
+        levels.masked_fill_(flat.unsqueeze(-1), 0.0)
     q = levels.clamp_(qmin, qmax).to(torch.int8)
     return QuantizedTensor(q=q, scale=scale, zero=zero, bits=bits, block=block)
 
