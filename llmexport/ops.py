@@ -160,14 +160,16 @@ def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
 
 class _MoEOp(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weights, chosen, num_experts: int, top_k: int, layer_id: int):
-        return hidden.clone()
+    def forward(ctx, hidden, weights, chosen, num_experts: int, top_k: int, layer_id: int, out_features: int):
+        return hidden.new_zeros(hidden.shape[0], out_features)
 
     @staticmethod
-    def symbolic(g, hidden, weights, chosen, num_experts, top_k, layer_id):
+    def symbolic(g, hidden, weights, chosen, num_experts, top_k, layer_id, out_features):
         out = g.op(f"{DOMAIN}::MoE", hidden, weights, chosen, num_experts_i=num_experts, top_k_i=top_k,
                    layer_id_i=layer_id)
-        out.setType(hidden.type())
+        sizes = _sizes(hidden)
+        if sizes:
+            out.setType(hidden.type().with_sizes(sizes[:-1] + [out_features]))
         return out
 
 
@@ -176,28 +178,35 @@ def expert_subgraph_name(layer_id: int, expert: int) -> str:
     return f"/expert/{layer_id}_{expert}"
 
 
+def dense_mixture(experts: nn.ModuleList, hidden, weights, chosen):
+    """Every expert on every token, weighted by a dense [tokens, experts] matrix (zero for the
+    experts not chosen) and summed in fp32; equal to a gather/scatter over the chosen ones."""
+    one_hot = (chosen.unsqueeze(-1) == torch.arange(len(experts))).to(weights.dtype)
+    dense = (one_hot * weights.unsqueeze(-1)).sum(dim=-2)
+    out = None
+    for e, expert in enumerate(experts):
+        term = expert(hidden).float() * dense[..., e:e + 1]
+        out = term if out is None else out + term
+    return out.to(hidden.dtype)
+
+
 class FusedMoE(nn.Module):
     """Routed experts, MNN's ``MoE`` op at runtime: only the chosen experts run.
 
     hidden: [tokens, hidden]; weights: [tokens, top_k] float; chosen: [tokens, top_k] expert ids.
-    Each expert is a module mapping [n, hidden] -> [n, hidden]; at runtime they are subgraphs
-    named by ``expert_subgraph_name``. The eager path weights every expert's output with a dense
-    [tokens, experts] matrix, equal to a gather/scatter formulation.
+    Each expert maps [n, hidden] -> [n, out_features]; at runtime the experts are subgraphs named
+    by ``expert_subgraph_name``, whose outputs MNN weights and sums.
     """
 
-    def __init__(self, experts: nn.ModuleList, top_k: int, layer_id: int):
+    def __init__(self, experts: nn.ModuleList, top_k: int, layer_id: int, out_features: int):
         super().__init__()
         self.experts = experts
         self.top_k = top_k
         self.layer_id = layer_id
+        self.out_features = out_features
 
     def forward(self, hidden, weights, chosen):
         if emitting_custom_ops():
             return _MoEOp.apply(hidden, weights.float(), chosen.to(torch.int32), len(self.experts), self.top_k,
-                                self.layer_id)
-        one_hot = (chosen.unsqueeze(-1) == torch.arange(len(self.experts))).to(weights.dtype)
-        dense = (one_hot * weights.unsqueeze(-1)).sum(dim=-2).to(hidden.dtype)
-        out = torch.zeros_like(hidden)
-        for e, expert in enumerate(self.experts):
-            out = out + expert(hidden) * dense[..., e:e + 1]
-        return out
+                                self.layer_id, self.out_features)
+        return dense_mixture(self.experts, hidden, weights, chosen)

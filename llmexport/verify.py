@@ -90,7 +90,8 @@ def verify_export(export_dir: Path, model_path: Path, steps: int = 24, prompt_id
     from transformers import AutoTokenizer
 
     arch = architecture_for(Checkpoint.open(model_path))
-    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    # Tokenizers are plain tokenizer.json files: never run a checkpoint's remote code for them.
+    tokenizer = AutoTokenizer.from_pretrained(model_path, trust_remote_code=False)
     window = int(arch.llm_config().get("sliding_window") or 0)
     prompt = prompt_ids or default_prompt(tokenizer, window + 8)
     stored = read_stored(export_dir, arch)

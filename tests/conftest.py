@@ -31,3 +31,19 @@ def tiny_gemma4(tmp_path_factory):
         return cache[key]
 
     return build
+
+
+@pytest.fixture(scope="session")
+def tiny_k2_horizon(tmp_path_factory):
+    """``tiny_k2_horizon(variant, seed=0)`` -> path of a cached tiny K2-Horizon checkpoint."""
+    from llmexport.tiny.k2_horizon import build_tiny_k2_horizon
+
+    cache: dict[tuple, Path] = {}
+
+    def build(variant: str, seed: int = 0) -> Path:
+        if (variant, seed) not in cache:
+            out = tmp_path_factory.mktemp(f"k2-{variant}-{seed}")
+            cache[variant, seed] = build_tiny_k2_horizon(out, variant, seed=seed)
+        return cache[variant, seed]
+
+    return build

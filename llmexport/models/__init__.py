@@ -11,7 +11,7 @@ from llmexport.models.base import Architecture
 
 _REGISTRY: dict[str, type[Architecture]] = {}
 # Family modules are imported on first use so that `llmexport --help` stays fast.
-_FAMILY_MODULES = ("llmexport.models.gemma4",)
+_FAMILY_MODULES = ("llmexport.models.gemma4", "llmexport.models.k2_horizon")
 
 
 def register(*model_types: str) -> Callable[[type[Architecture]], type[Architecture]]:

@@ -125,7 +125,7 @@ class MoE(nn.Module):
         self.router = PlaceholderLinear(p + "router.proj", args.hidden_size, moe.num_experts)
         experts = nn.ModuleList(Expert(p + f"experts.{e}.", args.hidden_size, moe.width)
                                 for e in range(moe.num_experts))
-        self.experts = FusedMoE(experts, moe.top_k, index)
+        self.experts = FusedMoE(experts, moe.top_k, index, args.hidden_size)
 
     def routing(self, x):
         h = rms_norm(x, None, self.eps) * self.router_scale * self.root

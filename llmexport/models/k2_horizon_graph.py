@@ -1,0 +1,234 @@
+"""Trace-friendly K2-Horizon decoder (the graph MNN runs).
+
+Mirrors ``llmexport/reference/k2_horizon/modeling_k2_horizon.py`` with the runtime's interface:
+embeddings come in as ``[seq, 1, hidden]`` (unscaled, the family has no embedding scale),
+attention goes through ``FusedAttention`` (MNN's KV-cached Attention op), routed experts
+through MNN's MoE op, which runs only the chosen experts' subgraphs:
+- the MoE FFN's SwiGLU experts (``ExpertMlp`` template, MoE ``layer_id`` = layer index);
+- MoVA's value experts (``ValueExpert`` template = SiLU(linear), MoE ``layer_id`` =
+  ``num_layers`` + layer index, so both kinds share the ``/expert/{layer_id}_{e}`` namespace).
+Routers are ``PlaceholderLinear``s of role ROUTER; their fp32 scoring, the selection-only bias,
+normalisation and scaling are graph ops. ``dense_mova=True`` evaluates every value expert in the
+main graph instead (the benchmark's baseline; same weights, same results).
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from llmexport.models.k2_horizon_args import K2HorizonArgs, LayerSpec, RouterSpec
+from llmexport.ops import FusedAttention, FusedMoE, PlaceholderLinear, dense_mixture, rms_norm
+
+TensorLookup = Callable[[str], torch.Tensor]
+
+
+def _const(lookup: TensorLookup, name: str) -> nn.Parameter:
+    return nn.Parameter(lookup(name).detach().float().clone(), requires_grad=False)
+
+
+def mova_layer_id(args: K2HorizonArgs, index: int) -> int:
+    """MoE ``layer_id`` of a layer's value experts (distinct from the FFN experts' ``index``)."""
+    return args.num_layers + index
+
+
+class GroupedNorm(nn.Module):
+    """GroupedRMSNorm: fp32 RMS normalisation of each of ``groups`` equal slices of the last
+    dimension, then the full-width weight in fp32, cast back. One group is ``ops.rms_norm``
+    (the pattern MNN's converter fuses)."""
+
+    def __init__(self, weight: torch.Tensor, groups: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(weight, requires_grad=False)
+        self.groups, self.eps = groups, eps
+
+    def forward(self, x):
+        if self.groups == 1:
+            return rms_norm(x, self.weight, self.eps)
+        xf = x.float()
+        shape = xf.shape
+        # static group width, dynamic leading dims: traces as Reshape [.., groups, width]
+        parts = xf.reshape(*shape[:-1], self.groups, shape[-1] // self.groups)
+        parts = parts * torch.pow(parts.pow(2).mean(-1, keepdim=True) + self.eps, -0.5)
+        return (parts.reshape(shape) * self.weight.float()).to(x.dtype)
+
+
+class HeadNorm(nn.Module):
+    """Per-head q/k GroupedRMSNorm (one group per head) on [1, seq, heads, head_dim]: plain
+    RMSNorm over head_dim with the full-width weight viewed as [heads, head_dim]."""
+
+    def __init__(self, weight: torch.Tensor, heads: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(weight.view(heads, -1), requires_grad=False)
+        self.eps = eps
+
+    def forward(self, x):
+        return rms_norm(x, self.weight, self.eps)
+
+
+class Router(nn.Module):
+    """Reference ``K2HorizonRouter`` on [1, seq, hidden] -> (fp32 weights, chosen) [1, seq, k].
+
+    Routers see the 3-D hidden states: placeholder linears come back 3-D in MNN whatever the
+    traced rank, so every op after them keeps the rank it was traced with. The unbiased scores
+    of the chosen experts are picked with a one-hot product rather than a gather: exact (one
+    non-zero term per sum) and plain Equal/Mul/ReduceSum for MNN.
+    """
+
+    def __init__(self, name: str, hidden: int, spec: RouterSpec, bias: torch.Tensor):
+        super().__init__()
+        self.spec = spec
+        self.proj = PlaceholderLinear(name, hidden, spec.num_experts)
+        self.register_buffer("bias", bias.float().clone(), persistent=False)
+        self.register_buffer("expert_ids", torch.arange(spec.num_experts), persistent=False)
+
+    def forward(self, x):
+        logits = self.proj(x).float()
+        scores = torch.sigmoid(logits) if self.spec.scoring == "sigmoid" else torch.softmax(logits, dim=-1)
+        _, chosen = torch.topk(scores + self.bias, self.spec.top_k, dim=-1)
+        one_hot = (chosen.unsqueeze(-1) == self.expert_ids).to(scores.dtype)
+        weights = (one_hot * scores.unsqueeze(-2)).sum(dim=-1)
+        if self.spec.normalize:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return weights * self.spec.scale, chosen
+
+
+class Mlp(nn.Module):
+    """SwiGLU; also the routed expert template (names relative to ``prefix``)."""
+
+    def __init__(self, prefix: str, hidden: int, width: int):
+        super().__init__()
+        self.gate_proj = PlaceholderLinear(prefix + "gate_proj", hidden, width)
+        self.up_proj = PlaceholderLinear(prefix + "up_proj", hidden, width)
+        self.down_proj = PlaceholderLinear(prefix + "down_proj", width, hidden)
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class ValueExpert(nn.Module):
+    """One MoVA value expert: SiLU(linear) [n, hidden] -> [n, kv_heads * head_dim]. SiLU sits
+    inside the expert so MNN's MoE op applies the routing weights after it, as the reference."""
+
+    def __init__(self, name: str, hidden: int, width: int):
+        super().__init__()
+        self.proj = PlaceholderLinear(name, hidden, width)
+
+    def forward(self, x):
+        return F.silu(self.proj(x))
+
+
+class Attention(nn.Module):
+    def __init__(self, args: K2HorizonArgs, layer: LayerSpec, lookup: TensorLookup, dense_mova: bool):
+        super().__init__()
+        p = f"model.layers.{layer.index}.self_attn."
+        h, d, bias = args.hidden_size, args.head_dim, args.attention_bias
+        self.args, self.layer = args, layer
+        self.q_proj = PlaceholderLinear(p + "q_proj", h, args.num_heads * d, bias)
+        self.k_proj = PlaceholderLinear(p + "k_proj", h, args.kv_width, bias)
+        self.o_proj = PlaceholderLinear(p + "o_proj", args.num_heads * d, h, bias)
+        if layer.mova:
+            spec = args.mova
+            self.v_router = Router(p + "v_router", h, spec, lookup(p + "v_router.e_score_correction_bias"))
+            experts = nn.ModuleList(ValueExpert(p + f"v_experts.{e}", h, args.kv_width)
+                                    for e in range(spec.num_experts))
+            self.dense_mova = dense_mova
+            self.v_experts = experts if dense_mova else FusedMoE(
+                experts, spec.top_k, mova_layer_id(args, layer.index), args.kv_width)
+        else:
+            self.v_proj = PlaceholderLinear(p + "v_proj", h, args.kv_width, bias)
+        if args.qk_norm:
+            self.q_norm = HeadNorm(_const(lookup, p + "q_norm.weight"), args.num_heads, args.eps)
+            self.k_norm = HeadNorm(_const(lookup, p + "k_norm.weight"), args.kv_heads, args.eps)
+        self.attn = FusedAttention(f"/layers.{layer.index}/self_attn/Attention", layer.index, -1,
+                                   args.head_dim ** -0.5)
+
+    def values(self, x):
+        if not self.layer.mova:
+            return self.v_proj(x)
+        weights, chosen = self.v_router(x)
+        if self.dense_mova:
+            return dense_mixture(self.v_experts, x, weights, chosen)
+        return self.v_experts(x.view(-1, self.args.hidden_size), weights, chosen)
+
+    def forward(self, x, cos, sin, mask):
+        a = self.args
+        q = self.q_proj(x).view(1, -1, a.num_heads, a.head_dim)
+        k = self.k_proj(x).view(1, -1, a.kv_heads, a.head_dim)
+        v = self.values(x).view(1, -1, a.kv_heads, a.head_dim)
+        if a.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        return self.o_proj(self.attn(_rotate(q, cos, sin), _rotate(k, cos, sin), v, mask))
+
+
+def _rotate(x, cos, sin):
+    half = x.shape[-1] // 2
+    return x * cos + torch.cat([-x[..., half:], x[..., :half]], dim=-1) * sin
+
+
+class SparseMoe(nn.Module):
+    """Router + routed SwiGLU experts on MNN's MoE op, plus the ungated shared experts."""
+
+    def __init__(self, args: K2HorizonArgs, index: int, lookup: TensorLookup):
+        super().__init__()
+        p = f"model.layers.{index}.mlp."
+        self.hidden = args.hidden_size
+        self.gate = Router(p + "gate", args.hidden_size, args.moe, lookup(p + "gate.e_score_correction_bias"))
+        experts = nn.ModuleList(Mlp(p + f"experts.{e}.", args.hidden_size, args.moe_width)
+                                for e in range(args.moe.num_experts))
+        self.experts = FusedMoE(experts, args.moe.top_k, index, args.hidden_size)
+        self.shared_experts = Mlp(p + "shared_experts.", args.hidden_size, args.shared_width) \
+            if args.shared_width else None
+
+    def forward(self, x):
+        weights, chosen = self.gate(x)
+        out = self.experts(x.view(-1, self.hidden), weights, chosen).view(1, -1, self.hidden)
+        if self.shared_experts is not None:
+            out = out + self.shared_experts(x)
+        return out
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, args: K2HorizonArgs, layer: LayerSpec, lookup: TensorLookup, dense_mova: bool):
+        super().__init__()
+        p = f"model.layers.{layer.index}."
+        norm = lambda name: GroupedNorm(_const(lookup, p + name + ".weight"), args.norm_groups, args.eps)  # noqa: E731
+        self.input_layernorm = norm("input_layernorm")
+        self.post_attention_layernorm = norm("post_attention_layernorm")
+        self.self_attn = Attention(args, layer, lookup, dense_mova)
+        self.mlp = SparseMoe(args, layer.index, lookup) if layer.sparse else \
+            Mlp(p + "mlp.", args.hidden_size, args.intermediate_size)
+
+    def forward(self, x, cos, sin, mask):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class K2HorizonGraph(nn.Module):
+    """Inputs (runtime layout): input_ids = embeddings [seq, 1, hidden], attention_mask
+    [1, 1, seq, kv] float, position_ids int32 [1, seq], logits_index int32 [1].
+    Outputs: logits [1, n, vocab], hidden_states [1, n, hidden] (final-normed, sliced)."""
+
+    def __init__(self, args: K2HorizonArgs, lookup: TensorLookup, dense_mova: bool = False):
+        super().__init__()
+        self.args = args
+        self.layers = nn.ModuleList(DecoderLayer(args, layer, lookup, dense_mova) for layer in args.layers)
+        self.norm = GroupedNorm(_const(lookup, "model.norm.weight"), args.norm_groups, args.eps)
+        self.lm_head = PlaceholderLinear("lm_head", args.hidden_size, args.vocab_size)
+        d = args.head_dim
+        inv_freq = 1.0 / (args.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+
+    def forward(self, input_ids, attention_mask, position_ids, logits_index):
+        x = input_ids.view(1, -1, self.args.hidden_size)
+        freqs = position_ids.float().view(1, -1, 1) * self.inv_freq.view(1, 1, -1)
+        emb = torch.cat([freqs, freqs], dim=-1).unsqueeze(2)  # [1, seq, 1, head_dim]
+        cos, sin = emb.cos(), emb.sin()
+        for layer in self.layers:
+            x = layer(x, cos, sin, attention_mask)
+        x = x[:, logits_index.to(torch.int64):, :]
+        hidden = self.norm(x)
+        return self.lm_head(hidden), hidden
