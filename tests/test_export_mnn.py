@@ -84,3 +84,22 @@ def test_media_token_ids_in_plain_text_reach_the_text_graph_as_themselves(export
     prompt = [2, 5, 30, 9, 9, 41, 12, 77, 6, 5] + list(range(100, 110))
     report = verify_export(out, tiny_gemma4("e2b"), steps=8, prompt_ids=prompt)
     assert report["passed"], report["failures"]
+
+
+@pytest.mark.slow
+def test_hidden_wider_than_1024_keeps_its_norm_constants(tmp_path):
+    """MNN's converter moves constants of more than 1024 elements (norm gammas at real hidden
+    sizes) into its external file; the rebuilt weight file must carry them."""
+    from llmexport.tiny.gemma4 import SHAPES, build_gemma4_checkpoint, text_config_dict
+
+    config = text_config_dict(SHAPES["e2b"])
+    config.update(hidden_size=1152, intermediate_size=256, num_attention_heads=2, num_key_value_heads=1,
+                  head_dim=64, global_head_dim=128, layer_types=["sliding_attention", "full_attention",
+                                                                 "sliding_attention", "full_attention"],
+                  num_hidden_layers=4, num_kv_shared_layers=2, hidden_size_per_layer_input=8)
+    path = build_gemma4_checkpoint(tmp_path / "wide", config)
+    export(path, tmp_path / "out", ExportOptions(quant=QuantScheme(16)))
+    report = verify_export(tmp_path / "out", path, steps=8)
+    print(f"\nhidden 1152 q16: {summary_line(report)}")
+    assert report["passed"], report["failures"]
+    assert report["oracle"]["max_abs_err"] < 0.005
