@@ -217,6 +217,11 @@ class Checkpoint:
     def model_type(self) -> str:
         return str(self.config.get("model_type", ""))
 
+    def from_pretrained(self, loader: Any, **kwargs: Any) -> Any:
+        """``loader.from_pretrained`` on this folder (an MLX checkpoint builds the HF model from its
+        config and dequantized tensors instead: llmexport.mlx_import)."""
+        return loader.from_pretrained(self.path, **kwargs)
+
     def tokenizer_file(self) -> Path:
         path = self.path / "tokenizer.json"
         if not path.exists():

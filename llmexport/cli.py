@@ -40,6 +40,13 @@ def _configure_logging(quiet: bool) -> None:
 @click.option("--lm_quant_block", type=int, default=None, help="lm_head block (default: --quant_block).")
 @click.option("--embed_bit", type=int, default=None,
               help="Token/PLE embedding tables read from their own files: 16 (bf16, default), 8 or 4.")
+@click.option("--visual_quant_bit", type=int, default=8, show_default=True,
+              help="Vision tower (visual.mnn) linear weights: 4 or 8 (block RTN), 16 = fp16.")
+@click.option("--audio_quant_bit", type=int, default=8, show_default=True,
+              help="Audio tower (audio.mnn) linear weights: 4 or 8 (block RTN), 16 = fp16.")
+@click.option("--requantize", is_flag=True,
+              help="Pre-quantized (MLX) checkpoints: dequantize and quantize every weight with this command's "
+                   "scheme instead of keeping the stored integers (docs/mlx-import.md).")
 @click.option("--thread_num", type=int, default=4, show_default=True, help="Runtime threads written to config.json.")
 @click.option("--dry-run", "dry_run", is_flag=True, help="Print the plan (layers, schemes, size) and write nothing.")
 @click.option("--verify", is_flag=True, help="Run the export in MNN's runtime next to HF; fail on disagreement.")
@@ -47,7 +54,8 @@ def _configure_logging(quiet: bool) -> None:
 @click.version_option(__version__, "--version", prog_name="llmexport")
 def main(path: str, export_format: str, dst_path: str, quant_bit: int, quant_block: int, sym: bool, hqq: bool,
          quant_config: str | None, lm_quant_bit: int | None, lm_quant_block: int | None, embed_bit: int | None,
-         thread_num: int, dry_run: bool, verify: bool, quiet: bool) -> None:
+         visual_quant_bit: int, audio_quant_bit: int, requantize: bool, thread_num: int, dry_run: bool, verify: bool,
+         quiet: bool) -> None:
     """Export a HuggingFace LLM checkpoint to MNN (or ONNX), optionally verified."""
     _configure_logging(quiet)
     from llmexport.errors import LlmExportError
@@ -56,7 +64,8 @@ def main(path: str, export_format: str, dst_path: str, quant_bit: int, quant_blo
         from llmexport.api import export, plan
 
         options = _options(export_format, quant_bit, quant_block, sym, hqq, quant_config, lm_quant_bit,
-                           lm_quant_block, embed_bit, verify, quiet, thread_num)
+                           lm_quant_block, embed_bit, verify, quiet, thread_num, visual_quant_bit, audio_quant_bit,
+                           requantize)
         if dry_run:
             from llmexport.export_plan import plan_summary
 
@@ -77,7 +86,7 @@ def main(path: str, export_format: str, dst_path: str, quant_bit: int, quant_blo
 
 
 def _options(export_format, quant_bit, quant_block, sym, hqq, quant_config, lm_quant_bit, lm_quant_block,
-             embed_bit, verify, quiet, thread_num):
+             embed_bit, verify, quiet, thread_num, visual_quant_bit=8, audio_quant_bit=8, requantize=False):
     from pathlib import Path
 
     from llmexport.errors import UsageError
@@ -92,7 +101,8 @@ def _options(export_format, quant_bit, quant_block, sym, hqq, quant_config, lm_q
         lm = QuantScheme(bits=quant_bit if lm_quant_bit is None else lm_quant_bit,
                          block=quant_block if lm_quant_block is None else lm_quant_block, sym=sym, method=method)
     options = ExportOptions(export=ExportFormat(export_format), quant=default, lm_quant=lm, embed_bit=embed_bit,
-                            verify=verify, quiet=quiet, thread_num=thread_num)
+                            verify=verify, quiet=quiet, thread_num=thread_num, visual_quant_bit=visual_quant_bit,
+                            audio_quant_bit=audio_quant_bit, requantize=requantize)
     if quant_config is None:
         return options
     try:

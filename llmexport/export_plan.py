@@ -10,9 +10,10 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
+from llmexport.mlx_sources import WeightSources
 from llmexport.models.base import Architecture
 from llmexport.options import ExportOptions
-from llmexport.quant.scheme import QuantScheme
+from llmexport.quant.scheme import QuantMethod, QuantScheme
 
 
 def record_bytes(out_features: int, in_features: int, scheme: QuantScheme, bias: bool = False) -> int:
@@ -24,7 +25,8 @@ def record_bytes(out_features: int, in_features: int, scheme: QuantScheme, bias:
     wide = out_features > 65535 or in_features > 65535
     header = 1 + (8 if wide else 4) + 1 + 2 ** scheme.bits
     levels = math.ceil(out_features * in_features * scheme.bits / 8)
-    alpha = out_features * (in_features // block) * (1 if scheme.sym else 2) * 2
+    alpha_size = 4 if scheme.method is QuantMethod.STORED else 2  # transcoded records keep fp32 alpha
+    alpha = out_features * (in_features // block) * (1 if scheme.sym else 2) * alpha_size
     return header + levels + alpha + extra
 
 
@@ -35,10 +37,11 @@ def table_bytes(rows: int, dim: int, bits: int, block: int) -> int:
     return rows * dim * bits // 8 + rows * (dim // used) * 2 * 4
 
 
-def export_plan(arch: Architecture, options: ExportOptions) -> dict[str, Any]:
+def export_plan(arch: Architecture, options: ExportOptions, sources: WeightSources | None = None) -> dict[str, Any]:
+    sources = sources or WeightSources(arch, options)
     linears, adjusted, total = [], [], 0
     for spec in arch.linears():
-        scheme = options.scheme_for(spec)
+        scheme = sources.scheme(spec)
         block = 0 if scheme.is_fp16 else scheme.block_for(spec.in_features)
         if not scheme.is_fp16 and scheme.block and block != scheme.block:
             adjusted.append({"name": spec.name, "in_features": spec.in_features, "requested": scheme.block,
@@ -48,17 +51,16 @@ def export_plan(arch: Architecture, options: ExportOptions) -> dict[str, Any]:
         linears.append({"name": spec.name, "role": spec.role.value, "shape": [spec.out_features, spec.in_features],
                         "bits": scheme.bits, "block": block, "sym": scheme.sym, "method": scheme.method.value})
     tables = {}
-    if not arch.tied_embedding:
-        rows, dim = arch.embedding_table().shape
-        tables["embedding"] = {"rows": rows, "dim": dim, "bits": options.table_bits}
-        total += table_bytes(rows, dim, options.table_bits, options.quant.block)
-    ple = arch.ple_table()
-    if ple is not None:
-        rows, dim = ple.shape
-        tables["ple"] = {"rows": rows, "dim": dim, "bits": options.table_bits}
-        total += table_bytes(rows, dim, options.table_bits, options.quant.block)
-    return {"architecture": arch.describe(), "linears": linears, "adjusted_blocks": adjusted, "tables": tables,
+    for name, (table, choice) in sources.tables().items():
+        rows, dim = table.shape
+        tables[name] = {"rows": rows, "dim": dim, "bits": choice.bits}
+        total += table_bytes(rows, dim, choice.bits, choice.block)
+    plan = {"architecture": arch.describe(), "linears": linears, "adjusted_blocks": adjusted, "tables": tables,
             "estimated_bytes": total}
+    prequantized = sources.summary()
+    if prequantized is not None:
+        plan["prequantized"] = prequantized
+    return plan
 
 
 def plan_summary(plan: dict[str, Any]) -> str:
@@ -79,8 +81,24 @@ def plan_summary(plan: dict[str, Any]) -> str:
                      f"using {adj['used']}")
     for name, t in plan["tables"].items():
         lines.append(f"table {name}: {t['rows']} x {t['dim']} at {t['bits']} bits")
+    lines += _prequantized_lines(plan.get("prequantized"))
     lines.append(f"estimated size: {plan['estimated_bytes'] / 2**20:.1f} MiB")
     return "\n".join(lines)
+
+
+def _prequantized_lines(pre: dict[str, Any] | None) -> list[str]:
+    """What a pre-quantized (MLX) checkpoint keeps as stored and what it does not, with reasons."""
+    if not pre:
+        return []
+    lines = [f"MLX checkpoint, as stored by default: {pre['transcoded']} linear(s) keep their integers "
+             f"({pre['alpha']}); {len(pre['kept_float'])} float linear(s) stay fp16"]
+    for key, label in (("requantized", "requantized"), ("quantized_from_float", "quantized")):
+        lines += [f"  {label}: {e['name']} ({e['stored']} -> {e['bits']} bits, block {e['block']}): {e['reason']}"
+                  for e in pre[key]]
+    for name, t in pre["tables"].items():
+        how = "kept as stored" if t["kept"] else f"{t['bits']} bits: {t['reason']}"
+        lines.append(f"  table {name} ({t['stored']}): {how}")
+    return lines
 
 
 def _versions() -> dict[str, str]:
@@ -107,6 +125,8 @@ def write_manifest(out: Path, arch: Architecture, options: ExportOptions, plan: 
              for p in sorted(out.iterdir()) if p.is_file() and p.name != "manifest.json"}
     manifest = {"versions": _versions(), "architecture": arch.describe(), "options": _jsonable(asdict(options)),
                 "adjusted_blocks": plan["adjusted_blocks"], "files": files}
+    if "prequantized" in plan:
+        manifest["prequantized"] = plan["prequantized"]
     (out / "manifest.json").write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
 
 

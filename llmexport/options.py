@@ -26,6 +26,10 @@ class ExportOptions:
     recipe) override it per module, first match wins; ``lm_quant`` (when given) is lm_head's,
     which a tied model's runtime also reads as its token embedding. ``embed_bit`` is the width
     of the embedding/PLE tables read from their own files (None: the recipe's, else 16).
+
+    An already-quantized (MLX) checkpoint keeps its stored integers per module by default (see
+    llmexport.mlx_sources): explicit rules, ``lm_quant`` and ``embed_bit`` override that for
+    what they name, and ``requantize`` dequantizes everything and applies the scheme above.
     """
 
     export: ExportFormat = ExportFormat.MNN
@@ -40,6 +44,7 @@ class ExportOptions:
     verify: bool = False
     quiet: bool = False
     thread_num: int = 4
+    requantize: bool = False
 
     def validate(self) -> "ExportOptions":
         for flag, scheme in (("--quant_bit/--quant_block", self.quant), ("--lm_quant_bit", self.lm_quant)):

@@ -21,6 +21,7 @@ from llmexport.models import architecture_for
 from llmexport.models.base import Architecture
 from llmexport.options import ExportFormat, ExportOptions
 from llmexport.export_plan import export_plan, write_manifest
+from llmexport.mlx_sources import WeightSources
 from llmexport.progress import Progress
 
 log = logging.getLogger(__name__)
@@ -47,14 +48,15 @@ def run_export(path: Path, out: Path, options: ExportOptions) -> ExportResult:
         if options.export is ExportFormat.MNN:
             checkpoint.tokenizer_file()  # fail before the heavy stages, not after them
         graph = arch.build_graph()
-    plan = export_plan(arch, options)
+        sources = WeightSources(arch, options)
+    plan = export_plan(arch, options, sources)
     for adjusted in plan["adjusted_blocks"]:
         log.info("block %d does not divide %s (width %d): using %d", adjusted["requested"], adjusted["name"],
                  adjusted["in_features"], adjusted["used"])
     if options.export is ExportFormat.ONNX:
         _export_reference_onnx(arch, graph, out, timings)
     else:
-        _export_mnn(arch, graph, checkpoint, out, options, timings)
+        _export_mnn(arch, graph, checkpoint, out, options, timings, sources)
     result = ExportResult(out, [], plan, timings)
     if options.verify and options.export is ExportFormat.MNN:
         from llmexport.verify import verify_export
@@ -83,11 +85,11 @@ def _export_reference_onnx(arch: Architecture, graph, out: Path, timings: dict[s
 
 
 def _export_mnn(arch: Architecture, graph, checkpoint: Checkpoint, out: Path, options: ExportOptions,
-                timings: dict[str, float]) -> None:
+                timings: dict[str, float], sources: WeightSources) -> None:
     work = out / ".work"
     work.mkdir()
-    rebuilt = _export_graph("llm", graph, arch.graph_inputs(TRACE_SEQ_LEN), arch.linears(), arch.linear_weight,
-                            options.scheme_for, out, work, options, timings, _convert_expert_templates(arch, work))
+    rebuilt = _export_graph("llm", graph, arch.graph_inputs(TRACE_SEQ_LEN), arch.linears(), sources.weight,
+                            sources.scheme, out, work, options, timings, _convert_expert_templates(arch, work))
     files: dict[str, Any] = {}
     family_llm, family_runtime = dict(arch.llm_config()), dict(arch.runtime_config())
     for tower in arch.towers():
@@ -96,7 +98,7 @@ def _export_mnn(arch: Architecture, graph, checkpoint: Checkpoint, out: Path, op
         family_llm.update(tower.llm_config())
         family_runtime.update(tower.runtime_config())
     with _stage(timings, "embeddings"):
-        embedding_file = _write_tables(arch, out, options, rebuilt.records, files)
+        embedding_file = _write_tables(arch, out, sources, rebuilt.records, files)
     with _stage(timings, "configs"):
         mnn_config.write_json(out / "llm_config.json", mnn_config.llm_config(family_llm, files))
         mnn_config.write_json(out / "config.json", mnn_config.runtime_config(
@@ -152,38 +154,41 @@ def _convert_expert_templates(arch: Architecture, work: Path) -> list:
     return converted
 
 
-def _write_tables(arch: Architecture, out: Path, options: ExportOptions, records, files: dict[str, Any]) -> str | None:
+def _write_tables(arch: Architecture, out: Path, sources: WeightSources, records,
+                  files: dict[str, Any]) -> str | None:
     """Embedding and PLE files; returns the embedding file name config.json must name."""
-    from llmexport.mnn.embeddings import write_embedding_table
-
     embedding_file = None
+    tables = sources.tables()
     if arch.tied_embedding:
         lm = records["lm_head"]
         files["tie_embeddings"] = {
             "weight_offset": lm.weight_offset, "alpha_offset": lm.alpha_offset, "alpha_size": lm.alpha_bytes,
-            "quant_bit": lm.bits, "quant_block": lm.block, "alpha_dtype": "fp16"}
+            "quant_bit": lm.bits, "quant_block": lm.block, "alpha_dtype": "fp32" if lm.alpha_fp32 else "fp16"}
     else:
-        embedding_file = mnn_config.embedding_file_name(options.table_bits)
+        table, choice = tables["embedding"]
+        embedding_file = mnn_config.embedding_file_name(choice.bits)
         with open(out / embedding_file, "wb") as f:
-            rec = _table(write_embedding_table, f, arch.embedding_table(), options, "embedding")
-        if options.table_bits != 16:
+            rec = _table(f, table, choice, "embedding")
+        if choice.bits != 16:
             files["tie_embeddings"] = {
                 "weight_offset": 0, "alpha_offset": rec.weight_bytes, "alpha_size": rec.alpha_bytes,
                 "quant_bit": rec.bits, "quant_block": rec.block, "alpha_dtype": "fp32"}
-    ple = arch.ple_table()
-    if ple is not None:
-        name = mnn_config.ple_file_name(options.table_bits)
+    if "ple" in tables:
+        table, choice = tables["ple"]
+        name = mnn_config.ple_file_name(choice.bits)
         with open(out / name, "wb") as f:
-            rec = _table(write_embedding_table, f, ple, options, "PLE")
+            rec = _table(f, table, choice, "PLE")
         files["ple_embed_file"] = name
-        if options.table_bits != 16:
+        if choice.bits != 16:
             files["ple_quant"] = [0, rec.weight_bytes, rec.alpha_bytes, rec.bits, rec.block]
     return embedding_file
 
 
-def _table(writer, fileobj, table, options: ExportOptions, what: str):
+def _table(fileobj, table, choice, what: str):
+    from llmexport.mnn.embeddings import write_embedding_table
+
     try:
-        return writer(fileobj, table.row_chunks(), options.table_bits, options.quant.block)
+        return write_embedding_table(fileobj, choice.chunks(), choice.bits, choice.block, choice.quantizer)
     except ValueError as exc:
         raise InputError(f"--embed_bit/--quant_block: {what} table of width {table.shape[-1]}: {exc}") from None
 

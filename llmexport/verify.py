@@ -18,6 +18,7 @@ import torch
 
 from llmexport.checkpoint import Checkpoint
 from llmexport.errors import VerificationFailed
+from llmexport.mlx_sources import compare_with_source
 from llmexport.mnn.readback import read_stored
 from llmexport.mnn.runtime import run_runtime
 from llmexport.models import architecture_for
@@ -48,7 +49,7 @@ class Bounds:
         return Bounds(0.005 if stored_bits <= {16} else 0.2)
 
 
-def _step_stats(mnn: np.ndarray, ref: np.ndarray) -> list[dict[str, Any]]:
+def step_stats(mnn: np.ndarray, ref: np.ndarray) -> list[dict[str, Any]]:
     steps = []
     for m, r in zip(mnn, ref):
         top2 = np.sort(r)[-2:]
@@ -59,7 +60,7 @@ def _step_stats(mnn: np.ndarray, ref: np.ndarray) -> list[dict[str, Any]]:
     return steps
 
 
-def _summary(steps: list[dict[str, Any]]) -> dict[str, Any]:
+def summarize(steps: list[dict[str, Any]]) -> dict[str, Any]:
     return {"top1_agreement": sum(s["top1_match"] for s in steps) / len(steps),
             "max_abs_err": max(s["max_abs_err"] for s in steps),
             "mean_abs_err": float(np.mean([s["mean_abs_err"] for s in steps])), "per_step": steps}
@@ -109,12 +110,20 @@ def verify_export(export_dir: Path, model_path: Path, steps: int = 24, prompt_id
         "tokenizer": {"agree": all(m == h for m, h in tok_cases.values()), "cases": len(tok_cases),
                       "mismatches": [t for t, (m, h) in tok_cases.items() if m != h]},
         "oracle": {"greedy_ref": greedy_ref, "greedy_mnn": run.greedy_ids,
-                   "greedy_match": greedy_ref == run.greedy_ids, **_summary(_step_stats(run.forced_logits, ref_logits))},
-        "fp32": _summary(_step_stats(run.forced_logits, fp32_logits)),
+                   "greedy_match": greedy_ref == run.greedy_ids, **summarize(step_stats(run.forced_logits, ref_logits))},
+        "fp32": summarize(step_stats(run.forced_logits, fp32_logits)),
     }
     report["towers"] = {tower.name: tower.verify(export_dir, stored) for tower in arch.towers()}
+    prequantized = compare_with_source(arch, stored)  # MLX checkpoints: which weights kept their integers
+    if prequantized is not None:
+        report["prequantized"] = prequantized
+    records = _records(export_dir)
     bits = {int(r["quanParameter"].get("aMaxOrBits", 16)) if r["quanParameter"].get("type") == 1 else 16
-            for r in _records(export_dir)}
+            for r in records}
+    if prequantized is not None:  # transcoded records keep fp32 alpha (docs/mlx-import.md)
+        prequantized["fp32_alpha_records"] = sum(r["quanParameter"].get("type") == 1 and
+                                                 r["quanParameter"].get("scaleStorage", "FP32") != "FP16"
+                                                 for r in records)
     _judge(report, Bounds.for_export(bits))
     (export_dir / "verify.json").write_text(json.dumps(report, indent=2))
     log.info("verify: %s", summary_line(report))

@@ -152,3 +152,38 @@ def test_whole_export_and_verify_with_sockets_disabled(tiny_gemma4, tmp_path):
                           env=env, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert not attempts.exists(), attempts.read_text()
+
+
+def _corrupt_header(model: Path, mutate) -> None:
+    import json
+    import struct
+
+    file = model / "model.safetensors"
+    data = file.read_bytes()
+    (n,) = struct.unpack("<Q", data[:8])
+    header = json.loads(data[8:8 + n])
+    mutate(header)
+    raw = json.dumps(header).encode()
+    raw += b" " * (-len(raw) % 8)
+    file.write_bytes(struct.pack("<Q", len(raw)) + raw + data[8 + n:])
+
+
+def _shape(header, shape):
+    header["lm_head.weight"]["shape"] = shape
+
+
+@pytest.mark.parametrize("breakage, needle", [
+    (lambda m: (m / "model.safetensors").write_bytes(b"\x05\x00\x00\x00\x00\x00\x00\x00{oops"), "not valid JSON"),
+    (lambda m: (m / "model.safetensors").write_bytes((m / "model.safetensors").read_bytes()[:-64]), "truncated"),
+    (lambda m: _corrupt_header(m, lambda h: h["lm_head.weight"].__setitem__("dtype", "F8_E5M2")), "unsupported dtype"),
+    (lambda m: _corrupt_header(m, lambda h: _shape(h, [3, 7])), "disagrees with dtype"),
+    (lambda m: _corrupt_header(m, lambda h: _shape(h, [64, 512])), "config implies"),
+])
+def test_broken_safetensors_is_an_input_error(tiny_gemma4, tmp_path, old_dst, breakage, needle):
+    model = tmp_path / "m"
+    shutil.copytree(tiny_gemma4("31b"), model)
+    breakage(model)
+    result = _cli("--path", str(model), "--dst_path", str(old_dst))
+    assert result.exit_code == 3, result.output
+    assert needle in result.output and len(result.output.strip().splitlines()) == 1
+    assert _unchanged(old_dst) and _no_staging_left(old_dst)

@@ -139,7 +139,9 @@ class _Rebuilder:
         from llmexport.quant.device import on_best_device
         from llmexport.quant.hqq import quantizer_for
 
-        self.quantizers = {m: on_best_device(quantizer_for(m), enabled=use_gpu) for m in QuantMethod}
+        # STORED linears carry their own integers (llmexport.mlx_import.transcode): no quantizer
+        self.quantizers = {m: on_best_device(quantizer_for(m), enabled=use_gpu) for m in QuantMethod
+                           if m is not QuantMethod.STORED}
         self.specs = {spec.name: spec for spec in linears}
         self.writer = WeightFileWriter(weight_file, offset=0)
         self.weight_fn, self.scheme_fn, self.progress = weight_fn, scheme_fn, progress
@@ -153,7 +155,7 @@ class _Rebuilder:
             raise ConversionError(f"graph linear {name!r} is unknown or appears twice")
         weight, bias = self.reader.get(name) if self.reader else self.weight_fn(name)
         scheme = self.schemes[name] = self.scheme_fn(spec)
-        self.records[name] = self.writer.write_linear(weight, bias, scheme, self.quantizers[scheme.method])
+        self.records[name] = self.writer.write_linear(weight, bias, scheme, self.quantizers.get(scheme.method))
         if self.progress:
             self.progress(weight.numel())
         return self.records[name]

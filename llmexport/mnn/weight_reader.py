@@ -87,12 +87,18 @@ def _check_quant_flags(qp: dict, asym: bool, oc: int, nblocks: int) -> None:
         raise ValueError("aMin <= 0 on an asymmetric record shifts every zero in the loader")
 
 
+def _alpha(alpha_raw: bytes, qp: dict) -> np.ndarray:
+    """fp16 alpha when ``scaleStorage`` is FP16, else fp32 (the schema default; records that carry
+    a source's own integers use it), widened to fp32."""
+    alpha_dtype = "<f2" if qp.get("scaleStorage", "FP32") == "FP16" else "<f4"
+    return np.frombuffer(alpha_raw, dtype=alpha_dtype).astype(np.float32)
+
+
 def _decode_quantized(blob: bytes, alpha_raw: bytes, qp: dict, oc: int, ic: int, strict: bool) -> np.ndarray:
     levels, bits = _parse_levels(blob, bool(qp.get("shapeInt32", False)), oc, ic)
     if bits != int(qp.get("aMaxOrBits", bits)):
         raise ValueError(f"value map says {bits} bits, aMaxOrBits says {qp.get('aMaxOrBits')}")
-    alpha_dtype = "<f2" if qp.get("scaleStorage", "FP32") == "FP16" else "<f4"
-    alpha = np.frombuffer(alpha_raw, dtype=alpha_dtype).astype(np.float32)
+    alpha = _alpha(alpha_raw, qp)
     asym = int(qp.get("readType", 0)) != 0
     groups = alpha.size // 2 if asym else alpha.size
     if groups == 0 or (oc * ic) % groups != 0 or groups % oc != 0:
@@ -142,3 +148,12 @@ def read_linear(
             raise ValueError(f"bias holds {bias_len} bytes, {4 * oc} expected")
         bias = torch.from_numpy(np.frombuffer(record[weight_len + alpha_len:], dtype="<f4").copy())
     return torch.from_numpy(np.ascontiguousarray(weight, dtype=np.float32)), bias
+
+
+def read_levels(src: Source, external: list, quan_parameter: dict, oc: int, ic: int) -> tuple[np.ndarray, np.ndarray]:
+    """A quantized record as stored: signed levels ``[oc, ic]`` (int32, ``stored - 2^(bits-1)``)
+    and its alpha in fp32 (``[zero, scale]`` pairs when asymmetric)."""
+    offset, weight_len, alpha_len = (int(v) for v in external[:3])
+    record = _read_span(src, offset, weight_len + alpha_len)
+    levels, _ = _parse_levels(record[:weight_len], bool(quan_parameter.get("shapeInt32", False)), oc, ic)
+    return levels.reshape(oc, ic), _alpha(record[weight_len:], quan_parameter)

@@ -13,7 +13,9 @@ source/core/OpCommonUtils.cpp):
   the packed stored levels ``q + 2^(b-1)`` of ``[oc, nblocks, block]``, one MSB-first bit
   stream over the whole tensor (see llmexport.quant.pack);
   alpha in fp16: ``[zero, scale]`` per (row, block) when asymmetric, ``scale`` when symmetric;
-  then the fp32 bias, if any.
+  fp32 instead for records that carry a source's own integers (``QuantMethod.STORED``, see
+  llmexport.mlx_import), with ``scaleStorage FP32``: ``ConvolutionCommon::load`` then reads
+  ``external[2] / 4`` fp32 values; then the fp32 bias, if any.
 * fp16 record (``type 3``): raw fp16 ``[oc, ic]``, no header, no alpha; then the bias.
 
 The loader treats a record as asymmetric exactly when ``readType != 0`` and takes the number of
@@ -32,9 +34,10 @@ from typing import BinaryIO, Callable, Iterator, Optional
 import numpy as np
 import torch
 
+from llmexport.mlx_import import Prequantized, transcode
 from llmexport.quant.pack import pack_bits
 from llmexport.quant.rtn import QuantizedTensor, quantize_rtn
-from llmexport.quant.scheme import FP16_BITS, QuantScheme
+from llmexport.quant.scheme import FP16_BITS, QuantMethod, QuantScheme
 
 log = logging.getLogger(__name__)
 
@@ -58,6 +61,7 @@ class LinearRecord:
     bits: int
     block: int
     sym: bool
+    alpha_fp32: bool = False
 
     @property
     def shape_int32(self) -> bool:
@@ -95,7 +99,7 @@ class LinearRecord:
             "aMin": 0 if self.sym else 1,
             "readType": 0 if self.sym else self.oc * (self.ic // self.block),
             "weightSize": 0,
-            "scaleStorage": "FP16",
+            "scaleStorage": "FP32" if self.alpha_fp32 else "FP16",
         }
 
 
@@ -114,13 +118,15 @@ def record_header(oc: int, ic: int, bits: int) -> bytes:
     return b"\x02" + shape.tobytes() + value_map(bits)
 
 
-def _alpha_bytes(qt: QuantizedTensor) -> bytes:
-    """fp16 alpha; refuses values fp16 would round, since the reader would then disagree."""
+def _alpha_bytes(qt: QuantizedTensor, fp32: bool = False) -> bytes:
+    """fp16 alpha (refusing values fp16 would round, since the reader would then disagree), or fp32."""
     if qt.zero is None:
         alpha = qt.scale.reshape(-1)
     else:
         alpha = torch.stack([qt.zero, qt.scale], dim=-1).reshape(-1)
     alpha = alpha.detach().to(torch.float32).cpu()
+    if fp32:
+        return alpha.numpy().astype("<f4").tobytes()
     half = alpha.to(torch.float16)
     if not torch.equal(half.to(torch.float32), alpha):
         raise ValueError("quantizer returned scales/zeros that are not exactly representable in fp16")
@@ -172,8 +178,18 @@ class WeightFileWriter:
         scheme: QuantScheme,
         quantizer: Optional[Quantizer] = None,
     ) -> LinearRecord:
-        """Write one ``[oc, ic]`` linear (and its bias) and describe where it went."""
+        """Write one ``[oc, ic]`` linear (and its bias) and describe where it went.
+
+        ``weight`` is a tensor, or a ``Prequantized`` source: written with its own integers under
+        ``QuantMethod.STORED``, dequantized and quantized afresh under any other scheme.
+        """
         scheme.validate()
+        if scheme.method is QuantMethod.STORED:
+            if not isinstance(weight, Prequantized):
+                raise ValueError("a STORED scheme needs the source's integers (Prequantized), got a float tensor")
+            quantizer = transcode
+        elif isinstance(weight, Prequantized):
+            weight = weight.dequantize()
         if weight.dim() != 2:
             raise ValueError(f"linear weight must be 2-D [oc, ic], got {tuple(weight.shape)}")
         oc, ic = (int(d) for d in weight.shape)
@@ -187,7 +203,7 @@ class WeightFileWriter:
         return LinearRecord(
             offset=start, weight_bytes=weight_bytes, alpha_bytes=alpha_bytes, bias_bytes=bias_bytes,
             header_bytes=header_bytes, oc=oc, ic=ic, bits=scheme.bits, block=block,
-            sym=scheme.sym and not scheme.is_fp16,
+            sym=scheme.sym and not scheme.is_fp16, alpha_fp32=scheme.method is QuantMethod.STORED,
         )
 
     def _write_quantized(
@@ -210,7 +226,7 @@ class WeightFileWriter:
             qt = quantize(weight[rows], scheme.bits, block, scheme.sym)
             _check_quantized(qt, rows.stop - rows.start, ic, scheme.bits, block, scheme.sym)
             packed_bytes += self._write(pack_bits(qt.stored(), scheme.bits))
-            alphas.append(_alpha_bytes(qt))
+            alphas.append(_alpha_bytes(qt, fp32=scheme.method is QuantMethod.STORED))
         alpha_bytes = self._write(b"".join(alphas))
         return header_bytes, header_bytes + packed_bytes, alpha_bytes, block
 

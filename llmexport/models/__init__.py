@@ -45,4 +45,6 @@ def architecture_for(checkpoint: Checkpoint) -> Architecture:
             f"{checkpoint.path / 'config.json'}: unsupported model_type {checkpoint.model_type!r} "
             f"(supported: {', '.join(supported_model_types())})"
         )
-    return cls(checkpoint)
+    from llmexport.mlx_import import adapt_checkpoint
+
+    return cls(adapt_checkpoint(checkpoint, cls))

@@ -43,6 +43,16 @@ class LinearSpec:
 
 
 @dataclass(frozen=True)
+class LinearSource:
+    """Where one placeholder linear's weights live in the checkpoint: the weight tensor, the index
+    along its first axis when it stacks experts, and the bias tensor if any."""
+
+    weight: str
+    expert: int | None = None
+    bias: str | None = None
+
+
+@dataclass(frozen=True)
 class GraphInputs:
     """Example inputs for tracing plus their ONNX names and dynamic axes."""
 
@@ -131,6 +141,16 @@ class Architecture(abc.ABC):
     @abc.abstractmethod
     def linear_weight(self, name: str) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The checkpoint tensors (weight [out, in], bias) behind one placeholder linear."""
+
+    def linear_source(self, name: str) -> LinearSource:
+        """The checkpoint tensors behind one placeholder linear (what ``linear_weight`` reads)."""
+        raise NotImplementedError(f"{type(self).__name__} does not name the tensors behind its linears")
+
+    @classmethod
+    def mlx_layout(cls, config: dict[str, Any]) -> Any:
+        """How the family's mlx-lm port names its tensors (``llmexport.mlx_import.MlxLayout``);
+        None: MLX-quantized checkpoints of this family are not supported."""
+        return None
 
     @property
     @abc.abstractmethod

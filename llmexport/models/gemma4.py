@@ -1,8 +1,8 @@
 """Gemma4 family (``gemma4`` multimodal checkpoints, ``gemma4_text`` text-only checkpoints).
 
 Text decoder export: E2B/E4B (per-layer embeddings, KV sharing), 31B (K=V, per-type KV
-heads), 26B-A4B (dense MLP in parallel with a routed MoE). Vision and audio tower tensors are
-recognised and left to their own exports.
+heads), 26B-A4B (dense MLP in parallel with a routed MoE). Vision and audio towers are exported
+as their own graphs (gemma4_vision.py, gemma4_audio.py).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from llmexport.checkpoint import Checkpoint, LazyTensor
 from llmexport.errors import InputError
 from llmexport.models import register
 from llmexport.models.base import Architecture, ExpertTemplate, GraphInputs, LinearRole, LinearSpec, StoredWeights
-from llmexport.models.gemma4_args import FULL, SLIDING, Gemma4TextArgs, parse_text_args
+from llmexport.models.gemma4_args import SLIDING, Gemma4TextArgs, parse_text_args
 from llmexport.models.gemma4_graph import Expert, Gemma4TextGraph
 
 log = logging.getLogger(__name__)
@@ -36,7 +36,6 @@ MINJA_CHAT_TEMPLATE = (
     "{% endfor %}"
     "{% if add_generation_prompt %}<|turn>model\n{% endif %}"
 )
-_TOWER_PREFIXES = ("model.vision_tower.", "model.audio_tower.", "model.embed_vision.", "model.embed_audio.")
 _EXPERT = re.compile(r"^(?P<p>.*layers\.\d+\.experts\.)(?P<e>\d+)\.(?P<w>gate_up_proj|down_proj)$")
 
 
@@ -57,6 +56,7 @@ class Gemma4(Architecture):
             text, prefix = config, "model."
         self.args: Gemma4TextArgs = parse_text_args(text, prefix, where)
         self._linears = self._collect_linears()
+        self._towers = self._build_towers()
         self._check_weights()
 
     # --- weights ----------------------------------------------------------------------------
@@ -132,19 +132,54 @@ class Gemma4(Architecture):
         for name in self._constant_names():
             expected.setdefault(name, (1,) if name.endswith("layer_scalar") else None)
         expected.update(self._table_names())
+        for tower in self._towers:
+            expected.update(tower.expected_tensors())
         for name, shape in expected.items():
             if name not in w:
                 raise InputError(f"{self.checkpoint.path}: tensor {name!r} missing (config implies it)")
             if shape is not None and tuple(w.shape(name)) != tuple(shape):
                 raise InputError(f"{self.checkpoint.path}: tensor {name!r} has shape {list(w.shape(name))}, "
                                  f"config implies {list(shape)}")
-        unused = [n for n in w.names() if n not in expected and not n.startswith(_TOWER_PREFIXES)]
+        unused = [n for n in w.names() if n not in expected]
         if unused:
             raise InputError(f"{self.checkpoint.path}: {len(unused)} tensor(s) not mapped by the Gemma4 exporter, "
                              f"e.g. {unused[0]!r}")
-        towers = sum(1 for n in w.names() if n.startswith(_TOWER_PREFIXES))
-        if towers:
-            log.info("text export: %d vision/audio tower tensors left to the tower exports", towers)
+
+    def _build_towers(self) -> list:
+        """Vision/audio towers named by a multimodal config, each exported as its own graph."""
+        config = self.checkpoint.config
+        towers = []
+        if self.checkpoint.model_type == "gemma4" and config.get("vision_config"):
+            from llmexport.models.gemma4_vision import Gemma4VisionTower
+
+            towers.append(Gemma4VisionTower(self, config["vision_config"]))
+        if self.checkpoint.model_type == "gemma4" and config.get("audio_config"):
+            from llmexport.models.gemma4_audio import Gemma4AudioTower
+
+            towers.append(Gemma4AudioTower(self, config["audio_config"]))
+        if towers and self.args.ple_dim and self.args.pad_token_id != 0:
+            log.warning("pad_token_id is %d: MNN's runtime looks up PLE row 0 at media positions (HF: the pad "
+                        "row), so media prompts will differ", self.args.pad_token_id)
+        return towers
+
+    def towers(self) -> list:
+        return list(self._towers)
+
+    def media_token_ids(self) -> tuple[int, ...]:
+        """Token ids whose positions carry soft tokens (image, audio, video)."""
+        config = self.checkpoint.config
+        keys = ("image_token_id", "audio_token_id", "video_token_id")
+        return tuple(int(config[k]) for k in keys if config.get(k) is not None)
+
+    def ple_lookup_ids(self, ids: torch.Tensor) -> torch.Tensor:
+        """Multimodal PLE rule: at media-token positions the per-layer-embedding lookup uses the
+        pad id, never the media token's own row (HF ``Gemma4Model.forward``, ``llm_input_ids``;
+        MNN 3.6.1 does the same with id 0 in ``Omni::embedding``). The PLE projection input there
+        is the merged embedding, i.e. the soft token (HF passes the merged ``inputs_embeds`` to
+        ``project_per_layer_inputs``; its pad-embedding copy only reaches ``get_per_layer_inputs``,
+        which ignores it when ids are given), and so is the runtime's."""
+        media = torch.tensor(self.media_token_ids(), dtype=ids.dtype)
+        return torch.where(torch.isin(ids, media), torch.full_like(ids, self.args.pad_token_id), ids)
 
     def linears(self) -> list[LinearSpec]:
         return list(self._linears)
@@ -237,7 +272,7 @@ class Gemma4(Architecture):
 
         cls = (transformers.Gemma4ForConditionalGeneration if self.checkpoint.model_type == "gemma4"
                else transformers.Gemma4ForCausalLM)
-        model = cls.from_pretrained(self.checkpoint.path, dtype=torch.float32, attn_implementation="eager")
+        model = self.checkpoint.from_pretrained(cls, dtype=torch.float32, attn_implementation="eager")
         model.eval()
         if stored:
             self._apply_stored(model, stored)
@@ -275,3 +310,28 @@ class Gemma4(Architecture):
             if self.args.final_softcap:
                 logits = torch.tanh(logits / self.args.final_softcap) * self.args.final_softcap
         return logits
+
+    # --- MLX checkpoints (llmexport/mlx_import.py) ------------------------------------------------
+    def linear_source(self, name: str):
+        from llmexport.models.base import LinearSource
+
+        return LinearSource(*self._checkpoint_name(name))
+
+    @classmethod
+    def mlx_layout(cls, config: dict[str, Any]):
+        """mlx-lm's port (mlx_lm/models/gemma4.py, gemma4_text.py ``sanitize``): the multimodal
+        ``model.language_model.`` becomes ``language_model.model.``, HF's stacked experts become
+        ``experts.switch_glu.{gate,up,down}_proj`` (gate_up_proj split in two along its rows), and
+        the vision/audio towers are dropped (so are their configs here)."""
+        from llmexport.mlx_import import MlxLayout, MlxRule
+
+        multimodal = config.get("model_type") == "gemma4"
+        mlx, hf = (r"language_model\.model\.", "model.language_model.") if multimodal else (r"model\.", "model.")
+        experts = rf"^{mlx}(.*\.experts)\.switch_glu\."
+        return MlxLayout((
+            MlxRule(experts + r"gate_proj\.weight$", hf + r"\1.gate_up_proj", part=(0, 2)),
+            MlxRule(experts + r"up_proj\.weight$", hf + r"\1.gate_up_proj", part=(1, 2)),
+            MlxRule(experts + r"down_proj\.weight$", hf + r"\1.down_proj"),
+            MlxRule(rf"^{mlx}(.*)$", hf + r"\1"),
+            MlxRule(r"^language_model\.lm_head\.(.*)$", r"lm_head.\1"),
+        ), dropped_config=("vision_config", "audio_config"))

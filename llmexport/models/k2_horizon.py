@@ -19,7 +19,8 @@ from torch import nn
 from llmexport.checkpoint import Checkpoint, LazyTensor
 from llmexport.errors import InputError
 from llmexport.models import register
-from llmexport.models.base import Architecture, ExpertTemplate, GraphInputs, LinearRole, LinearSpec, StoredWeights
+from llmexport.models.base import (Architecture, ExpertTemplate, GraphInputs, LinearRole, LinearSource, LinearSpec,
+                                   StoredWeights)
 from llmexport.models.k2_horizon_args import K2HorizonArgs, parse_args
 from llmexport.models.k2_horizon_graph import K2HorizonGraph, Mlp, ValueExpert, mova_layer_id
 
@@ -206,8 +207,7 @@ class K2Horizon(Architecture):
     def load_reference(self, stored: StoredWeights | None) -> nn.Module:
         from transformers import AutoModelForCausalLM
 
-        model = AutoModelForCausalLM.from_pretrained(self.checkpoint.path, trust_remote_code=True,
-                                                     dtype=torch.float32)
+        model = self.checkpoint.from_pretrained(AutoModelForCausalLM, trust_remote_code=True, dtype=torch.float32)
         model.eval()
         if stored:
             self._apply_stored(model, stored)
@@ -225,6 +225,23 @@ class K2Horizon(Architecture):
     def reference_logits(self, model: nn.Module, ids: torch.Tensor) -> torch.Tensor:
         with torch.no_grad():
             return model(input_ids=ids.view(1, -1), use_cache=False).logits[0].float()
+
+    # --- MLX checkpoints (llmexport/mlx_import.py) ------------------------------------------------
+    def linear_source(self, name: str) -> LinearSource:
+        bias = name + ".bias"
+        return LinearSource(self._checkpoint_name(name), None, bias if bias in self.checkpoint.weights else None)
+
+    @classmethod
+    def mlx_layout(cls, config: dict[str, Any]):
+        """The family's MLX port keeps the HF names but stacks routed experts ``[E, out, in]``
+        (docs/k2-horizon.md): MoE experts as ``mlp.switch_mlp.{gate,up,down}_proj`` (mlx-lm's
+        SwitchGLU naming), MoVA value experts as one ``self_attn.v_experts`` SwitchLinear."""
+        from llmexport.mlx_import import MlxLayout, MlxRule
+
+        return MlxLayout((
+            MlxRule(r"^(model\.layers\.\d+\.mlp)\.switch_mlp\.(\w+_proj)\.weight$", r"\1.experts.{e}.\2.weight", True),
+            MlxRule(r"^(model\.layers\.\d+\.self_attn\.v_experts)\.weight$", r"\1.{e}.weight", True),
+        ))
 
 
 def _mlp_specs(prefix: str, hidden: int, width: int, role: LinearRole) -> list[LinearSpec]:

@@ -63,10 +63,11 @@ def _scheme(entry: dict[str, Any], base: QuantScheme, where: str) -> QuantScheme
     unknown = set(entry) - _FIELDS - {"match"}
     if unknown:
         raise ValueError(f"{where}: unknown key(s) {sorted(unknown)} (expected {sorted(_FIELDS)})")
-    try:
-        method = QuantMethod(entry.get("method", base.method.value))
-    except ValueError:
-        raise ValueError(f"{where}: method must be one of {[m.value for m in QuantMethod]}") from None
+    methods = [m.value for m in QuantMethod if m is not QuantMethod.STORED]
+    method = entry.get("method", base.method.value)
+    if method not in methods:
+        raise ValueError(f"{where}: method must be one of {methods}")
+    method = QuantMethod(method)
     scheme = QuantScheme(bits=int(entry.get("bits", base.bits)), block=int(entry.get("block", base.block)),
                          sym=bool(entry.get("sym", base.sym)), method=method)
     try:

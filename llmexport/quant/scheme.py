@@ -27,6 +27,9 @@ class QuantMethod(str, Enum):
 
     RTN = "rtn"
     HQQ = "hqq"
+    #: the levels, scales and zeros of a checkpoint that is already quantized (MLX), carried over
+    #: unchanged (llmexport.mlx_import.transcode); never a user choice
+    STORED = "stored"
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,499 @@
+"""Gemma4 audio tower (USM Conformer) -> ``audio.mnn``.
+
+Mirrors transformers 5.x ``Gemma4AudioModel`` + ``Gemma4MultimodalEmbedder`` (modeling_gemma4.py):
+two stride-2 3x3 convolutions with channel LayerNorm and ReLU, a linear projection, Conformer
+blocks (half-step FFN, chunked local self-attention with relative positions and logit
+soft-capping, GLU + causal depthwise convolution, half-step FFN, RMSNorm), the output projection,
+then RMSNorm (no scale) and the projection into the text hidden size.
+
+The chunked attention is rebuilt for tracing: HF pads and ``unfold``s keys/values into
+overlapping blocks; here each block's context is an index GATHER (block starts x offsets,
+clamped into the sequence) and positions outside the sequence or the window are masked, so the
+ONNX graph has no padding that depends on the length. The relative-position term uses a constant
+table (``relative_k_proj`` applied to HF's sinusoids, laid out per (query, key) offset), which
+replaces HF's pad-and-reshape ``_rel_shift``.
+
+Runtime contract (MNN 3.6.1 omni.cpp ``audioProcess``, audio_type "usm"): one input
+``input_features`` [1, T, 128] (no mask), output ``audio_embeds`` [1, ceil(ceil(T/2)/2), hidden],
+which the runtime multiplies by 1/sqrt(hidden) before the text graph multiplies by sqrt(hidden).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from llmexport.errors import InputError
+from llmexport.media.audio import MELS, runtime_log_mel, samples_for_tokens, synthetic_clip, write_wav
+from llmexport.models.base import GraphInputs, LinearRole, LinearSpec, StoredWeights, Tower
+from llmexport.models.gemma4_towers import (GREEDY_STEPS, ClippedLinear, TowerLinear, clip_buffer_names,
+                                            compare_prompt, const, mllm_runtime_config, multimodal_logits,
+                                            reference_greedy, reference_passes, relative_error, tower_linear)
+from llmexport.ops import rms_norm
+
+log = logging.getLogger(__name__)
+
+PREFIX = "model.audio_tower."
+EMBEDDER = "model.embed_audio.embedding_projection"
+FEATURE_BOUND = 1e-3  # max relative error of audio.mnn vs HF audio features (stored weights)
+PROMPT_HEAD, PROMPT_TAIL = "<bos><|turn>user\n", "Transcribe this audio.<turn|>\n<|turn>model\n"
+
+
+@dataclass(frozen=True)
+class AudioArgs:
+    hidden: int
+    layers: int
+    heads: int
+    channels: tuple[int, int]
+    conv_kernel: int
+    residual_weight: float
+    chunk: int
+    context_left: int
+    context_right: int
+    logit_cap: float
+    invalid_logit: float
+    clipped: bool
+    eps: float
+    gradient_clipping: float
+    output_dims: int
+    text_hidden: int
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden // self.heads
+
+    @property
+    def past(self) -> int:
+        """HF ``max_past_horizon``: keys before the block start that a block's context holds."""
+        return self.context_left - 1
+
+    @property
+    def context(self) -> int:
+        return self.chunk + self.past + self.context_right
+
+    @property
+    def rel_positions(self) -> int:
+        """Rows of HF's relative position table (``Gemma4AudioRelPositionalEncoding``)."""
+        return self.context // 2 + 1
+
+    @property
+    def freq_bins(self) -> int:
+        """Mel bins left after the two stride-2 convolutions (128 -> 64 -> 32)."""
+        return (((MELS - 1) // 2 + 1) - 1) // 2 + 1
+
+
+def parse_audio_args(config: dict[str, Any], text_hidden: int, where: str) -> AudioArgs:
+    def need(key: str) -> Any:
+        if key not in config:
+            raise InputError(f"{where}: audio_config needs {key!r}")
+        return config[key]
+
+    channels = tuple(int(c) for c in config.get("subsampling_conv_channels", (128, 32)))
+    act = config.get("hidden_act", "silu")
+    if act != "silu":
+        raise InputError(f"{where}: audio hidden_act {act!r} is not supported (silu)")
+    args = AudioArgs(
+        hidden=int(need("hidden_size")), layers=int(need("num_hidden_layers")), heads=int(need("num_attention_heads")),
+        channels=(channels[0], channels[1]), conv_kernel=int(config.get("conv_kernel_size", 5)),
+        residual_weight=float(config.get("residual_weight", 0.5)), chunk=int(config.get("attention_chunk_size", 12)),
+        context_left=int(config.get("attention_context_left", 13)),
+        context_right=int(config.get("attention_context_right", 0)),
+        logit_cap=float(config.get("attention_logit_cap", 50.0)),
+        invalid_logit=float(config.get("attention_invalid_logits_value", -1e9)),
+        clipped=bool(config.get("use_clipped_linears", True)), eps=float(config.get("rms_norm_eps", 1e-6)),
+        gradient_clipping=float(config.get("gradient_clipping", 1e10)),
+        output_dims=int(config.get("output_proj_dims") or need("hidden_size")), text_hidden=text_hidden)
+    if args.hidden % args.heads:
+        raise InputError(f"{where}: audio hidden_size {args.hidden} is not a multiple of {args.heads} heads")
+    # HF sizes input_proj_linear as (channels[0] // 4) * channels[1]; the flattened conv output is
+    # (128 mel bins / 4) * channels[1]: the two agree only when channels[0] // 4 == 32.
+    if args.channels[0] // 4 != args.freq_bins:
+        raise InputError(f"{where}: subsampling_conv_channels[0] is {args.channels[0]}; HF's layout needs "
+                         f"channels[0] // 4 == {args.freq_bins} (128 mel bins after two stride-2 convolutions)")
+    if args.context_left < 2:
+        raise InputError(f"{where}: attention_context_left must be >= 2")
+    return args
+
+
+def audio_linears(args: AudioArgs, weights) -> list[TowerLinear]:
+    h = args.hidden
+    out = [tower_linear(weights, PREFIX + "subsample_conv_projection.input_proj_linear",
+                        args.freq_bins * args.channels[1], h, LinearRole.MLP, False)]
+    for i in range(args.layers):
+        p = f"{PREFIX}layers.{i}."
+        for name, fan_in, fan_out, role in (
+                ("feed_forward1.ffw_layer_1", h, 4 * h, LinearRole.MLP),
+                ("feed_forward1.ffw_layer_2", 4 * h, h, LinearRole.MLP),
+                ("self_attn.q_proj", h, h, LinearRole.ATTENTION), ("self_attn.k_proj", h, h, LinearRole.ATTENTION),
+                ("self_attn.v_proj", h, h, LinearRole.ATTENTION), ("self_attn.post", h, h, LinearRole.ATTENTION),
+                ("lconv1d.linear_start", h, 2 * h, LinearRole.MLP), ("lconv1d.linear_end", h, h, LinearRole.MLP),
+                ("feed_forward2.ffw_layer_1", h, 4 * h, LinearRole.MLP),
+                ("feed_forward2.ffw_layer_2", 4 * h, h, LinearRole.MLP)):
+            out.append(tower_linear(weights, p + name, fan_in, fan_out, role, True, args.clipped))
+    out.append(tower_linear(weights, PREFIX + "output_proj", h, args.output_dims, LinearRole.MLP, False, bias=True))
+    out.append(tower_linear(weights, EMBEDDER, args.output_dims, args.text_hidden, LinearRole.MLP, False))
+    return out
+
+
+_LAYER_NORMS = ("feed_forward1.pre_layer_norm", "feed_forward1.post_layer_norm", "feed_forward2.pre_layer_norm",
+                "feed_forward2.post_layer_norm", "norm_pre_attn", "norm_post_attn", "norm_out",
+                "lconv1d.pre_layer_norm", "lconv1d.conv_norm")
+
+
+def audio_constants(args: AudioArgs) -> dict[str, tuple[int, ...]]:
+    h, (c0, c1) = args.hidden, args.channels
+    s = PREFIX + "subsample_conv_projection."
+    names = {s + "layer0.conv.weight": (c0, 1, 3, 3), s + "layer0.norm.weight": (c0,),
+             s + "layer1.conv.weight": (c1, c0, 3, 3), s + "layer1.norm.weight": (c1,)}
+    for i in range(args.layers):
+        p = f"{PREFIX}layers.{i}."
+        names.update({p + n + ".weight": (h,) for n in _LAYER_NORMS})
+        names[p + "self_attn.per_dim_scale"] = (args.head_dim,)
+        names[p + "self_attn.relative_k_proj.weight"] = (h, h)
+        names[p + "lconv1d.depthwise_conv1d.weight"] = (h, 1, args.conv_kernel)
+    return names
+
+
+# --- chunked local attention: gather formulation ---------------------------------------------------
+def relative_position_table(args: AudioArgs, relative_k_proj: torch.Tensor) -> torch.Tensor:
+    """[heads, chunk, D, context]: the relative-key vector each (query c, context slot o) pair uses.
+
+    HF computes ``q @ relative_k_proj(sinusoids)^T`` over ``rel_positions`` rows (row p: distance
+    context//2 - p) and ``_rel_shift``s it so that slot o of query c reads row o - c (zeros past the
+    table). Laying the rows out per (c, o) once turns that into one matmul with a constant.
+    """
+    # Gemma4AudioRelPositionalEncoding: [sin, cos] of positions context//2 .. 0.
+    half = args.hidden // 2
+    increment = math.log(10000.0) / max(half - 1, 1)
+    inv = torch.exp(torch.arange(half) * -increment).view(1, 1, -1)
+    positions = torch.arange(args.context // 2, -1, -1).view(-1, 1)
+    scaled = positions * inv
+    sinusoids = torch.cat([torch.sin(scaled), torch.cos(scaled)], dim=-1).float()
+    rel = F.linear(sinusoids, relative_k_proj.float()).view(args.rel_positions, args.heads, args.head_dim)
+    shift = torch.arange(args.context).view(1, -1) - torch.arange(args.chunk).view(-1, 1)  # o - c
+    valid = (shift >= 0) & (shift < args.rel_positions)
+    table = rel[shift.clamp(0, args.rel_positions - 1)] * valid[..., None, None]  # [C, ctx, H, D]
+    return table.permute(2, 0, 3, 1).contiguous()
+
+
+def window_mask(args: AudioArgs) -> torch.Tensor:
+    """[chunk, context] bool: key slot o is in query c's window (HF ``sliding_window_mask_function``
+    with (context_left - 1, context_right)). Query c sits at slot c + past; dist = query - key."""
+    dist = torch.arange(args.chunk).view(-1, 1) + args.past - torch.arange(args.context).view(1, -1)
+    return ((dist >= 0) & (dist < args.past)) | ((dist < 0) & (-dist < args.context_right))
+
+
+def chunked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rel_table: torch.Tensor,
+                      window: torch.Tensor, args: AudioArgs) -> torch.Tensor:
+    """Blocked local attention; q, k, v [T, heads, D] (q/k already scaled) -> [T, heads * D].
+
+    Block b holds queries b*C .. b*C+C-1; its context slots o hold keys b*C - past + o. Both are
+    gathered with indices clamped into [0, T); keys outside the sequence are masked like HF's
+    padding (``attention_invalid_logits_value`` after soft-capping), queries past T are dropped.
+    """
+    length, c, ctx = q.shape[0], args.chunk, args.context
+    blocks = (length + c - 1) // c
+    starts = torch.arange(blocks).view(-1, 1) * c
+    q_index = (starts + torch.arange(c).view(1, -1)).clamp(max=length - 1)  # [nb, C]
+    k_abs = starts + torch.arange(ctx).view(1, -1) - args.past  # [nb, ctx]
+    k_index = k_abs.clamp(0, length - 1)
+    qb = q.index_select(0, q_index.reshape(-1)).view(blocks, c, args.heads, args.head_dim).permute(2, 0, 1, 3)
+    kb = k.index_select(0, k_index.reshape(-1)).view(blocks, ctx, args.heads, args.head_dim).permute(2, 0, 3, 1)
+    vb = v.index_select(0, k_index.reshape(-1)).view(blocks, ctx, args.heads, args.head_dim).permute(2, 0, 1, 3)
+    content = torch.matmul(qb, kb)  # [H, nb, C, ctx]
+    position = torch.matmul(qb.transpose(1, 2), rel_table).transpose(1, 2)  # [H, C, nb, D] @ [H, C, D, ctx]
+    logits = torch.tanh((content + position) / args.logit_cap) * args.logit_cap
+    inside = (k_abs >= 0) & (k_abs < length)
+    valid = window.view(1, c, ctx) & inside.view(blocks, 1, ctx)  # [nb, C, ctx]
+    logits = torch.where(valid, logits, torch.full_like(logits, args.invalid_logit))
+    out = torch.matmul(torch.softmax(logits, dim=-1), vb)  # [H, nb, C, D]
+    out = out.permute(1, 2, 0, 3).reshape(blocks * c, args.hidden)
+    return out[:length]
+
+
+# --- the trace-friendly graph ---------------------------------------------------------------------
+class _Attention(nn.Module):
+    def __init__(self, args: AudioArgs, linears: dict[str, TowerLinear], p: str, lookup):
+        super().__init__()
+        self.args = args
+        self.q_proj, self.k_proj, self.v_proj, self.post = (
+            ClippedLinear(linears[p + "self_attn." + n]) for n in ("q_proj", "k_proj", "v_proj", "post"))
+        # HF: q * head_dim^-0.5 / ln 2 * softplus(per_dim_scale); k * ln(1 + e) / ln 2.
+        q_scale = (args.head_dim ** -0.5) / math.log(2) * F.softplus(lookup(p + "self_attn.per_dim_scale").float())
+        self.register_buffer("q_scale", q_scale, persistent=False)
+        self.k_scale = math.log(1 + math.e) / math.log(2)
+        table = relative_position_table(args, lookup(p + "self_attn.relative_k_proj.weight"))
+        self.register_buffer("rel_table", table, persistent=False)
+        self.register_buffer("window", window_mask(args), persistent=False)
+
+    def forward(self, x):
+        a = self.args
+        q = self.q_proj(x).view(-1, a.heads, a.head_dim) * self.q_scale
+        k = self.k_proj(x).view(-1, a.heads, a.head_dim) * self.k_scale
+        v = self.v_proj(x).view(-1, a.heads, a.head_dim)
+        out = chunked_attention(q, k, v, self.rel_table, self.window, a)
+        return self.post(out.view(1, -1, a.hidden))
+
+
+class _FeedForward(nn.Module):
+    def __init__(self, args: AudioArgs, linears: dict[str, TowerLinear], p: str, lookup):
+        super().__init__()
+        self.args = args
+        self.pre = const(lookup, p + "pre_layer_norm.weight")
+        self.post = const(lookup, p + "post_layer_norm.weight")
+        self.ffw_layer_1 = ClippedLinear(linears[p + "ffw_layer_1"])
+        self.ffw_layer_2 = ClippedLinear(linears[p + "ffw_layer_2"])
+
+    def forward(self, x):
+        a = self.args
+        h = rms_norm(_clip(x, a), self.pre, a.eps)
+        h = _clip(self.ffw_layer_2(F.silu(self.ffw_layer_1(h))), a)
+        return rms_norm(h, self.post, a.eps) * a.residual_weight + x
+
+
+class _LightConv(nn.Module):
+    def __init__(self, args: AudioArgs, linears: dict[str, TowerLinear], p: str, lookup):
+        super().__init__()
+        self.args = args
+        self.pre = const(lookup, p + "pre_layer_norm.weight")
+        self.conv_norm = const(lookup, p + "conv_norm.weight")
+        self.linear_start = ClippedLinear(linears[p + "linear_start"])
+        self.linear_end = ClippedLinear(linears[p + "linear_end"])
+        self.depthwise = const(lookup, p + "depthwise_conv1d.weight")
+
+    def forward(self, x):
+        a = self.args
+        h = F.glu(self.linear_start(rms_norm(x, self.pre, a.eps)), dim=-1)
+        # Causal depthwise convolution (HF Gemma4AudioCausalConv1d: left padding kernel - 1).
+        h = F.conv1d(F.pad(h.transpose(1, 2), (a.conv_kernel - 1, 0)), self.depthwise, groups=a.hidden)
+        h = F.silu(rms_norm(_clip(h.transpose(1, 2), a), self.conv_norm, a.eps))
+        return self.linear_end(h) + x
+
+
+class _ConformerLayer(nn.Module):
+    def __init__(self, args: AudioArgs, linears: dict[str, TowerLinear], index: int, lookup):
+        super().__init__()
+        p = f"{PREFIX}layers.{index}."
+        self.args = args
+        self.feed_forward1 = _FeedForward(args, linears, p + "feed_forward1.", lookup)
+        self.feed_forward2 = _FeedForward(args, linears, p + "feed_forward2.", lookup)
+        self.self_attn = _Attention(args, linears, p, lookup)
+        self.lconv1d = _LightConv(args, linears, p + "lconv1d.", lookup)
+        self.norms = nn.ParameterDict({n: const(lookup, p + n + ".weight")
+                                       for n in ("norm_pre_attn", "norm_post_attn", "norm_out")})
+
+    def forward(self, x):
+        a, n = self.args, self.norms
+        x = self.feed_forward1(x)
+        h = self.self_attn(rms_norm(_clip(x, a), n["norm_pre_attn"], a.eps))
+        x = rms_norm(_clip(h, a), n["norm_post_attn"], a.eps) + x
+        x = self.feed_forward2(self.lconv1d(x))
+        return rms_norm(_clip(x, a), n["norm_out"], a.eps)
+
+
+def _clip(x: torch.Tensor, args: AudioArgs) -> torch.Tensor:
+    """HF's ``gradient_clipping`` clamp (1e10 by default: kept, it costs nothing)."""
+    return torch.clamp(x, -args.gradient_clipping, args.gradient_clipping)
+
+
+class _Subsample(nn.Module):
+    """HF Gemma4AudioSubSampleConvProjection without a mask: [1, T, 128] -> [1, ceil(ceil(T/2)/2), hidden]."""
+
+    def __init__(self, args: AudioArgs, linears: dict[str, TowerLinear], lookup):
+        super().__init__()
+        s = PREFIX + "subsample_conv_projection."
+        self.args = args
+        self.conv0, self.norm0 = const(lookup, s + "layer0.conv.weight"), const(lookup, s + "layer0.norm.weight")
+        self.conv1, self.norm1 = const(lookup, s + "layer1.conv.weight"), const(lookup, s + "layer1.norm.weight")
+        self.input_proj_linear = ClippedLinear(linears[s + "input_proj_linear"])
+
+    def _block(self, x, conv, norm):
+        x = F.conv2d(x, conv, stride=2, padding=1)
+        x = F.layer_norm(x.permute(0, 2, 3, 1), (conv.shape[0],), norm, None, self.args.eps)
+        return F.relu(x).permute(0, 3, 1, 2)
+
+    def forward(self, features):
+        x = self._block(self._block(features.unsqueeze(1), self.conv0, self.norm0), self.conv1, self.norm1)
+        x = x.permute(0, 2, 3, 1)  # [1, T', freq, channels]: flattened freq-major as HF does
+        return self.input_proj_linear(x.reshape(1, -1, self.args.freq_bins * self.args.channels[1]))
+
+
+class AudioGraph(nn.Module):
+    """input_features [1, T, 128] log-mel -> audio_embeds [1, ceil(ceil(T/2)/2), text_hidden]."""
+
+    def __init__(self, args: AudioArgs, linears: list[TowerLinear], lookup):
+        super().__init__()
+        by_name = {linear.spec.name: linear for linear in linears}
+        self.args = args
+        self.subsample = _Subsample(args, by_name, lookup)
+        self.layers = nn.ModuleList(_ConformerLayer(args, by_name, i, lookup) for i in range(args.layers))
+        self.output_proj = ClippedLinear(by_name[PREFIX + "output_proj"])
+        self.embedding_projection = ClippedLinear(by_name[EMBEDDER])
+
+    def forward(self, input_features):
+        x = self.subsample(input_features)
+        for layer in self.layers:
+            x = layer(x)
+        x = self.output_proj(x)
+        return self.embedding_projection(rms_norm(x, None, self.args.eps))
+
+
+class Gemma4AudioTower(Tower):
+    name = "audio"
+
+    def __init__(self, arch, audio_config: dict[str, Any]):
+        self.arch = arch
+        self.checkpoint = arch.checkpoint
+        where = str(self.checkpoint.path / "config.json")
+        self.args = parse_audio_args(audio_config, arch.args.hidden_size, where)
+        config = self.checkpoint.config
+        # transformers names the end-of-audio id "eoa_token_index" (Gemma4Config).
+        keys = {"boa": "boa_token_id", "eoa": "eoa_token_index", "audio": "audio_token_id"}
+        self.ids = {name: config.get(key, config.get(key.replace("_index", "_id"))) for name, key in keys.items()}
+        if any(v is None for v in self.ids.values()):
+            raise InputError(f"{where}: an audio checkpoint needs boa_token_id, eoa_token_index and audio_token_id")
+        self.ids = {k: int(v) for k, v in self.ids.items()}
+        self._linears = audio_linears(self.args, self.checkpoint.weights)
+
+    def expected_tensors(self) -> dict[str, tuple[int, ...] | None]:
+        expected: dict[str, tuple[int, ...] | None] = dict(audio_constants(self.args))
+        for linear in self._linears:
+            s = linear.spec
+            expected[linear.weight] = (s.out_features, s.in_features)
+            if linear.bias:
+                expected[linear.bias] = (s.out_features,)
+            if self.args.clipped and s.name.startswith(PREFIX + "layers."):
+                expected.update({name: None for name in clip_buffer_names(s.name)})
+        return expected
+
+    def linears(self) -> list[LinearSpec]:
+        return [linear.spec for linear in self._linears]
+
+    def linear_weight(self, name: str) -> tuple[torch.Tensor, torch.Tensor | None]:
+        linear = next(linear for linear in self._linears if linear.spec.name == name)
+        weights = self.checkpoint.weights
+        return weights.lazy(linear.weight).read(), (weights.lazy(linear.bias).read() if linear.bias else None)
+
+    def build_graph(self) -> nn.Module:
+        return AudioGraph(self.args, self._linears, self.checkpoint.weights.tensor).eval()
+
+    def graph_inputs(self) -> GraphInputs:
+        # 37 frames -> 10 encoder frames: several blocks, the last one partial; T is dynamic.
+        return GraphInputs((torch.randn(1, 37, MELS),), ["input_features"], {"input_features": {1: "frames"}},
+                           ["audio_embeds"])
+
+    def llm_config(self) -> dict[str, Any]:
+        return {"is_audio": True, "audio_model": "audio.mnn", "audio_type": "usm",
+                "audio_start": self.ids["boa"], "audio_end": self.ids["eoa"], "audio_pad": self.ids["audio"]}
+
+    def runtime_config(self) -> dict[str, Any]:
+        return mllm_runtime_config()
+
+    # --- verification -----------------------------------------------------------------------
+    def verify_lengths(self) -> list[int]:
+        """Clip lengths (samples) giving fewer tokens than a chunk, a non-multiple of the chunk,
+        and several chunks."""
+        c = self.args.chunk
+        return [samples_for_tokens(t) for t in (max(1, c - 1), 2 * c + 1, 5 * c + 2)]
+
+    def verify(self, export_dir: Path, stored_text: StoredWeights) -> dict[str, Any]:
+        """``audio.mnn`` on HF's features vs HF's audio features (stored weights: max relative error
+        < 1e-3; fp32: reported), and an audio+text prompt through the runtime, compared with HF on
+        HF's framing (reported) and on the runtime's framing (must agree)."""
+        import tempfile
+
+        from transformers import AutoTokenizer
+        from transformers.models.gemma4.feature_extraction_gemma4 import Gemma4AudioFeatureExtractor
+
+        from llmexport.mnn.runtime import run_module
+
+        extractor = Gemma4AudioFeatureExtractor()
+        clips = [synthetic_clip(n, seed=n) for n in self.verify_lengths()]
+        hf = [extractor([clip], return_tensors="pt") for clip in clips]
+        hf = [(f["input_features"], f["input_features_mask"]) for f in hf]
+        outputs = run_module(export_dir / f"{self.name}.mnn", [{"input_features": f[:, m[0]].numpy()} for f, m in hf],
+                             ["audio_embeds"])
+        prompt_clip = synthetic_clip(self.verify_lengths()[1], seed=1)
+        framed = extractor([prompt_clip], return_tensors="pt")
+        runtime_features = torch.from_numpy(runtime_log_mel(prompt_clip)).unsqueeze(0)
+        framings = {"hf_framing": (framed["input_features"], framed["input_features_mask"]),
+                    "runtime_framing": (runtime_features, torch.ones(runtime_features.shape[:2], dtype=torch.bool))}
+        tokenizer = AutoTokenizer.from_pretrained(self.checkpoint.path)
+
+        def on_oracle(model):
+            prompts = {}
+            for name, framing in framings.items():
+                soft = audio_features(model, *framing)
+                ids, slots = self._prompt_ids(tokenizer, soft.shape[0])
+                prompts[name] = (ids, slots, *reference_greedy(
+                    lambda x: multimodal_logits(self.arch, model, x, slots, soft), ids, GREEDY_STEPS))
+            return [audio_features(model, *f) for f in hf], prompts
+
+        def on_fp32(model, first):
+            ids, slots, greedy, _ = first[1]["runtime_framing"]
+            soft = audio_features(model, *framings["runtime_framing"])
+            logits = multimodal_logits(self.arch, model, ids + greedy[:-1], slots, soft)[len(ids) - 1:].numpy()
+            return [audio_features(model, *f) for f in hf], logits
+
+        (refs, prompts), (refs32, logits32) = reference_passes(
+            self.arch, stored_text, self._linears, export_dir, self.name, on_oracle, on_fp32)
+        reports = []
+        for clip, (features, mask), out, ref, ref32 in zip(clips, hf, outputs, refs, refs32):
+            mnn = out["audio_embeds"][0]
+            same = mnn.shape == tuple(ref.shape)
+            reports.append({"samples": len(clip), "frames": int(mask.sum()), "tokens": int(ref.shape[0]),
+                            "mnn_tokens": int(mnn.shape[0]), "rel_err": relative_error(mnn, ref) if same else math.inf,
+                            "rel_err_fp32": relative_error(mnn, ref32) if same else math.inf})
+        with tempfile.TemporaryDirectory(prefix="llmexport-audio-") as tmp:
+            prompt = self._check_prompt(export_dir, Path(tmp), tokenizer, prompt_clip, prompts, logits32)
+        prompt["frames"] = {"hf": int(framed["input_features_mask"].sum()), "runtime": int(runtime_features.shape[1])}
+        failures = [f"clip of {r['samples']} samples: relative error {r['rel_err']:.2e} >= {FEATURE_BOUND}"
+                    for r in reports if r["rel_err"] >= FEATURE_BOUND]
+        failures += [f"audio prompt (runtime framing): {f}" for f in prompt["runtime_framing"]["failures"]]
+        return {"passed": not failures, "failures": failures, "feature_bound": FEATURE_BOUND, "clips": reports,
+                "prompt": prompt}
+
+    def _prompt_ids(self, tokenizer, soft_tokens: int) -> tuple[list[int], torch.Tensor]:
+        """HF's ids of the verification prompt (as Gemma4Processor expands it) and its audio slots."""
+        token, i = tokenizer.convert_ids_to_tokens, self.ids
+        slots = token(i["boa"]) + token(i["audio"]) * soft_tokens + token(i["eoa"])
+        ids = tokenizer(PROMPT_HEAD + slots + PROMPT_TAIL, add_special_tokens=False)["input_ids"]
+        return ids, torch.tensor([k for k, t in enumerate(ids) if t == i["audio"]])
+
+    def _check_prompt(self, export_dir: Path, tmp: Path, tokenizer, clip: np.ndarray, prompts: dict[str, tuple],
+                      logits32: np.ndarray) -> dict[str, Any]:
+        """The prompt through MNN's runtime (clip as a 16-bit WAV): must agree with HF run on the
+        runtime's framing; HF on its own framing is reported beside it (the known framing defect)."""
+        from llmexport.mnn.runtime import run_media_prompt
+
+        write_wav(tmp / "clip.wav", clip)
+        ids, slots, greedy, logits = prompts["runtime_framing"]
+        run = run_media_prompt(export_dir, f"{PROMPT_HEAD}<audio>{tmp / 'clip.wav'}</audio>{PROMPT_TAIL}",
+                               greedy[:-1], GREEDY_STEPS)
+        runtime = compare_prompt(run, ids, greedy, logits, logits32)
+        runtime["bos_count"] = run.ids.count(tokenizer.bos_token_id)
+        if runtime["bos_count"] != 1:
+            runtime["failures"].append(f"{runtime['bos_count']} BOS tokens in the runtime's prompt")
+        hf_ids, hf_slots, hf_greedy, hf_logits = prompts["hf_framing"]
+        hf_report: dict[str, Any] = {"tokens": len(hf_slots), "greedy_ref": hf_greedy,
+                                     "greedy_match": hf_greedy == run.greedy_ids}
+        if len(hf_ids) == len(run.ids):  # same token count: the first step can be compared too
+            hf_report["first_step_top1_match"] = int(run.forced_logits[0].argmax()) == int(hf_logits[0].argmax())
+            hf_report["first_step_max_abs_err"] = float(np.abs(run.forced_logits[0] - hf_logits[0]).max())
+        return {"samples": len(clip), "tokens": {"hf": len(hf_slots), "runtime": len(slots)},
+                "runtime_framing": runtime, "hf_framing": hf_report}
+
+
+def audio_features(model, features: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """HF's audio soft tokens [n, text_hidden] (``Gemma4Model.get_audio_features``, padding stripped)."""
+    with torch.no_grad():
+        out = model.model.get_audio_features(features, mask, return_dict=True)
+    return out.pooler_output[out.attention_mask].float()

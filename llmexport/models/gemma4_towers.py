@@ -1,0 +1,234 @@
+"""What Gemma4's vision and audio towers share: clipped placeholder linears, the checkpoint names
+behind them, the stored tower weights read back from ``{stem}.mnn``, the HF oracle carrying
+those weights, and the comparison of a media prompt run by MNN's runtime with HF.
+"""
+
+from __future__ import annotations
+
+import math
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+import torch
+from torch import nn
+
+from llmexport.checkpoint import SafetensorsIndex
+from llmexport.models.base import LinearRole, LinearSpec, StoredWeights
+from llmexport.ops import PlaceholderLinear
+
+TensorLookup = Callable[[str], torch.Tensor]
+GREEDY_STEPS = 16
+
+
+def const(lookup: TensorLookup, name: str) -> nn.Parameter:
+    return nn.Parameter(lookup(name).detach().float().clone(), requires_grad=False)
+
+
+@dataclass(frozen=True)
+class TowerLinear:
+    """One placeholder linear of a tower and the checkpoint tensors behind it."""
+
+    spec: LinearSpec
+    weight: str
+    bias: str | None = None
+    clip: tuple[float | None, float | None, float | None, float | None] | None = None  # in min/max, out min/max
+
+
+def mllm_runtime_config() -> dict[str, Any]:
+    """config.json ``mllm`` block: the towers' own runtime, read when the model is created
+    (llmconfig.hpp). Its defaults are fp16 activations and memory "low" (the cheaper dequant path
+    with visibly larger error); the towers run in fp32 with memory "normal"."""
+    return {"mllm": {"backend_type": "cpu", "thread_num": 4, "precision": "normal", "memory": "normal"}}
+
+
+def tower_linear(weights: SafetensorsIndex, base: str, in_features: int, out_features: int, role: LinearRole,
+                 clippable: bool, clipped: bool = False, bias: bool = False) -> TowerLinear:
+    """HF ``Gemma4ClippableLinear`` (``{base}.linear.weight``) or a plain ``nn.Linear`` (``{base}.weight``).
+
+    With ``clipped`` (the config's ``use_clipped_linears``) the bounds are the checkpoint's
+    ``input_min/input_max/output_min/output_max`` scalars; infinite ones (HF's init) are dropped
+    so the graph carries no no-op clamps.
+    """
+    clip = None
+    if clippable and clipped:
+        values = []
+        for key in ("input_min", "input_max", "output_min", "output_max"):
+            name = f"{base}.{key}"
+            value = float(weights.tensor(name).float()) if name in weights else math.inf
+            values.append(value if math.isfinite(value) else None)
+        clip = tuple(values) if any(v is not None for v in values) else None
+    weight = f"{base}.linear.weight" if clippable else f"{base}.weight"
+    spec = LinearSpec(base, in_features, out_features, role, bias)
+    return TowerLinear(spec, weight, f"{base}.bias" if bias else None, clip)
+
+
+def clip_buffer_names(base: str) -> list[str]:
+    return [f"{base}.{key}" for key in ("input_min", "input_max", "output_min", "output_max")]
+
+
+class ClippedLinear(nn.Module):
+    """HF ``Gemma4ClippableLinear``: clamp the input, linear, clamp the output."""
+
+    def __init__(self, linear: TowerLinear):
+        super().__init__()
+        s = linear.spec
+        self.linear = PlaceholderLinear(s.name, s.in_features, s.out_features, s.bias)
+        self.clip = linear.clip or (None, None, None, None)
+
+    def forward(self, x):
+        in_min, in_max, out_min, out_max = self.clip
+        if in_min is not None or in_max is not None:
+            x = torch.clamp(x, in_min, in_max)
+        x = self.linear(x)
+        if out_min is not None or out_max is not None:
+            x = torch.clamp(x, out_min, out_max)
+        return x
+
+
+def encoder_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
+                      scale: float) -> torch.Tensor:
+    """Plain softmax attention without a KV cache (towers are bidirectional encoders).
+
+    q [1, N, heads, D], k/v [1, N, kv_heads, D], additive mask broadcastable to [1, 1, N, N];
+    returns [1, N, heads * D]. KV heads are repeated with expand + reshape (HF ``repeat_kv``);
+    ``repeat_interleave`` would trace into OneHot/Tile chains.
+    """
+    heads, kv_heads = q.shape[2], k.shape[2]
+    q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+    if heads != kv_heads:
+        groups = heads // kv_heads
+        k = k.unsqueeze(2).expand(-1, -1, groups, -1, -1).reshape(k.shape[0], heads, k.shape[2], k.shape[3])
+        v = v.unsqueeze(2).expand(-1, -1, groups, -1, -1).reshape(v.shape[0], heads, v.shape[2], v.shape[3])
+    scores = torch.matmul(q, k.transpose(2, 3))
+    if scale != 1.0:
+        scores = scores * scale
+    probs = torch.softmax(scores + mask, dim=-1)
+    out = torch.matmul(probs, v).transpose(1, 2)
+    return out.reshape(out.shape[0], out.shape[1], -1)
+
+
+def read_tower_weights(export_dir: Path, stem: str,
+                       names: set[str]) -> dict[str, tuple[torch.Tensor, torch.Tensor | None]]:
+    """The linears ``names`` of ``{stem}.mnn`` decoded from ``{stem}.mnn.weight`` (name -> weight, bias).
+    Other convolutions (an audio tower's subsampling) are graph constants, not linear records."""
+    from llmexport.mnn.convert import mnn_to_json
+    from llmexport.mnn.weight_reader import read_linear
+
+    with tempfile.TemporaryDirectory(prefix="llmexport-readback-") as tmp:
+        graph = mnn_to_json(export_dir / f"{stem}.mnn", Path(tmp) / f"{stem}.json")
+    out = {}
+    for op in graph["oplists"]:
+        main = op.get("main", {})
+        if op.get("type") == "Convolution" and "external" in main and op.get("name") in names:
+            out[op["name"]] = read_linear(export_dir / f"{stem}.mnn.weight", main["external"],
+                                          main.get("quanParameter", {}), main["common"]["outputCount"],
+                                          main["common"]["inputCount"])
+    return out
+
+
+def apply_stored_tower(model: nn.Module, linears: list[TowerLinear],
+                       stored: dict[str, tuple[torch.Tensor, torch.Tensor | None]]) -> None:
+    """Copy a tower's stored weights into the HF model (the fair oracle for the runtime)."""
+    params = dict(model.named_parameters())
+    missing = [linear.spec.name for linear in linears if linear.spec.name not in stored]
+    if missing:
+        raise ValueError(f"{len(missing)} tower linear(s) not found in the exported graph, e.g. {missing[0]!r}")
+    with torch.no_grad():
+        for linear in linears:
+            weight, bias = stored[linear.spec.name]
+            params[linear.weight].copy_(weight.float())
+            if linear.bias is not None and bias is not None:
+                params[linear.bias].copy_(bias.float())
+
+
+def relative_error(out: np.ndarray | torch.Tensor, ref: np.ndarray | torch.Tensor) -> float:
+    """max |out - ref| / max |ref| (elementwise ratios explode on near-zero entries)."""
+    out, ref = np.asarray(out, dtype=np.float64), np.asarray(ref, dtype=np.float64)
+    if out.shape != ref.shape:
+        raise ValueError(f"shapes differ: {out.shape} vs {ref.shape}")
+    return float(np.abs(out - ref).max() / max(np.abs(ref).max(), 1e-30))
+
+
+def reference_passes(arch, stored_text: StoredWeights | None, linears: list[TowerLinear], export_dir: Path,
+                     stem: str, on_oracle: Callable[[nn.Module], Any], on_fp32: Callable[[nn.Module, Any], Any]):
+    """Run ``on_oracle`` on HF carrying the export's stored text + tower weights (the fair oracle),
+    release it, then ``on_fp32(model, oracle_result)`` on HF as released: one model in memory at a time."""
+    oracle = arch.load_reference(stored_text)
+    apply_stored_tower(oracle, linears, read_tower_weights(export_dir, stem, {linear.spec.name for linear in linears}))
+    first = on_oracle(oracle)
+    del oracle
+    fp32 = arch.load_reference(None)
+    second = on_fp32(fp32, first)
+    del fp32
+    return first, second
+
+
+def multimodal_logits(arch, model: nn.Module, ids: list[int], slots: torch.Tensor,
+                      features: torch.Tensor) -> torch.Tensor:
+    """All-position logits [seq, vocab] of HF's Gemma4 with ``features`` at the prompt's media
+    slots (``slots``: positions), following ``Gemma4Model.forward``: the slots' token embedding and
+    PLE lookup use the pad id, the merged embeddings feed the decoder and the PLE projection.
+
+    Only the prompt's slots are media. A media-token id generated later stays text, as in MNN's
+    runtime (a single decoded token goes through the plain lookup); HF's wrapper would turn every
+    media-token id into pad, which is why the decoder is called directly.
+    """
+    lm = model.model.language_model
+    ids_t = torch.tensor([ids])
+    media = torch.zeros_like(ids_t, dtype=torch.bool)
+    media[0, slots] = True
+    lookup = torch.where(media, torch.full_like(ids_t, arch.args.pad_token_id), ids_t)
+    with torch.no_grad():
+        embeds = lm.embed_tokens(lookup)
+        embeds[0, slots] = features.to(embeds.dtype)
+        per_layer = lm.get_per_layer_inputs(lookup, None) if arch.args.ple_dim else None
+        hidden = lm(inputs_embeds=embeds, per_layer_inputs=per_layer, use_cache=False,
+                    logits_to_keep=torch.arange(len(ids))).last_hidden_state
+        logits = model.lm_head(hidden)[0].float()
+    cap = arch.args.final_softcap
+    return torch.tanh(logits / cap) * cap if cap else logits
+
+
+def reference_greedy(logits_fn: Callable[[list[int]], torch.Tensor], prompt: list[int],
+                     steps: int) -> tuple[list[int], np.ndarray]:
+    """Greedy continuation recomputing the whole sequence each step (no cache path), and the
+    last-position logits of each step: the teacher-forced logits of ``prompt + greedy[:-1]``."""
+    ids, logits = list(prompt), []
+    for _ in range(steps):
+        logits.append(logits_fn(ids)[-1].numpy())
+        ids.append(int(logits[-1].argmax()))
+    return ids[len(prompt):], np.stack(logits)
+
+
+def compare_prompt(run, prompt_ids: list[int], greedy_ref: list[int], ref_logits: np.ndarray,
+                   fp32_logits: np.ndarray | None = None) -> dict[str, Any]:
+    """Runtime media-prompt run vs HF: token ids, greedy tokens, teacher-forced logits.
+
+    Failures follow the text verification's rule: a teacher-forced top-1 disagreement counts
+    unless the oracle's own top-2 margin is below the error measured at that step (a near-tie).
+    """
+    from llmexport.verify import step_stats, summarize
+
+    report: dict[str, Any] = {"prompt_tokens": len(prompt_ids), "ids_match": run.ids == prompt_ids,
+                              "greedy_ref": greedy_ref, "greedy_mnn": run.greedy_ids,
+                              "greedy_match": greedy_ref == run.greedy_ids}
+    failures = []
+    if not report["ids_match"]:
+        failures.append(f"runtime prompt ids differ from HF's ({len(run.ids)} vs {len(prompt_ids)} tokens)")
+    if report["ids_match"]:
+        forced = summarize(step_stats(run.forced_logits, ref_logits))
+        report["forced"] = forced
+        for i, s in enumerate(forced["per_step"]):
+            if not s["top1_match"] and s["ref_top2_margin"] >= s["max_abs_err"]:
+                failures.append(f"step {i}: top-1 {s['mnn_top1']} != {s['ref_top1']} "
+                                f"(margin {s['ref_top2_margin']:.4f})")
+        if fp32_logits is not None:
+            report["fp32"] = {k: v for k, v in summarize(step_stats(run.forced_logits, fp32_logits)).items()
+                              if k != "per_step"}
+    if not report["greedy_match"]:
+        failures.append(f"greedy tokens differ: mnn {run.greedy_ids} vs hf {greedy_ref}")
+    report["failures"] = failures
+    return report

@@ -1,0 +1,393 @@
+"""Gemma4 vision tower -> ``visual.mnn``.
+
+Mirrors transformers 5.x ``Gemma4VisionModel`` + ``Gemma4MultimodalEmbedder``
+(modeling_gemma4.py): patch embedding (``2(x - 0.5)``, linear, learned x/y position tables),
+a bidirectional ViT encoder with 2-D RoPE and q/k/v norms, the 3x3 position pooler scaled by
+sqrt(hidden), optional standardisation, then RMSNorm (no scale) and the projection into the text
+hidden size. Trace-friendly: no ``unfold``, no boolean indexing; the pooler is a one-hot matmul
+over kernel indices computed from the position ids, so the graph has no data-dependent shape.
+
+Runtime contract (MNN 3.6.1 omni.cpp ``gemma4VisionProcess``): inputs ``input_patches`` float
+[1, N, 768] and ``image_position_ids`` int32 [1, N, 2] (x, y; -1 padding), N = 2520 padded;
+output ``image_embeds`` [1, N/9, text_hidden], of which the runtime keeps the first real rows and
+multiplies them by a hard-coded 1/39.25 before the text graph scales by sqrt(text_hidden). The
+exported graph multiplies its output by 39.25 / sqrt(text_hidden) so the product is exactly 1.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from llmexport.errors import InputError
+from llmexport.media.image import processed_size
+from llmexport.models.base import GraphInputs, LinearRole, LinearSpec, StoredWeights, Tower
+from llmexport.models.gemma4_towers import (GREEDY_STEPS, ClippedLinear, TowerLinear, clip_buffer_names,
+                                            compare_prompt, const, encoder_attention, mllm_runtime_config,
+                                            multimodal_logits, reference_greedy, reference_passes, relative_error,
+                                            tower_linear)
+from llmexport.ops import gelu_tanh, rms_norm
+
+log = logging.getLogger(__name__)
+
+PREFIX = "model.vision_tower."
+EMBEDDER = "model.embed_vision.embedding_projection"
+RUNTIME_IMAGE_SCALE = 1.0 / 39.25  # omni.cpp gemma4VisionProcess: imageEmbedding * (1.0f / 39.25f)
+VERIFY_SIZES = ((300, 300), (200, 640), (317, 451))  # square, wide, sides not multiples of 48
+FEATURE_BOUND = 1e-3  # max relative error of visual.mnn vs HF image features (stored weights)
+PROMPT_HEAD, PROMPT_TAIL = "<bos><|turn>user\n", "Describe this picture in a few words.<turn|>\n<|turn>model\n"
+
+
+@dataclass(frozen=True)
+class VisionArgs:
+    hidden: int
+    intermediate: int
+    layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    eps: float
+    rope_theta: float
+    patch: int
+    pooling: int
+    position_size: int
+    clipped: bool
+    standardize: bool
+    text_hidden: int
+
+    @property
+    def output_scale(self) -> float:
+        """Multiplier that undoes the runtime's 1/39.25 for this text hidden size."""
+        return 1.0 / (RUNTIME_IMAGE_SCALE * math.sqrt(self.text_hidden))
+
+
+def parse_vision_args(config: dict[str, Any], text_hidden: int, where: str) -> VisionArgs:
+    def need(key: str) -> Any:
+        if key not in config:
+            raise InputError(f"{where}: vision_config needs {key!r}")
+        return config[key]
+
+    rope = config.get("rope_parameters") or {"rope_type": "axial", "rope_theta": 100.0}
+    if rope.get("rope_type", "axial") != "axial":
+        raise InputError(f"{where}: vision rope_type {rope.get('rope_type')!r} is not supported (axial only)")
+    act = config.get("hidden_activation", "gelu_pytorch_tanh")
+    if act != "gelu_pytorch_tanh":
+        raise InputError(f"{where}: vision hidden_activation {act!r} is not supported (gelu_pytorch_tanh)")
+    args = VisionArgs(
+        hidden=int(need("hidden_size")), intermediate=int(need("intermediate_size")),
+        layers=int(need("num_hidden_layers")), heads=int(need("num_attention_heads")),
+        kv_heads=int(config.get("num_key_value_heads") or need("num_attention_heads")),
+        head_dim=int(need("head_dim")), eps=float(config.get("rms_norm_eps", 1e-6)),
+        rope_theta=float(rope.get("rope_theta", 100.0)), patch=int(config.get("patch_size", 16)),
+        pooling=int(config.get("pooling_kernel_size", 3)), position_size=int(need("position_embedding_size")),
+        clipped=bool(config.get("use_clipped_linears", False)), standardize=bool(config.get("standardize", False)),
+        text_hidden=text_hidden)
+    if args.head_dim % 4:
+        raise InputError(f"{where}: vision head_dim {args.head_dim} must be a multiple of 4 (2-D RoPE)")
+    if (args.patch, args.pooling) != (16, 3):
+        raise InputError(f"{where}: MNN's runtime patchifies 16x16 and pools 3x3; the checkpoint has "
+                         f"patch {args.patch}, pooling {args.pooling}")
+    return args
+
+
+def vision_linears(args: VisionArgs, weights) -> list[TowerLinear]:
+    h, d = args.hidden, args.head_dim
+    out = [tower_linear(weights, PREFIX + "patch_embedder.input_proj", 3 * args.patch ** 2, h, LinearRole.MLP, False)]
+    for i in range(args.layers):
+        p = f"{PREFIX}encoder.layers.{i}."
+        for name, fan_in, fan_out, role in (
+                ("self_attn.q_proj", h, args.heads * d, LinearRole.ATTENTION),
+                ("self_attn.k_proj", h, args.kv_heads * d, LinearRole.ATTENTION),
+                ("self_attn.v_proj", h, args.kv_heads * d, LinearRole.ATTENTION),
+                ("self_attn.o_proj", args.heads * d, h, LinearRole.ATTENTION),
+                ("mlp.gate_proj", h, args.intermediate, LinearRole.MLP),
+                ("mlp.up_proj", h, args.intermediate, LinearRole.MLP),
+                ("mlp.down_proj", args.intermediate, h, LinearRole.MLP)):
+            out.append(tower_linear(weights, p + name, fan_in, fan_out, role, True, args.clipped))
+    out.append(tower_linear(weights, EMBEDDER, h, args.text_hidden, LinearRole.MLP, False))
+    return out
+
+
+def vision_constants(args: VisionArgs) -> dict[str, tuple[int, ...] | None]:
+    """Small tensors the graph carries as constants, with their expected shapes."""
+    names: dict[str, tuple[int, ...] | None] = {
+        PREFIX + "patch_embedder.position_embedding_table": (2, args.position_size, args.hidden)}
+    for i in range(args.layers):
+        p = f"{PREFIX}encoder.layers.{i}."
+        for norm in ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
+                     "post_feedforward_layernorm"):
+            names[p + norm + ".weight"] = (args.hidden,)
+        names[p + "self_attn.q_norm.weight"] = (args.head_dim,)
+        names[p + "self_attn.k_norm.weight"] = (args.head_dim,)
+    if args.standardize:
+        names[PREFIX + "std_bias"] = (args.hidden,)
+        names[PREFIX + "std_scale"] = (args.hidden,)
+    return names
+
+
+# --- the trace-friendly graph ------------------------------------------------------------------
+def _rope_2d(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """HF ``apply_multidimensional_rope`` with 2 axes: each half of the head is rotated (rotate-half)
+    by its own axis' angles. x [1, N, heads, D]; cos/sin [1, N, 1, D]."""
+    half, quarter = x.shape[-1] // 2, x.shape[-1] // 4
+    parts = []
+    for k in range(2):
+        xk = x[..., k * half:(k + 1) * half]
+        rotated = torch.cat([-xk[..., quarter:], xk[..., :quarter]], dim=-1)
+        parts.append(xk * cos[..., k * half:(k + 1) * half] + rotated * sin[..., k * half:(k + 1) * half])
+    return torch.cat(parts, dim=-1)
+
+
+class _Attention(nn.Module):
+    def __init__(self, args: VisionArgs, linears: dict[str, TowerLinear], p: str, lookup):
+        super().__init__()
+        self.args = args
+        self.q_proj, self.k_proj, self.v_proj, self.o_proj = (
+            ClippedLinear(linears[p + "self_attn." + n]) for n in ("q_proj", "k_proj", "v_proj", "o_proj"))
+        self.q_norm = const(lookup, p + "self_attn.q_norm.weight")
+        self.k_norm = const(lookup, p + "self_attn.k_norm.weight")
+
+    def forward(self, x, cos, sin, mask):
+        a = self.args
+        q = _rope_2d(rms_norm(self.q_proj(x).view(1, -1, a.heads, a.head_dim), self.q_norm, a.eps), cos, sin)
+        k = _rope_2d(rms_norm(self.k_proj(x).view(1, -1, a.kv_heads, a.head_dim), self.k_norm, a.eps), cos, sin)
+        v = rms_norm(self.v_proj(x).view(1, -1, a.kv_heads, a.head_dim), None, a.eps)
+        # Bidirectional, scale 1.0 (q/k are RMS-normalised); padding keys are masked.
+        return self.o_proj(encoder_attention(q, k, v, mask, 1.0))
+
+
+class _EncoderLayer(nn.Module):
+    def __init__(self, args: VisionArgs, linears: dict[str, TowerLinear], index: int, lookup):
+        super().__init__()
+        p = f"{PREFIX}encoder.layers.{index}."
+        self.eps = args.eps
+        self.norms = nn.ParameterDict({n: const(lookup, p + n + ".weight") for n in (
+            "input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm", "post_feedforward_layernorm")})
+        self.self_attn = _Attention(args, linears, p, lookup)
+        self.gate_proj, self.up_proj, self.down_proj = (
+            ClippedLinear(linears[p + "mlp." + n]) for n in ("gate_proj", "up_proj", "down_proj"))
+
+    def forward(self, x, cos, sin, mask):
+        n = self.norms
+        x = x + rms_norm(self.self_attn(rms_norm(x, n["input_layernorm"], self.eps), cos, sin, mask),
+                         n["post_attention_layernorm"], self.eps)
+        h = rms_norm(x, n["pre_feedforward_layernorm"], self.eps)
+        h = self.down_proj(gelu_tanh(self.gate_proj(h)) * self.up_proj(h))
+        return x + rms_norm(h, n["post_feedforward_layernorm"], self.eps)
+
+
+class VisionGraph(nn.Module):
+    """input_patches [1, N, 3*16*16] in [0, 1], image_position_ids int [1, N, 2] (x, y; -1 padding)
+    -> image_embeds [1, N/9, text_hidden] (pooled tokens in row-major pooled-grid order, then the
+    padding tokens), multiplied by ``output_scale``."""
+
+    def __init__(self, args: VisionArgs, linears: list[TowerLinear], lookup, output_scale: float = 1.0):
+        super().__init__()
+        by_name = {linear.spec.name: linear for linear in linears}
+        self.args, self.output_scale = args, output_scale
+        self.input_proj = ClippedLinear(by_name[PREFIX + "patch_embedder.input_proj"])
+        self.position_table = const(lookup, PREFIX + "patch_embedder.position_embedding_table")
+        self.layers = nn.ModuleList(_EncoderLayer(args, by_name, i, lookup) for i in range(args.layers))
+        spatial = args.head_dim // 2
+        self.register_buffer("inv_freq", 1.0 / (args.rope_theta ** (torch.arange(0, spatial, 2).float() / spatial)),
+                             persistent=False)
+        if args.standardize:
+            self.std_bias = const(lookup, PREFIX + "std_bias")
+            self.std_scale = const(lookup, PREFIX + "std_scale")
+        self.embedding_projection = ClippedLinear(by_name[EMBEDDER])
+
+    def _rope(self, positions: torch.Tensor):
+        # HF Gemma4VisionRotaryEmbedding: angles of x and y, laid out [x, x, y, y] over the head.
+        freqs = positions.float().unsqueeze(-1) * self.inv_freq  # [1, N, 2, D/4]
+        fx, fy = freqs[:, :, 0], freqs[:, :, 1]
+        emb = torch.cat([fx, fx, fy, fy], dim=-1).unsqueeze(2)
+        return emb.cos(), emb.sin()
+
+    def _pool(self, hidden: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """HF Gemma4VisionPooler._avg_pool_by_positions as a one-hot matmul: patch (x, y) goes to
+        pooled token floor(x/k) + (width/k) * floor(y/k), width = max x + 1."""
+        k = self.args.pooling
+        clamped = positions.clamp(min=0)
+        width = clamped[..., 0].max(dim=-1, keepdim=True)[0] + 1
+        # Non-negative operands: truncating division is floor division (and one ONNX Div).
+        kernel = torch.div(clamped[..., 0], k, rounding_mode="trunc") + \
+            torch.div(width, k, rounding_mode="trunc") * torch.div(clamped[..., 1], k, rounding_mode="trunc")
+        slots = torch.arange(hidden.shape[1] // (k * k), dtype=kernel.dtype)
+        weights = (kernel.unsqueeze(-1) == slots).float() * (1.0 / (k * k))  # [1, N, N/k^2]
+        return torch.matmul(weights.transpose(1, 2), hidden.float())
+
+    def forward(self, input_patches, image_position_ids):
+        a = self.args
+        positions = image_position_ids.long()
+        padding = ((positions[..., 0] == -1) & (positions[..., 1] == -1)).unsqueeze(-1)  # [1, N, 1]
+        x = self.input_proj(2.0 * (input_patches - 0.5))
+        clamped = positions.clamp(min=0)
+        pos_emb = F.embedding(clamped[..., 0], self.position_table[0]) + F.embedding(clamped[..., 1],
+                                                                                     self.position_table[1])
+        x = x + torch.where(padding, torch.zeros_like(pos_emb), pos_emb)
+        lowest = torch.finfo(torch.float32).min
+        mask = torch.where(padding, lowest, 0.0).view(1, 1, 1, -1)
+        cos, sin = self._rope(positions)
+        for layer in self.layers:
+            x = layer(x, cos, sin, mask)
+        x = torch.where(padding, torch.zeros_like(x), x)
+        pooled = self._pool(x, positions) * math.sqrt(a.hidden)
+        if a.standardize:
+            pooled = (pooled - self.std_bias) * self.std_scale
+        out = self.embedding_projection(rms_norm(pooled, None, a.eps))
+        return out * self.output_scale if self.output_scale != 1.0 else out
+
+
+def trace_positions(grid_h: int, grid_w: int, pad: int) -> torch.Tensor:
+    ys, xs = torch.meshgrid(torch.arange(grid_h), torch.arange(grid_w), indexing="ij")
+    pos = torch.stack([xs.reshape(-1), ys.reshape(-1)], dim=-1)
+    return torch.cat([pos, torch.full((pad, 2), -1)]).to(torch.int32).unsqueeze(0)
+
+
+class Gemma4VisionTower(Tower):
+    name = "visual"
+
+    def __init__(self, arch, vision_config: dict[str, Any]):
+        self.arch = arch
+        self.checkpoint = arch.checkpoint
+        where = str(self.checkpoint.path / "config.json")
+        self.args = parse_vision_args(vision_config, arch.args.hidden_size, where)
+        config = self.checkpoint.config
+        self.ids = {key: int(config[key]) for key in ("boi_token_id", "eoi_token_id", "image_token_id")
+                    if config.get(key) is not None}
+        if len(self.ids) != 3:
+            raise InputError(f"{where}: a vision checkpoint needs boi_token_id, eoi_token_id and image_token_id")
+        self._linears = vision_linears(self.args, self.checkpoint.weights)
+
+    # --- weights ----------------------------------------------------------------------------
+    def expected_tensors(self) -> dict[str, tuple[int, ...] | None]:
+        """Every checkpoint tensor this tower reads (name -> shape, None: scalar buffer)."""
+        expected: dict[str, tuple[int, ...] | None] = dict(vision_constants(self.args))
+        for linear in self._linears:
+            s = linear.spec
+            expected[linear.weight] = (s.out_features, s.in_features)
+            if self.args.clipped and s.name.startswith(PREFIX + "encoder."):
+                expected.update({name: None for name in clip_buffer_names(s.name)})
+        return expected
+
+    def linears(self) -> list[LinearSpec]:
+        return [linear.spec for linear in self._linears]
+
+    def linear_weight(self, name: str) -> tuple[torch.Tensor, torch.Tensor | None]:
+        linear = next(linear for linear in self._linears if linear.spec.name == name)
+        return self.checkpoint.weights.lazy(linear.weight).read(), None
+
+    # --- graph ------------------------------------------------------------------------------
+    def build_graph(self, output_scale: float | None = None) -> nn.Module:
+        scale = self.args.output_scale if output_scale is None else output_scale
+        return VisionGraph(self.args, self._linears, self.checkpoint.weights.tensor, scale).eval()
+
+    def graph_inputs(self) -> GraphInputs:
+        positions = trace_positions(6, 6, 9)  # 36 real patches + 9 padding, traced with dynamic N
+        patches = torch.rand(1, positions.shape[1], 3 * self.args.patch ** 2)
+        return GraphInputs((patches, positions), ["input_patches", "image_position_ids"],
+                           {"input_patches": {1: "num_patches"}, "image_position_ids": {1: "num_patches"}},
+                           ["image_embeds"])
+
+    # --- runtime files ----------------------------------------------------------------------
+    def llm_config(self) -> dict[str, Any]:
+        return {"is_visual": True, "visual_model": "visual.mnn",
+                # The graph rescales to [0, 1]; the runtime's own mean/norm are overridden with these.
+                "image_mean": [0.0, 0.0, 0.0], "image_norm": [1.0 / 255] * 3,
+                # Default size when a prompt has no <hw>: HF's processed size of a square image.
+                "image_size": 768,
+                "vision_start": self.ids["boi_token_id"], "vision_end": self.ids["eoi_token_id"],
+                "image_pad": self.ids["image_token_id"]}
+
+    def runtime_config(self) -> dict[str, Any]:
+        return mllm_runtime_config()
+
+    # --- verification -----------------------------------------------------------------------
+    def verify(self, export_dir: Path, stored_text: StoredWeights) -> dict[str, Any]:
+        """``visual.mnn`` on HF's exact patches vs HF's image features (stored weights: max relative
+        error < 1e-3; fp32 weights: reported), and an image+text prompt through the runtime vs HF."""
+        import tempfile
+
+        from transformers import AutoTokenizer
+        from transformers.models.gemma4.image_processing_pil_gemma4 import Gemma4ImageProcessorPil
+
+        from llmexport.media.image import synthetic_image
+        from llmexport.mnn.runtime import run_module
+
+        processor = Gemma4ImageProcessorPil()
+        processed = [processor(images=[synthetic_image(h, w, seed=h + w)], return_tensors="pt")
+                     for h, w in VERIFY_SIZES]
+        outputs = run_module(export_dir / f"{self.name}.mnn",
+                             [{"input_patches": p["pixel_values"].numpy(),
+                               "image_position_ids": p["image_position_ids"].numpy().astype(np.int32)}
+                              for p in processed], ["image_embeds"])
+        tokenizer = AutoTokenizer.from_pretrained(self.checkpoint.path)
+        # The prompt's image is the last one at HF's processed size: HF's patches are the same.
+        prompt_ids, slots = self._prompt_ids(tokenizer, int(processed[-1]["num_soft_tokens_per_image"][0]))
+
+        def features(model):
+            return [image_features(model, p["pixel_values"], p["image_position_ids"]) for p in processed]
+
+        def on_oracle(model):
+            refs = features(model)
+            return refs, reference_greedy(lambda ids: multimodal_logits(self.arch, model, ids, slots, refs[-1]),
+                                          prompt_ids, GREEDY_STEPS)
+
+        def on_fp32(model, first):
+            refs, forced = features(model), prompt_ids + first[1][0][:-1]
+            return refs, multimodal_logits(self.arch, model, forced, slots, refs[-1])[len(prompt_ids) - 1:].numpy()
+
+        (refs, (greedy, logits)), (refs32, logits32) = reference_passes(
+            self.arch, stored_text, self._linears, export_dir, self.name, on_oracle, on_fp32)
+        images = []
+        for (h, w), p, out, ref, ref32 in zip(VERIFY_SIZES, processed, outputs, refs, refs32):
+            mnn = out["image_embeds"][0, :ref.shape[0]] / self.args.output_scale
+            images.append({"size": [h, w], "processed": list(processed_size(h, w)), "soft_tokens": int(ref.shape[0]),
+                           "rel_err": relative_error(mnn, ref), "max_abs_err": float(np.abs(mnn - ref.numpy()).max()),
+                           "rel_err_fp32": relative_error(mnn, ref32)})
+        with tempfile.TemporaryDirectory(prefix="llmexport-image-") as tmp:
+            prompt = self._check_prompt(export_dir, Path(tmp), tokenizer, prompt_ids, greedy, logits, logits32)
+        failures = [f"image {r['size']}: relative error {r['rel_err']:.2e} >= {FEATURE_BOUND}"
+                    for r in images if r["rel_err"] >= FEATURE_BOUND]
+        failures += [f"image prompt: {f}" for f in prompt["failures"]]
+        return {"passed": not failures, "failures": failures, "output_scale": self.args.output_scale,
+                "feature_bound": FEATURE_BOUND, "images": images, "prompt": prompt}
+
+    def _prompt_ids(self, tokenizer, soft_tokens: int) -> tuple[list[int], torch.Tensor]:
+        """HF's ids of the verification prompt (as Gemma4Processor expands it) and its image slots."""
+        token, i = tokenizer.convert_ids_to_tokens, self.ids
+        slots = token(i["boi_token_id"]) + token(i["image_token_id"]) * soft_tokens + token(i["eoi_token_id"])
+        ids = tokenizer(PROMPT_HEAD + slots + PROMPT_TAIL, add_special_tokens=False)["input_ids"]
+        return ids, torch.tensor([k for k, t in enumerate(ids) if t == i["image_token_id"]])
+
+    def _check_prompt(self, export_dir: Path, tmp: Path, tokenizer, prompt_ids: list[int], greedy: list[int],
+                      logits: np.ndarray, logits32: np.ndarray) -> dict[str, Any]:
+        """The same prompt through MNN's runtime, the image given at HF's processed size."""
+        from llmexport.media.image import resize_to_processed, synthetic_image
+        from llmexport.mnn.runtime import run_media_prompt
+
+        h, w = VERIFY_SIZES[-1]
+        image = resize_to_processed(synthetic_image(h, w, seed=h + w))
+        image.save(tmp / "image.png")
+        text = f"{PROMPT_HEAD}<img><hw>{image.height},{image.width}</hw>{tmp / 'image.png'}</img>{PROMPT_TAIL}"
+        run = run_media_prompt(export_dir, text, greedy[:-1], GREEDY_STEPS)
+        report = compare_prompt(run, prompt_ids, greedy, logits, logits32)
+        report.update(image_size=[image.height, image.width], soft_tokens=prompt_ids.count(self.ids["image_token_id"]),
+                      bos_count=run.ids.count(tokenizer.bos_token_id))
+        if report["bos_count"] != 1:
+            report["failures"].append(f"{report['bos_count']} BOS tokens in the runtime's prompt")
+        return report
+
+
+def image_features(model, pixel_values: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """HF's image soft tokens [n, text_hidden] (``Gemma4Model.get_image_features``, padding stripped)."""
+    with torch.no_grad():
+        return torch.cat(model.model.get_image_features(pixel_values, positions).pooler_output).float()

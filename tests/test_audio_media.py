@@ -1,0 +1,77 @@
+"""Stage 0 (audio): our log-mel features equal HF's Gemma4 feature extractor; MNN's framing."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from llmexport.media.audio import (FRAME, HOP, audio_tokens, hf_frame_count, log_mel, runtime_frame_count,
+                                   runtime_log_mel, samples_for_tokens, synthetic_clip, write_wav)
+
+# shorter than a tiny chunk (3 tokens), not a multiple of it (9), several chunks (22), 1 s, and a
+# length with samples % 160 in [1, 31] (where the runtime loses two frames)
+LENGTHS = [samples_for_tokens(3), samples_for_tokens(9), samples_for_tokens(22), 16000, 16017]
+
+
+@pytest.fixture(scope="module")
+def extractor():
+    from transformers.models.gemma4.feature_extraction_gemma4 import Gemma4AudioFeatureExtractor
+
+    return Gemma4AudioFeatureExtractor()
+
+
+@pytest.mark.parametrize("samples", LENGTHS)
+def test_log_mel_equals_hf_extractor(extractor, samples):
+    clip = synthetic_clip(samples, seed=samples)
+    ref = extractor([clip], return_tensors="np")
+    features, mask = log_mel(clip)
+    np.testing.assert_array_equal(mask, ref["input_features_mask"][0])
+    err = float(np.abs(features - ref["input_features"][0]).max())
+    print(f"\n{samples} samples: {mask.sum()} frames, our mel vs HF max abs err {err:.2e}")
+    assert features.shape == ref["input_features"][0].shape and err < 1e-4
+    assert mask.sum() == hf_frame_count(samples)
+
+
+@pytest.mark.parametrize("samples", LENGTHS)
+def test_token_count_matches_hf_processor_arithmetic(extractor, samples):
+    """Gemma4Processor.replace_audio_token: two stride-2 halvings of the mask, then its sum."""
+    mask = extractor([synthetic_clip(samples)], return_tensors="np")["input_features_mask"][0]
+    t = len(mask)
+    for _ in range(2):
+        t_out = (t + 2 - 3) // 2 + 1
+        mask = mask[::2][:t_out]
+        t = len(mask)
+    assert audio_tokens(hf_frame_count(samples)) == int(mask.sum())
+
+
+@pytest.mark.parametrize("samples", LENGTHS)
+def test_runtime_framing_is_hfs_frames_minus_the_last(extractor, samples):
+    """MNN 3.6.1 usm_fbank frames only whole 512-sample windows: each of its frames equals HF's,
+    and it has one frame fewer (two when samples % 160 is 1..31)."""
+    clip = synthetic_clip(samples, seed=1)
+    hf = extractor([clip], return_tensors="np")["input_features"][0]
+    runtime = runtime_log_mel(clip)
+    missing = hf_frame_count(samples) - runtime_frame_count(samples)
+    assert runtime.shape[0] == runtime_frame_count(samples)
+    assert missing == (2 if 1 <= samples % HOP <= 31 else 1)
+    assert float(np.abs(runtime - hf[:runtime.shape[0]]).max()) < 1e-4
+
+
+def test_frame_counts_follow_the_formulas():
+    for n in range(FRAME, 5000, 7):
+        assert hf_frame_count(n) == (n + FRAME // 2 - (FRAME + 1)) // HOP + 1
+        assert runtime_frame_count(n) == (n + FRAME // 2 - 512) // HOP + 1
+    assert [audio_tokens(t) for t in (1, 4, 5, 8, 9)] == [1, 1, 2, 2, 3]
+    assert audio_tokens(hf_frame_count(samples_for_tokens(7))) == 7
+
+
+def test_wav_round_trip_is_exact(tmp_path):
+    """Clips are 16-bit levels: MNN reads a 16-bit WAV as int16 / 32768, exactly these values."""
+    import wave
+
+    clip = synthetic_clip(3000, seed=3)
+    write_wav(tmp_path / "a.wav", clip)
+    with wave.open(str(tmp_path / "a.wav")) as f:
+        pcm = np.frombuffer(f.readframes(f.getnframes()), dtype="<i2")
+        assert (f.getframerate(), f.getnchannels(), f.getsampwidth()) == (16000, 1, 2)
+    np.testing.assert_array_equal(pcm.astype(np.float32) / 32768, clip)

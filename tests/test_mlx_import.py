@@ -1,0 +1,290 @@
+"""MLX-quantized checkpoints exported "as stored": MLX's integers and affine map reach MNN unchanged.
+
+Fixtures are quantized by MLX itself: tiny Gemma4 checkpoints with mlx-lm's converter
+(``mlx_lm.convert``, uniform 4-bit and the mixed ``mixed_3_6`` recipe), a tiny K2-Horizon with
+``mx.quantize`` per module (mlx-lm has no K2-Horizon port), mirroring mlx-lm's convert: its quant
+predicate (modules with ``to_quantized`` whose input width the group divides) and its config
+``quantization`` layout, with the family's MLX names (stacked experts). Every transcoded record
+must hold MLX's integers and decode, read back from our files in fp32, to exactly
+``scales.float() * q + biases.float()``; MNN's runtime must agree with the HF model carrying the
+read-back weights (teacher-forced top-1 100% over 24 steps, max abs logit error < 0.2).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+mx = pytest.importorskip("mlx.core", reason="mlx[cpu] cannot be installed on this platform "
+                                            "(wheels: Linux with glibc >= 2.35, macOS on Apple silicon)")
+mlx_convert = pytest.importorskip("mlx_lm.convert", reason="mlx-lm cannot be installed on this platform")
+
+from llmexport import ExportOptions, export, plan  # noqa: E402
+from llmexport.errors import InputError  # noqa: E402
+from llmexport.mlx_import import MlxQuantConfig, Prequantized, mlx_quantization, unpack_levels  # noqa: E402
+from llmexport.mnn.readback import linear_records  # noqa: E402
+from llmexport.mnn.weight_reader import read_levels, read_linear  # noqa: E402
+from llmexport.mnn.weights import WeightFileWriter  # noqa: E402
+from llmexport.quant.recipes import QuantRule  # noqa: E402
+from llmexport.quant.scheme import QuantMethod, QuantScheme  # noqa: E402
+from llmexport.verify import summary_line, verify_export  # noqa: E402
+
+
+def _np(array) -> np.ndarray:
+    return np.array(array.astype(mx.float32))
+
+
+def _mlx_quantized(bits: int, shape: tuple[int, ...], group: int = 32, seed: int = 0):
+    mx.random.seed(seed)
+    w = (mx.random.normal(shape) * 0.05).astype(mx.bfloat16)
+    return mx.quantize(w, group_size=group, bits=bits)
+
+
+def _levels_by_mlx(q, scales, biases, group: int, bits: int) -> np.ndarray:
+    """MLX's own unpacking: dequantize with scale 1 and bias 0."""
+    return _np(mx.dequantize(q, mx.ones_like(scales), mx.zeros_like(biases), group_size=group, bits=bits))
+
+
+# --- format units -----------------------------------------------------------------------------------
+@pytest.mark.parametrize("bits", [2, 3, 4, 5, 6, 8])
+def test_unpacking_and_dequantization_match_mlx(bits):
+    q, s, b = _mlx_quantized(bits, (3, 16, 128))  # stacked experts [E, out, in]
+    pq = Prequantized(unpack_levels(torch.from_numpy(np.array(q)), bits), torch.from_numpy(_np(s)).bfloat16(),
+                      torch.from_numpy(_np(b)).bfloat16(), bits, 32)
+    assert np.array_equal(pq.levels.numpy(), _levels_by_mlx(q, s, b, 32, bits))
+    assert (_np(s) < 0).any()  # MLX scales can be negative: the bias is then the group's maximum
+    mlx_fp32 = _np(mx.dequantize(q, s.astype(mx.float32), b.astype(mx.float32), group_size=32, bits=bits))
+    assert np.array_equal(pq.dequantize().numpy(), mlx_fp32)
+    assert np.array_equal(pq[1].dequantize().numpy(), mlx_fp32[1])
+
+
+@pytest.mark.parametrize("bits", [2, 3, 4, 8])
+def test_transcoded_record_keeps_the_integers_and_decodes_exactly(tmp_path, bits):
+    q, s, b = _mlx_quantized(bits, (40, 128))
+    pq = Prequantized(unpack_levels(torch.from_numpy(np.array(q)), bits), torch.from_numpy(_np(s)).bfloat16(),
+                      torch.from_numpy(_np(b)).bfloat16(), bits, 32)
+    bias = torch.randn(40)
+    path = tmp_path / "w.bin"
+    with open(path, "wb") as f:
+        record = WeightFileWriter(f, 0).write_linear(pq, bias, QuantScheme(bits, 32, method=QuantMethod.STORED))
+    qp = record.quan_parameter()
+    assert qp["scaleStorage"] == "FP32" and record.alpha_bytes == 40 * 4 * 2 * 4 and qp["readType"] == 40 * 4
+    levels, alpha = read_levels(path, record.external(), qp, 40, 128)
+    assert np.array_equal(levels + (1 << (bits - 1)), _levels_by_mlx(q, s, b, 32, bits))
+    assert np.array_equal(alpha[1::2], _np(s).reshape(-1))
+    weight, read_bias = read_linear(path, record.external(), qp, 40, 128)
+    assert torch.equal(weight, pq.dequantize()) and torch.equal(read_bias, bias)
+    with open(path, "wb") as f:  # any other scheme dequantizes first and quantizes afresh
+        requantized = WeightFileWriter(f, 0).write_linear(pq, None, QuantScheme(8, 64))
+    assert requantized.quan_parameter()["scaleStorage"] == "FP16"
+    assert (read_linear(path, requantized.external(), requantized.quan_parameter(), 40, 128)[0]
+            - pq.dequantize()).abs().max() < 2e-3
+
+
+def test_quantization_config_per_module_and_detection():
+    block = {"group_size": 64, "bits": 8, "mode": "affine", "a.mlp.down_proj": {"group_size": 32, "bits": 4},
+             "a.router": False}
+    config = MlxQuantConfig(block, "config.json")
+    assert (config.for_module("a.q_proj").bits, config.for_module("a.q_proj").group) == (8, 64)
+    assert str(config.for_module("a.mlp.down_proj")) == "4-bit group 32" and config.for_module("a.router") is None
+    with pytest.raises(InputError, match="mxfp4"):
+        MlxQuantConfig({"group_size": 32, "bits": 4, "mode": "mxfp4"}, "config.json")
+    assert mlx_quantization({"quantization_config": {"quant_method": "gptq", "bits": 4, "group_size": 128}}) is None
+    assert mlx_quantization({"quantization_config": block}) is block
+
+
+# --- fixtures quantized by MLX ------------------------------------------------------------------------
+def _gemma4_hf(out: Path, shape: str) -> Path:
+    from llmexport.tiny.gemma4 import SHAPES, build_tiny_gemma4, text_config_dict
+
+    path = build_tiny_gemma4(out, shape, dtype=torch.bfloat16)
+    config = json.loads((path / "config.json").read_text())
+    # mlx-lm 0.32 reads these; transformers 5.24 writes none of them at the top of text_config (the
+    # per-type head_dim / KV heads live in per_layer_config there)
+    tiny = text_config_dict(SHAPES[shape])
+    for key in ("global_head_dim", "num_global_key_value_heads"):
+        if key in tiny:
+            config["text_config"][key] = tiny[key]
+    config["vocab_size"] = config["text_config"]["vocab_size"]
+    (path / "config.json").write_text(json.dumps(config, indent=2))
+    return path
+
+
+_K2_MLP = re.compile(r"\.(gate|up|down)_proj$")
+_K2_LINEAR = re.compile(r"(_proj|\.v_experts|embed_tokens|lm_head)$")
+
+
+def _k2_mlx(hf: Path, out: Path) -> Path:
+    """mlx-lm's convert by hand for the family's MLX port: experts stacked [E, out, in]
+    (``mlp.switch_mlp.*``, ``self_attn.v_experts``), the published mix (MLP 4-bit group 32, the rest
+    8-bit group 64) as a quant predicate under the default ``--q-bits 8 --q-group-size 64``, routers
+    (custom modules) and norms left in bf16. Like mlx-lm's ``quantize_model``, a module whose input
+    width the *default* group does not divide stays in bf16 (here: the dense layers' down_proj, 96
+    wide, and the routed experts' down_proj, 32 wide)."""
+    from safetensors.torch import load_file
+
+    tensors, stacks = load_file(hf / "model.safetensors"), {}
+    for name in sorted(tensors):
+        m = re.match(r"^(.*\.mlp)\.experts\.(\d+)\.(\w+_proj)\.weight$", name) or \
+            re.match(r"^(.*\.self_attn\.v_experts)\.(\d+)()\.weight$", name)
+        if m:
+            key = f"{m[1]}.switch_mlp.{m[3]}.weight" if m[3] else f"{m[1]}.weight"
+            stacks.setdefault(key, []).append((int(m[2]), tensors.pop(name)))
+    tensors.update({key: torch.stack([t for _, t in sorted(parts)]) for key, parts in stacks.items()})
+    quantization, arrays = {"group_size": 64, "bits": 8, "mode": "affine"}, {}
+    for name, tensor in tensors.items():
+        array = mx.array(tensor.float().numpy()).astype(mx.bfloat16 if tensor.dtype == torch.bfloat16 else mx.float32)
+        module = name.removesuffix(".weight")
+        bits, group = (4, 32) if _K2_MLP.search(module) else (8, 64)
+        if not (name.endswith(".weight") and _K2_LINEAR.search(module)) or array.shape[-1] % 64:
+            arrays[name] = array
+            continue
+        arrays[name], arrays[module + ".scales"], arrays[module + ".biases"] = mx.quantize(
+            array, group_size=group, bits=bits)
+        if bits != 8:
+            quantization[module] = {"group_size": group, "bits": bits, "mode": "affine"}
+    out.mkdir(parents=True)
+    mx.save_safetensors(str(out / "model.safetensors"), arrays, metadata={"format": "mlx"})
+    for path in hf.iterdir():
+        if path.name != "model.safetensors":
+            shutil.copy(path, out / path.name)
+    config = json.loads((hf / "config.json").read_text())
+    config["quantization"] = config["quantization_config"] = quantization
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+    return out
+
+
+def _gemma4_mlx_name(name: str) -> list[tuple[str, int | None]]:
+    """Placeholder -> MLX modules (and expert), by mlx-lm's gemma4 sanitize (test-side, independent)."""
+    if name == "lm_head":
+        return [("language_model.model.embed_tokens", None)]
+    rest = name.removeprefix("model.language_model.")
+    m = re.match(r"^(.*\.experts)\.(\d+)\.(gate_up_proj|down_proj)$", rest)
+    if m:
+        base, e = f"language_model.model.{m[1]}.switch_glu.", int(m[2])
+        return [(base + "gate_proj", e), (base + "up_proj", e)] if m[3] == "gate_up_proj" else [(base + "down_proj", e)]
+    return [("language_model.model." + rest, None)]
+
+
+def _k2_mlx_name(name: str) -> list[tuple[str, int | None]]:
+    if name == "lm_head":
+        return [("model.embed_tokens", None)]
+    m = re.match(r"^(.*\.mlp)\.experts\.(\d+)\.(\w+_proj)$", name) or re.match(r"^(.*\.v_experts)\.(\d+)()$", name)
+    if m:
+        return [(f"{m[1]}.switch_mlp.{m[3]}" if m[3] else m[1], int(m[2]))]
+    return [(name, None)]
+
+
+@pytest.fixture(scope="module")
+def mlx_checkpoints(tmp_path_factory):
+    """name -> (MLX checkpoint folder, placeholder -> MLX modules)."""
+    from llmexport.tiny.k2_horizon import build_tiny_k2_horizon
+
+    root = tmp_path_factory.mktemp("mlx")
+    cache: dict[str, tuple[Path, object]] = {}
+
+    def get(name: str):
+        if name not in cache:
+            if name == "k2-sparse-mlp4-attn8":
+                hf = build_tiny_k2_horizon(root / "k2-hf", "sparse")
+                cache[name] = (_k2_mlx(hf, root / name), _k2_mlx_name)
+            else:
+                shape, recipe = name.split(":")
+                hf = _gemma4_hf(root / f"{shape}-hf", shape)
+                kwargs = dict(q_bits=4) if recipe == "q4" else dict(quant_predicate=recipe)
+                mlx_convert.convert(str(hf), str(root / name.replace(":", "-")), quantize=True, q_group_size=64,
+                                    **kwargs)
+                cache[name] = (root / name.replace(":", "-"), _gemma4_mlx_name)
+        return cache[name]
+
+    return get
+
+
+def _check_records(out: Path, mlx_path: Path, to_mlx, transcoded: set[str]) -> int:
+    """Every transcoded record holds MLX's integers and decodes to exactly scales * q + biases."""
+    arrays = mx.load(str(mlx_path / "model.safetensors"))
+    quant = MlxQuantConfig(json.loads((mlx_path / "config.json").read_text())["quantization"], "config.json")
+    checked = 0
+    for name, rec in linear_records(out).items():
+        if name not in transcoded:
+            continue
+        q, scales, biases = [], [], []
+        for module, expert in to_mlx(name):
+            info = quant.for_module(module)
+            w, s, b = (arrays[f"{module}.{k}"] for k in ("weight", "scales", "biases"))
+            if expert is not None:
+                w, s, b = w[expert], s[expert], b[expert]
+            q.append(_levels_by_mlx(w, s, b, info.group, info.bits))
+            scales.append(_np(s))
+            biases.append(_np(b))
+        q, scales, biases = np.concatenate(q), np.concatenate(scales), np.concatenate(biases)
+        levels, _ = read_levels(out / "llm.mnn.weight", rec["external"], rec["quanParameter"], rec["oc"], rec["ic"])
+        assert np.array_equal(levels + (1 << (info.bits - 1)), q), name
+        group = q.shape[1] // scales.shape[1]
+        expected = (q.reshape(q.shape[0], -1, group) * scales[..., None] + biases[..., None]).reshape(q.shape)
+        decoded, _ = read_linear(out / "llm.mnn.weight", rec["external"], rec["quanParameter"], rec["oc"], rec["ic"])
+        assert np.array_equal(decoded.numpy(), expected), name
+        assert rec["quanParameter"].get("scaleStorage", "FP32") == "FP32", name
+        checked += 1
+    return checked
+
+
+# name -> (placeholders expected off "as stored", with a substring of the reason)
+CASES = {
+    # experts' gate/up joined from switch_glu; the router 8-bit by mlx-lm's own gemma4 predicate
+    "26b-a4b:q4": {},
+    # 3-bit (transcoded), 6-bit v_proj/down_proj and a 3-bit tied embedding (requantized), 3-bit PLE table
+    "e2b:mixed_3_6": {"lm_head": "tied lm_head", "model.language_model.layers.0.self_attn.v_proj": "6-bit",
+                      "model.language_model.layers.7.mlp.down_proj": "6-bit"},
+    # MoE + MoVA experts stacked; routers left in bf16 by MLX (kept as fp16 records)
+    "k2-sparse-mlp4-attn8": {},
+}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_mlx_checkpoint_exports_as_stored_and_verifies(mlx_checkpoints, tmp_path, case):
+    mlx_path, to_mlx = mlx_checkpoints(case)
+    result = export(mlx_path, tmp_path / "out", ExportOptions())
+    pre = result.plan["prequantized"]
+    requantized = {e["name"]: e["reason"] for e in pre["requantized"]}
+    assert set(requantized) >= set(CASES[case]) and all(r in requantized[n] for n, r in CASES[case].items())
+    assert not pre["quantized_from_float"]
+    transcoded = {l["name"] for l in result.plan["linears"] if l["method"] == "stored"}
+    assert len(transcoded) == pre["transcoded"] > 0
+    assert _check_records(result.dst, mlx_path, to_mlx, transcoded) == len(transcoded)
+    written = sum(p.stat().st_size for p in result.dst.iterdir() if p.name == "llm.mnn.weight" or p.suffix == ".bin")
+    assert result.plan["estimated_bytes"] == written
+    manifest = json.loads((result.dst / "manifest.json").read_text())
+    assert manifest["prequantized"]["transcoded"] == len(transcoded)
+
+    report = verify_export(result.dst, mlx_path, steps=24)
+    print(f"\n{case}: {summary_line(report)}; {pre['transcoded']} transcoded, requantized {sorted(requantized)}")
+    assert all(step["top1_match"] for step in report["oracle"]["per_step"])
+    assert report["oracle"]["max_abs_err"] < 0.2 and report["passed"]
+    assert report["prequantized"]["fp32_alpha_records"] == len(transcoded)
+    changed = report["prequantized"]["linears_changed"]
+    assert not set(changed) & transcoded and set(changed) >= set(requantized)
+    for name, table in report["prequantized"]["tables"].items():
+        assert table["exact"] == pre["tables"][name]["kept"], name
+
+
+def test_explicit_options_override_as_stored(mlx_checkpoints):
+    from click.testing import CliRunner
+
+    from llmexport.cli import main
+
+    mlx_path, _ = mlx_checkpoints("26b-a4b:q4")
+    assert plan(mlx_path, ExportOptions(requantize=True))["prequantized"]["transcoded"] == 0
+    rule = QuantRule("*.self_attn.o_proj", QuantScheme(8, 32))
+    pre = plan(mlx_path, ExportOptions(rules=(rule,), lm_quant=QuantScheme(8, 64)))["prequantized"]
+    reasons = {e["name"]: e["reason"] for e in pre["requantized"]}
+    assert reasons["lm_head"] == "--lm_quant_bit/--lm_quant_block"
+    assert reasons["model.language_model.layers.0.self_attn.o_proj"] == "quant_config rule '*.self_attn.o_proj'"
+    result = CliRunner().invoke(main, ["--path", str(mlx_path), "--dst_path", "unused", "--dry-run", "--requantize"])
+    assert result.exit_code == 0 and "requantize requested" in result.output and "0 linear(s) keep" in result.output
