@@ -13,7 +13,7 @@ from llmexport.quant.scheme import QuantScheme
 from llmexport.tiny.gemma4_towers import build_tiny_multimodal
 from llmexport.verify import verify_export
 
-pytest.importorskip("PIL")
+import PIL  # noqa: E402,F401  (pillow is a dependency)
 
 
 @pytest.fixture(scope="module")

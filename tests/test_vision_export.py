@@ -15,7 +15,7 @@ from llmexport.quant.scheme import QuantScheme
 from llmexport.tiny.gemma4_towers import build_tiny_multimodal
 from llmexport.verify import verify_export
 
-pytest.importorskip("PIL")
+import PIL  # noqa: E402,F401  (pillow is a dependency)
 # name -> (text bits, visual bits)
 CASES = {"vision-1536": (4, 8), "vision-64": (16, 16)}
 

@@ -8,7 +8,7 @@ import pytest
 from llmexport.media.image import (MAX_SOFT_TOKENS, patchify, preprocess, processed_size, resize_to_processed,
                                    runtime_size, synthetic_image)
 
-pytest.importorskip("PIL")
+import PIL  # noqa: E402,F401  (pillow is a dependency)
 # square, wide, sides not multiples of 48, tall and thin, already at a processed size, tiny
 SIZES = [(300, 300), (200, 640), (317, 451), (1000, 40), (768, 768), (20, 30)]
 

@@ -19,7 +19,7 @@ from llmexport.models.gemma4_vision import RUNTIME_IMAGE_SCALE, image_features, 
 from llmexport.tiny.gemma4_towers import build_tiny_multimodal
 from llmexport.tiny.tokenizer import SPECIAL_TOKENS
 
-pytest.importorskip("PIL")
+import PIL  # noqa: E402,F401  (pillow is a dependency)
 CONFIGS = ("vision-64", "vision-1536")
 # (size, soft-token budget): square at the default 280, wide and non-multiple-of-48 at 70 (faster)
 IMAGES = [((300, 300), 280), ((200, 640), 70), ((317, 451), 70)]

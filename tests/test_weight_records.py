@@ -363,8 +363,6 @@ def _run_in_mnn(tmp_path, record: LinearRecord, weight_path, x: torch.Tensor) ->
 )
 def test_mnn_runtime_decodes_records(tmp_path, oc: int, ic: int, scheme: QuantScheme) -> None:
     """MNN 3.6.1 itself runs a 1x1 convolution over our record: x @ dequantize(w).T + b."""
-    pytest.importorskip("MNN")
-    pytest.importorskip("_tools")
     torch.manual_seed(oc + ic)
     w, b, x = torch.randn(oc, ic) * 0.1, torch.randn(oc), torch.randn(ic)
     weight_path = tmp_path / "record.bin"
