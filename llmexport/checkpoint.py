@@ -134,9 +134,18 @@ class LazyTensor:
                           (stop - start, *self.shape[1:]))
 
     def row_chunks(self, max_bytes: int = 64 << 20) -> Iterator[torch.Tensor]:
+        """Consecutive row blocks of about ``max_bytes``; the next block is read on a worker
+        thread while the caller works on the current one (at most two blocks in memory)."""
+        from concurrent.futures import ThreadPoolExecutor
+
         step = max(1, max_bytes // max(self.row_bytes, 1))
-        for start in range(0, self.shape[0], step):
-            yield self.rows(start, start + step)
+        starts = list(range(0, self.shape[0], step))
+        with ThreadPoolExecutor(max_workers=1, thread_name_prefix="llmexport-rows") as pool:
+            pending = pool.submit(self.rows, starts[0], starts[0] + step) if starts else None
+            for i in range(len(starts)):
+                block = pending.result()
+                pending = pool.submit(self.rows, starts[i + 1], starts[i + 1] + step) if i + 1 < len(starts) else None
+                yield block
 
     def take(self, ids: torch.Tensor) -> torch.Tensor:
         """Rows at ``ids`` (an embedding lookup), in order."""

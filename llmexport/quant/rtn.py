@@ -42,7 +42,9 @@ class QuantizedTensor:
 
     def stored(self) -> torch.Tensor:
         """Unsigned on-disk levels ``q + 2^(bits-1)`` as uint8, same shape as ``q``."""
-        return (self.q.to(torch.int16) + (1 << (self.bits - 1))).to(torch.uint8)
+        if self.bits == 8:  # q + 128 overflows int8; flipping the sign bit is the same mapping
+            return self.q.view(torch.uint8) ^ 0x80
+        return (self.q + (1 << (self.bits - 1))).view(torch.uint8)
 
 
 def _check_args(w: torch.Tensor, bits: int, block: int) -> None:
