@@ -158,6 +158,21 @@ def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
     return 0.5 * x * (1.0 + torch.tanh(math.sqrt(2.0 / math.pi) * (x + 0.044715 * torch.pow(x, 3.0))))
 
 
+class GatedMlp(nn.Module):
+    """``down(act(gate(x)) * up(x))`` with placeholder linears named ``{prefix}{gate,up,down}_proj``;
+    the families differ only in the activation (Gemma4: tanh-gelu, K2-Horizon: SiLU)."""
+
+    def __init__(self, prefix: str, hidden: int, width: int, activation):
+        super().__init__()
+        self.gate_proj = PlaceholderLinear(prefix + "gate_proj", hidden, width)
+        self.up_proj = PlaceholderLinear(prefix + "up_proj", hidden, width)
+        self.down_proj = PlaceholderLinear(prefix + "down_proj", width, hidden)
+        self.activation = activation
+
+    def forward(self, x):
+        return self.down_proj(self.activation(self.gate_proj(x)) * self.up_proj(x))
+
+
 class _MoEOp(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weights, chosen, num_experts: int, top_k: int, layer_id: int, out_features: int):

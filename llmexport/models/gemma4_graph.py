@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from llmexport.models.gemma4_args import FULL, SLIDING, Gemma4TextArgs, LayerSpec
-from llmexport.ops import FusedAttention, FusedMoE, PlaceholderLinear, emitting_custom_ops, rms_norm
+from llmexport.ops import FusedAttention, FusedMoE, GatedMlp, PlaceholderLinear, emitting_custom_ops, rms_norm
 
 TensorLookup = Callable[[str], torch.Tensor]
 
@@ -83,15 +83,11 @@ def _rotate(x, cos, sin):
     return x * cos + rotated * sin
 
 
-class Mlp(nn.Module):
-    def __init__(self, prefix: str, hidden: int, width: int):
-        super().__init__()
-        self.gate_proj = PlaceholderLinear(prefix + "gate_proj", hidden, width)
-        self.up_proj = PlaceholderLinear(prefix + "up_proj", hidden, width)
-        self.down_proj = PlaceholderLinear(prefix + "down_proj", width, hidden)
+class Mlp(GatedMlp):
+    """Gemma4's MLP: tanh-gelu gating."""
 
-    def forward(self, x):
-        return self.down_proj(_act(self.gate_proj(x)) * self.up_proj(x))
+    def __init__(self, prefix: str, hidden: int, width: int):
+        super().__init__(prefix, hidden, width, _act)
 
 
 class Expert(nn.Module):

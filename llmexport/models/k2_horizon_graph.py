@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from llmexport.models.k2_horizon_args import K2HorizonArgs, LayerSpec, RouterSpec
-from llmexport.ops import FusedAttention, FusedMoE, PlaceholderLinear, dense_mixture, rms_norm
+from llmexport.ops import FusedAttention, FusedMoE, GatedMlp, PlaceholderLinear, dense_mixture, rms_norm
 
 TensorLookup = Callable[[str], torch.Tensor]
 
@@ -96,17 +96,11 @@ class Router(nn.Module):
         return weights * self.spec.scale, chosen
 
 
-class Mlp(nn.Module):
+class Mlp(GatedMlp):
     """SwiGLU; also the routed expert template (names relative to ``prefix``)."""
 
     def __init__(self, prefix: str, hidden: int, width: int):
-        super().__init__()
-        self.gate_proj = PlaceholderLinear(prefix + "gate_proj", hidden, width)
-        self.up_proj = PlaceholderLinear(prefix + "up_proj", hidden, width)
-        self.down_proj = PlaceholderLinear(prefix + "down_proj", width, hidden)
-
-    def forward(self, x):
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        super().__init__(prefix, hidden, width, F.silu)
 
 
 class ValueExpert(nn.Module):
