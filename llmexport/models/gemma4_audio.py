@@ -33,8 +33,8 @@ from torch import nn
 
 from llmexport.errors import InputError
 from llmexport.media.audio import MELS, runtime_log_mel, samples_for_tokens, synthetic_clip, write_wav
-from llmexport.models.base import GraphInputs, LinearRole, LinearSpec, StoredWeights, Tower
-from llmexport.models.gemma4_towers import (GREEDY_STEPS, ClippedLinear, TowerLinear, clip_buffer_names,
+from llmexport.models.base import GraphInputs, LinearRole, StoredWeights, Tower
+from llmexport.models.gemma4_towers import (GREEDY_STEPS, ClippedLinear, TowerLinear, TowerLinears,
                                             compare_prompt, const, mllm_runtime_config, multimodal_logits,
                                             reference_greedy, reference_passes, relative_error, tower_linear)
 from llmexport.ops import rms_norm
@@ -346,7 +346,7 @@ class AudioGraph(nn.Module):
         return self.embedding_projection(rms_norm(x, None, self.args.eps))
 
 
-class Gemma4AudioTower(Tower):
+class Gemma4AudioTower(TowerLinears, Tower):
     name = "audio"
 
     def __init__(self, arch, audio_config: dict[str, Any]):
@@ -364,23 +364,7 @@ class Gemma4AudioTower(Tower):
         self._linears = audio_linears(self.args, self.checkpoint.weights)
 
     def expected_tensors(self) -> dict[str, tuple[int, ...] | None]:
-        expected: dict[str, tuple[int, ...] | None] = dict(audio_constants(self.args))
-        for linear in self._linears:
-            s = linear.spec
-            expected[linear.weight] = (s.out_features, s.in_features)
-            if linear.bias:
-                expected[linear.bias] = (s.out_features,)
-            if self.args.clipped and s.name.startswith(PREFIX + "layers."):
-                expected.update({name: None for name in clip_buffer_names(s.name)})
-        return expected
-
-    def linears(self) -> list[LinearSpec]:
-        return [linear.spec for linear in self._linears]
-
-    def linear_weight(self, name: str) -> tuple[torch.Tensor, torch.Tensor | None]:
-        linear = next(linear for linear in self._linears if linear.spec.name == name)
-        weights = self.checkpoint.weights
-        return weights.lazy(linear.weight).read(), (weights.lazy(linear.bias).read() if linear.bias else None)
+        return {**audio_constants(self.args), **self.linear_tensors(self.args.clipped, PREFIX + "layers.")}
 
     def build_graph(self) -> nn.Module:
         return AudioGraph(self.args, self._linears, self.checkpoint.weights.tensor).eval()

@@ -69,6 +69,32 @@ def clip_buffer_names(base: str) -> list[str]:
     return [f"{base}.{key}" for key in ("input_min", "input_max", "output_min", "output_max")]
 
 
+class TowerLinears:
+    """Weight bookkeeping shared by the towers: ``self._linears`` (TowerLinear), ``self.checkpoint``."""
+
+    _linears: list[TowerLinear]
+
+    def linears(self) -> list[LinearSpec]:
+        return [linear.spec for linear in self._linears]
+
+    def linear_weight(self, name: str) -> tuple[torch.Tensor, torch.Tensor | None]:
+        linear = next(linear for linear in self._linears if linear.spec.name == name)
+        weights = self.checkpoint.weights
+        return weights.lazy(linear.weight).read(), (weights.lazy(linear.bias).read() if linear.bias else None)
+
+    def linear_tensors(self, clipped: bool, clip_prefix: str) -> dict[str, tuple[int, ...] | None]:
+        """Checkpoint tensors behind the linears (name -> shape; None: clip scalars)."""
+        expected: dict[str, tuple[int, ...] | None] = {}
+        for linear in self._linears:
+            s = linear.spec
+            expected[linear.weight] = (s.out_features, s.in_features)
+            if linear.bias:
+                expected[linear.bias] = (s.out_features,)
+            if clipped and s.name.startswith(clip_prefix):
+                expected.update({name: None for name in clip_buffer_names(s.name)})
+        return expected
+
+
 class ClippedLinear(nn.Module):
     """HF ``Gemma4ClippableLinear``: clamp the input, linear, clamp the output."""
 

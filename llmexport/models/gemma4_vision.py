@@ -29,8 +29,8 @@ from torch import nn
 
 from llmexport.errors import InputError
 from llmexport.media.image import processed_size
-from llmexport.models.base import GraphInputs, LinearRole, LinearSpec, StoredWeights, Tower
-from llmexport.models.gemma4_towers import (GREEDY_STEPS, ClippedLinear, TowerLinear, clip_buffer_names,
+from llmexport.models.base import GraphInputs, LinearRole, StoredWeights, Tower
+from llmexport.models.gemma4_towers import (GREEDY_STEPS, ClippedLinear, TowerLinear, TowerLinears,
                                             compare_prompt, const, encoder_attention, mllm_runtime_config,
                                             multimodal_logits, reference_greedy, reference_passes, relative_error,
                                             tower_linear)
@@ -252,7 +252,7 @@ def trace_positions(grid_h: int, grid_w: int, pad: int) -> torch.Tensor:
     return torch.cat([pos, torch.full((pad, 2), -1)]).to(torch.int32).unsqueeze(0)
 
 
-class Gemma4VisionTower(Tower):
+class Gemma4VisionTower(TowerLinears, Tower):
     name = "visual"
 
     def __init__(self, arch, vision_config: dict[str, Any]):
@@ -270,20 +270,7 @@ class Gemma4VisionTower(Tower):
     # --- weights ----------------------------------------------------------------------------
     def expected_tensors(self) -> dict[str, tuple[int, ...] | None]:
         """Every checkpoint tensor this tower reads (name -> shape, None: scalar buffer)."""
-        expected: dict[str, tuple[int, ...] | None] = dict(vision_constants(self.args))
-        for linear in self._linears:
-            s = linear.spec
-            expected[linear.weight] = (s.out_features, s.in_features)
-            if self.args.clipped and s.name.startswith(PREFIX + "encoder."):
-                expected.update({name: None for name in clip_buffer_names(s.name)})
-        return expected
-
-    def linears(self) -> list[LinearSpec]:
-        return [linear.spec for linear in self._linears]
-
-    def linear_weight(self, name: str) -> tuple[torch.Tensor, torch.Tensor | None]:
-        linear = next(linear for linear in self._linears if linear.spec.name == name)
-        return self.checkpoint.weights.lazy(linear.weight).read(), None
+        return {**vision_constants(self.args), **self.linear_tensors(self.args.clipped, PREFIX + "encoder.")}
 
     # --- graph ------------------------------------------------------------------------------
     def build_graph(self, output_scale: float | None = None) -> nn.Module:
