@@ -9,6 +9,7 @@ import struct
 import pytest
 import torch
 
+from helpers import rewrite_safetensors_header
 from llmexport.checkpoint import Checkpoint
 from llmexport.errors import InputError
 from llmexport.models import architecture_for
@@ -19,16 +20,6 @@ def model(tiny_gemma4, tmp_path):
     path = tmp_path / "m"
     shutil.copytree(tiny_gemma4("31b"), path)
     return path
-
-
-def _rewrite_header(path, mutate):
-    data = path.read_bytes()
-    (n,) = struct.unpack("<Q", data[:8])
-    header = json.loads(data[8:8 + n])
-    mutate(header)
-    raw = json.dumps(header).encode()
-    raw += b" " * (-len(raw) % 8)
-    path.write_bytes(struct.pack("<Q", len(raw)) + raw + data[8 + n:])
 
 
 def test_tensors_are_read_lazily_and_exactly(model):
@@ -47,7 +38,7 @@ def test_tensors_are_read_lazily_and_exactly(model):
      "disagrees with dtype"),
 ])
 def test_corrupt_header_entries(model, mutate, needle):
-    _rewrite_header(model / "model.safetensors", mutate)
+    rewrite_safetensors_header(model / "model.safetensors", mutate)
     with pytest.raises(InputError, match=needle):
         Checkpoint.open(model)
 

@@ -6,12 +6,11 @@ from __future__ import annotations
 import json
 from unittest import mock
 
-import numpy as np
 import onnx
-import onnxruntime as ort
 import pytest
 import torch
 
+from helpers import assert_reference_onnx_matches_eager
 from llmexport.checkpoint import Checkpoint
 from llmexport.eager import bind_weights, prompt_inputs
 from llmexport.errors import InputError
@@ -77,17 +76,7 @@ def test_random_variant_rewrite_matches_reference(tmp_path, seed):
 def test_reference_onnx_matches_eager(tiny_k2_horizon, tmp_path, variant):
     arch = architecture_for(Checkpoint.open(tiny_k2_horizon(variant)))
     graph = bind_weights(arch.build_graph(), arch.linear_weight)
-    path = export_onnx(graph, arch.graph_inputs(3), tmp_path / "ref.onnx", for_mnn=False)
-    session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
-    for seq, all_logits in ((17, True), (5, False)):  # other lengths than traced; dynamic logits_index
-        torch.manual_seed(seq)
-        args = prompt_inputs(arch, torch.randint(5, 500, (seq,)), arch.embedding_table(), None,
-                             all_logits=all_logits)
-        got = session.run(["logits"], {i.name: a.numpy() for i, a in zip(session.get_inputs(), args)})[0]
-        with torch.no_grad():
-            want = graph(*args)[0].numpy()
-        assert got.shape == want.shape == (1, seq if all_logits else 1, 512)
-        assert np.abs(got - want).max() < 1e-4
+    assert_reference_onnx_matches_eager(arch, graph, tmp_path / "ref.onnx")
 
 
 def _custom_nodes(arch, path):

@@ -2,15 +2,13 @@
 
 from __future__ import annotations
 
-import numpy as np
 import onnx
-import onnxruntime as ort
 import pytest
-import torch
 
 from conftest import GEMMA4_SHAPES
+from helpers import assert_reference_onnx_matches_eager
 from llmexport.checkpoint import Checkpoint
-from llmexport.eager import bind_weights, prompt_inputs
+from llmexport.eager import bind_weights
 from llmexport.models import architecture_for
 from llmexport.onnx_export import export_onnx
 
@@ -19,17 +17,7 @@ from llmexport.onnx_export import export_onnx
 def test_reference_onnx_matches_eager(tiny_gemma4, tmp_path, shape):
     arch = architecture_for(Checkpoint.open(tiny_gemma4(shape)))
     graph = bind_weights(arch.build_graph(), arch.linear_weight)
-    path = export_onnx(graph, arch.graph_inputs(3), tmp_path / "ref.onnx", for_mnn=False)
-    session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
-    for seq, all_logits in ((17, True), (5, False)):  # other lengths than traced; dynamic logits_index
-        torch.manual_seed(seq)
-        args = prompt_inputs(arch, torch.randint(5, 500, (seq,)), arch.embedding_table(), arch.ple_table(),
-                             all_logits=all_logits)
-        got = session.run(["logits"], {i.name: a.numpy() for i, a in zip(session.get_inputs(), args)})[0]
-        with torch.no_grad():
-            want = graph(*args)[0].numpy()
-        assert got.shape == want.shape == (1, seq if all_logits else 1, 512)
-        assert np.abs(got - want).max() < 1e-4
+    assert_reference_onnx_matches_eager(arch, graph, tmp_path / "ref.onnx")
 
 
 def test_mnn_flavour_has_placeholders_not_weights(tiny_gemma4, tmp_path):

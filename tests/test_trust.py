@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
+from helpers import rewrite_safetensors_header
 from llmexport.cli import main
 
 SENTINEL = "old export"
@@ -155,17 +156,7 @@ def test_whole_export_and_verify_with_sockets_disabled(tiny_gemma4, tmp_path):
 
 
 def _corrupt_header(model: Path, mutate) -> None:
-    import json
-    import struct
-
-    file = model / "model.safetensors"
-    data = file.read_bytes()
-    (n,) = struct.unpack("<Q", data[:8])
-    header = json.loads(data[8:8 + n])
-    mutate(header)
-    raw = json.dumps(header).encode()
-    raw += b" " * (-len(raw) % 8)
-    file.write_bytes(struct.pack("<Q", len(raw)) + raw + data[8 + n:])
+    rewrite_safetensors_header(model / "model.safetensors", mutate)
 
 
 def _shape(header, shape):

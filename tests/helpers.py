@@ -1,0 +1,43 @@
+"""Helpers shared by several test files."""
+
+from __future__ import annotations
+
+import json
+import struct
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+import torch
+
+
+def rewrite_safetensors_header(path: Path, mutate: Callable[[dict], None]) -> None:
+    """Apply ``mutate`` to a safetensors file's JSON header, keeping the data section."""
+    data = path.read_bytes()
+    (n,) = struct.unpack("<Q", data[:8])
+    header = json.loads(data[8:8 + n])
+    mutate(header)
+    raw = json.dumps(header).encode()
+    raw += b" " * (-len(raw) % 8)
+    path.write_bytes(struct.pack("<Q", len(raw)) + raw + data[8 + n:])
+
+
+def assert_reference_onnx_matches_eager(arch, graph, path: Path, vocab: int = 512) -> None:
+    """The standard-op ONNX of ``graph`` (weights bound), run by onnxruntime at other lengths than
+    traced and with both logits_index modes, equals the eager graph within 1e-4."""
+    import onnxruntime as ort
+
+    from llmexport.eager import prompt_inputs
+    from llmexport.onnx_export import export_onnx
+
+    export_onnx(graph, arch.graph_inputs(3), path, for_mnn=False)
+    session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    for seq, all_logits in ((17, True), (5, False)):
+        torch.manual_seed(seq)
+        args = prompt_inputs(arch, torch.randint(5, 500, (seq,)), arch.embedding_table(), arch.ple_table(),
+                             all_logits=all_logits)
+        got = session.run(["logits"], {i.name: a.numpy() for i, a in zip(session.get_inputs(), args)})[0]
+        with torch.no_grad():
+            want = graph(*args)[0].numpy()
+        assert got.shape == want.shape == (1, seq if all_logits else 1, vocab)
+        assert np.abs(got - want).max() < 1e-4
