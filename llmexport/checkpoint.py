@@ -1,13 +1,14 @@
 """A HuggingFace checkpoint folder: config, tokenizer files and a lazy safetensors index.
 
-Tensors are never loaded up front. Each safetensors header is parsed and checked (dtype,
-offsets, file size) when the folder is opened; a tensor's bytes are memory-mapped and turned
-into a torch tensor only when asked for, so a 30 GB checkpoint costs a few MB to open.
+Tensors are never loaded up front. Each safetensors header is parsed and checked when the
+folder is opened (dtypes, shapes, and byte ranges that tile the data section exactly, as the
+format requires); a tensor's bytes are read only when asked for, so a 30 GB checkpoint costs a
+few MB to open. Shards named by an index must lie inside the folder, and the index and the
+shards' headers must list the same tensors.
 """
 
 from __future__ import annotations
 
-import json
 import os
 import struct
 from dataclasses import dataclass
@@ -17,6 +18,8 @@ from typing import Any, Iterator
 import torch
 
 from llmexport.errors import InputError
+from llmexport.input_files import (CONFIG_LIMIT, INDEX_LIMIT, TOKENIZER_LIMIT, open_regular, parse_json, read_json,
+                                   read_optional_json)
 
 _DTYPES: dict[str, tuple[torch.dtype, int]] = {
     "F64": (torch.float64, 8), "F32": (torch.float32, 4), "F16": (torch.float16, 2),
@@ -25,6 +28,12 @@ _DTYPES: dict[str, tuple[torch.dtype, int]] = {
     "U32": (torch.uint32, 4),
 }
 _MAX_HEADER = 100 * 1024 * 1024
+INDEX_FILE = "model.safetensors.index.json"
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """The safetensors name of a torch dtype (``torch.int64`` -> "I64")."""
+    return next((name for name, (d, _) in _DTYPES.items() if d == dtype), str(dtype))
 
 
 @dataclass(frozen=True)
@@ -43,20 +52,24 @@ class TensorEntry:
 
 
 def _parse_header(path: Path) -> dict[str, TensorEntry]:
+    fd = open_regular(path, "safetensors file")
     try:
-        size = path.stat().st_size
-        with path.open("rb") as f:
-            raw_len = f.read(8)
-            if len(raw_len) != 8:
-                raise InputError(f"{path}: truncated safetensors file (no header length)")
-            (header_len,) = struct.unpack("<Q", raw_len)
-            if header_len > _MAX_HEADER or 8 + header_len > size:
-                raise InputError(f"{path}: corrupt safetensors header (length {header_len} exceeds file size {size})")
-            header = json.loads(f.read(header_len))
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise InputError(f"{path}: corrupt safetensors header (not valid JSON: {exc})") from None
+        size = os.fstat(fd).st_size
+        raw_len = os.pread(fd, 8, 0)
+        if len(raw_len) != 8:
+            raise InputError(f"{path}: truncated safetensors file (no header length)")
+        (header_len,) = struct.unpack("<Q", raw_len)
+        if header_len > _MAX_HEADER or 8 + header_len > size:
+            raise InputError(f"{path}: corrupt safetensors header (length {header_len} exceeds file size {size})")
+        raw = os.pread(fd, header_len, 8)
     except OSError as exc:
         raise InputError(f"{path}: cannot read safetensors file ({exc.strerror})") from None
+    finally:
+        os.close(fd)
+    try:
+        header = parse_json(raw, str(path))
+    except InputError as exc:
+        raise InputError(f"{path}: corrupt safetensors header (not valid JSON: {str(exc).split(': ', 1)[1]})") from None
     if not isinstance(header, dict):
         raise InputError(f"{path}: corrupt safetensors header (expected a JSON object)")
     data_start = 8 + header_len
@@ -65,7 +78,24 @@ def _parse_header(path: Path) -> dict[str, TensorEntry]:
         if name == "__metadata__":
             continue
         entries[name] = _entry(path, name, info, data_start, size)
+    _check_tiling(path, entries, data_start, size)
     return entries
+
+
+def _check_tiling(path: Path, entries: dict[str, TensorEntry], data_start: int, size: int) -> None:
+    """The byte ranges must follow each other without gap or overlap and end with the file (the
+    safetensors format's rule): overlapping ranges would alias one tensor's bytes as another's."""
+    position = data_start
+    for name, entry in sorted(entries.items(), key=lambda item: (item[1].begin, item[1].end)):
+        if entry.begin != position:
+            kind = "overlaps the tensor before it" if entry.begin < position else "leaves a gap before it"
+            offsets = [entry.begin - data_start, entry.end - data_start]
+            raise InputError(f"{path}: tensor {name!r} byte range {offsets} {kind} (safetensors data offsets "
+                             "must be contiguous and non-overlapping)")
+        position = entry.end
+    if position != size:
+        raise InputError(f"{path}: safetensors data section has {size - data_start} bytes but its tensors "
+                         f"cover {position - data_start}")
 
 
 def _entry(path: Path, name: str, info: Any, data_start: int, size: int) -> TensorEntry:
@@ -101,8 +131,8 @@ class LazyTensor:
     becomes 5 GB of resident pages.
     """
 
-    def __init__(self, entry: TensorEntry):
-        self.entry = entry
+    def __init__(self, entry: TensorEntry, name: str = ""):
+        self.entry, self.name = entry, name
         self.shape = torch.Size(entry.shape)
         self.dtype = entry.dtype
 
@@ -113,13 +143,16 @@ class LazyTensor:
 
     def _read(self, begin: int, size: int, shape: tuple[int, ...]) -> torch.Tensor:
         buf = bytearray(size)
-        with self.entry.file.open("rb", buffering=0) as f:
-            view, done = memoryview(buf), 0
-            while done < size:
-                got = os.preadv(f.fileno(), [view[done:]], begin + done)
-                if got <= 0:
-                    raise InputError(f"{self.entry.file}: file shrank while reading")
-                done += got
+        try:
+            with self.entry.file.open("rb", buffering=0) as f:
+                view, done = memoryview(buf), 0
+                while done < size:
+                    got = os.preadv(f.fileno(), [view[done:]], begin + done)
+                    if got <= 0:
+                        raise InputError(f"{self.entry.file}: file shrank while reading")
+                    done += got
+        except OSError as exc:
+            raise InputError(f"{self.entry.file}: cannot read tensor {self.name!r} ({exc.strerror or exc})") from None
         if size == 0:
             return torch.empty(shape, dtype=self.dtype)
         return torch.frombuffer(buf, dtype=torch.uint8).view(self.dtype).view(shape)
@@ -155,24 +188,45 @@ class LazyTensor:
 class SafetensorsIndex:
     """Lazy name -> tensor access over one or many safetensors files."""
 
-    def __init__(self, entries: dict[str, TensorEntry]):
+    def __init__(self, entries: dict[str, TensorEntry], folder: Path | None = None):
         self._entries = entries
+        self.folder = folder  # named in messages about its tensors
 
     @classmethod
     def open(cls, folder: Path) -> "SafetensorsIndex":
-        index_file = folder / "model.safetensors.index.json"
-        if index_file.exists():
-            files = _files_from_index(index_file)
-        else:
-            files = sorted(folder.glob("*.safetensors"))
+        index_file = folder / INDEX_FILE
+        if os.path.lexists(index_file):
+            return cls._open_indexed(index_file)
+        files = sorted(folder.glob("*.safetensors"))
         if not files:
             raise InputError(f"{folder}: no *.safetensors weight files found")
         entries: dict[str, TensorEntry] = {}
         for file in files:
-            if not file.exists():
+            for name, entry in _parse_header(file).items():
+                if name in entries:
+                    raise InputError(f"{file}: tensor {name!r} is also in {entries[name].file.name}")
+                entries[name] = entry
+        return cls(entries, folder)
+
+    @classmethod
+    def _open_indexed(cls, index_file: Path) -> "SafetensorsIndex":
+        """Shards named by the index, which must list exactly the tensors their headers hold."""
+        weight_map = _weight_map(index_file)
+        entries: dict[str, TensorEntry] = {}
+        for shard in sorted(set(weight_map.values())):
+            file = index_file.parent / shard
+            if not os.path.lexists(file):
                 raise InputError(f"{file}: weight file named in {index_file.name} is missing")
-            entries.update(_parse_header(file))
-        return cls(entries)
+            for name, entry in _parse_header(file).items():
+                if weight_map.get(name) != shard:
+                    where = f"lists it in {weight_map[name]!r}" if name in weight_map else "does not list it"
+                    raise InputError(f"{file}: holds tensor {name!r} but {index_file.name} {where}")
+                entries[name] = entry
+        missing = sorted(set(weight_map) - set(entries))
+        if missing:
+            raise InputError(f"{index_file}: tensor {missing[0]!r} is not in its shard {weight_map[missing[0]]!r}"
+                             + (f" ({len(missing)} such tensors)" if len(missing) > 1 else ""))
+        return cls(entries, index_file.parent)
 
     def names(self) -> list[str]:
         return list(self._entries)
@@ -189,20 +243,35 @@ class SafetensorsIndex:
     def shape(self, name: str) -> tuple[int, ...]:
         return self.entry(name).shape
 
+    def dtype(self, name: str) -> torch.dtype:
+        return self.entry(name).dtype
+
     def lazy(self, name: str) -> "LazyTensor":
-        return LazyTensor(self.entry(name))
+        return LazyTensor(self.entry(name), name)
 
     def tensor(self, name: str) -> torch.Tensor:
         """The whole tensor as stored (dtype kept), read into fresh memory."""
         return self.lazy(name).read()
 
 
-def _files_from_index(index_file: Path) -> list[Path]:
-    try:
-        weight_map = json.loads(index_file.read_text())["weight_map"]
-    except (json.JSONDecodeError, KeyError, TypeError) as exc:
-        raise InputError(f"{index_file}: malformed safetensors index ({exc})") from None
-    return [index_file.parent / name for name in sorted(set(weight_map.values()))]
+def _weight_map(index_file: Path) -> dict[str, str]:
+    """The index's tensor -> shard map; every shard is a plain file name or a relative path that
+    stays inside the checkpoint folder (no absolute paths, no ``..``)."""
+    index = read_json(index_file, INDEX_LIMIT, "safetensors index")
+    weight_map = index.get("weight_map")
+    if not isinstance(weight_map, dict) or not all(isinstance(k, str) and isinstance(v, str)
+                                                   for k, v in weight_map.items()):
+        raise InputError(f"{index_file}: malformed safetensors index ('weight_map' must map tensor names "
+                         "to shard file names)")
+    if not weight_map:
+        raise InputError(f"{index_file}: 'weight_map' lists no tensors")
+    for shard in set(weight_map.values()):
+        parts = Path(shard).parts
+        if (not shard or Path(shard).is_absolute() or ".." in parts or "\\" in shard or "\x00" in shard
+                or not shard.endswith(".safetensors")):
+            raise InputError(f"{index_file}: shard {shard!r} is not a *.safetensors file inside the "
+                             "checkpoint folder")
+    return weight_map
 
 
 @dataclass
@@ -227,27 +296,32 @@ class Checkpoint:
         return str(self.config.get("model_type", ""))
 
     def from_pretrained(self, loader: Any, **kwargs: Any) -> Any:
-        """``loader.from_pretrained`` on this folder (an MLX checkpoint builds the HF model from its
-        config and dequantized tensors instead: llmexport.mlx_import)."""
-        return loader.from_pretrained(self.path, **kwargs)
+        """``loader.from_pretrained`` on this folder, from the same safetensors the export reads
+        (never a ``pytorch_model.bin`` pickle beside them). An MLX checkpoint builds the HF model
+        from its config and dequantized tensors instead (llmexport.mlx_import)."""
+        return loader.from_pretrained(self.path, use_safetensors=True, **kwargs)
 
     def tokenizer_file(self) -> Path:
         path = self.path / "tokenizer.json"
-        if not path.exists():
+        if not os.path.lexists(path):
             raise InputError(f"{self.path}: no tokenizer.json (a HF fast tokenizer is required)")
         return path
+
+    def tokenizer_files(self) -> dict[str, Any]:
+        """The tokenizer's JSON files, read and checked: ``tokenizer.json`` (required),
+        ``tokenizer_config.json``, ``generation_config.json`` and ``special_tokens_map.json``
+        (None where absent)."""
+        files: dict[str, Any] = {"tokenizer.json": read_json(self.tokenizer_file(), TOKENIZER_LIMIT, "tokenizer file")}
+        for name in ("tokenizer_config.json", "generation_config.json", "special_tokens_map.json"):
+            files[name] = read_optional_json(self.path / name, TOKENIZER_LIMIT, "tokenizer file")
+        return files
 
 
 def read_config(folder: Path) -> dict[str, Any]:
     config_file = folder / "config.json"
-    if not config_file.exists():
+    if not os.path.lexists(config_file):
         raise InputError(f"{config_file}: missing (expected a HF config.json)")
-    try:
-        config = json.loads(config_file.read_text())
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise InputError(f"{config_file}: malformed JSON ({exc})") from None
-    if not isinstance(config, dict):
-        raise InputError(f"{config_file}: expected a JSON object")
+    config = read_json(config_file, CONFIG_LIMIT, "config")
     if not isinstance(config.get("model_type"), str):
         raise InputError(f"{config_file}: no 'model_type' string")
     return config

@@ -312,6 +312,7 @@ class MlxWeights:
 
     def __init__(self, raw: SafetensorsIndex, layout: MlxLayout, quant: MlxQuantConfig, where: str):
         self.where = where
+        self.folder = raw.folder
         self._tensors: dict[str, _HfTensor] = {}
         names = set(raw.names())
         for name in sorted(names):
@@ -367,6 +368,10 @@ class MlxWeights:
 
     def shape(self, name: str) -> tuple[int, ...]:
         return self._get(name).shape
+
+    def dtype(self, name: str) -> torch.dtype:
+        """The dtype its values come back in (fp32 for what MLX quantized)."""
+        return self._get(name).dtype
 
     def lazy(self, name: str) -> MlxLazy:
         return MlxLazy(self._get(name), name)

@@ -337,5 +337,7 @@ def test_unsupported_normalizer_raises(tiny, tmp_path):
 
 
 def test_missing_tokenizer_json_raises(tmp_path):
-    with pytest.raises(ValueError, match="tokenizer.json"):
+    from llmexport.errors import InputError
+
+    with pytest.raises(InputError, match="tokenizer.json"):
         write_mnn_tokenizer(tmp_path, tmp_path / "out.mtok")

@@ -33,12 +33,13 @@ not write `{{ bos_token }}`, and multimodal prompts get one BOS per text segment
 
 from __future__ import annotations
 
-import json
 import struct
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
-__all__ = ["write_mnn_tokenizer", "MNN_TOKENIZER_MAGIC", "MNN_TOKENIZER_PIPELINE"]
+from llmexport.input_files import TOKENIZER_LIMIT, read_json, read_optional_json
+
+__all__ = ["write_mnn_tokenizer", "mnn_tokenizer_bytes", "MNN_TOKENIZER_MAGIC", "MNN_TOKENIZER_PIPELINE"]
 
 MNN_TOKENIZER_MAGIC = 430
 MNN_TOKENIZER_PIPELINE = 4
@@ -165,7 +166,11 @@ def _bpe_model(model: dict, added: list[dict]) -> bytes:
     if not model.get("byte_fallback"):
         raise _Unsupported("BPE model without byte_fallback (the runtime drops unknown characters instead of <unk>)")
 
-    vocab: dict[str, int] = dict(model.get("vocab", {}))
+    vocab: dict[str, int] = model.get("vocab", {})
+    if not isinstance(vocab, dict) or not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0
+                                              for i in vocab.values()):
+        raise _Unsupported("BPE vocabulary that is not an object of piece -> non-negative integer id")
+    vocab = dict(vocab)
     by_id: dict[int, str] = {}
     for piece, idx in vocab.items():
         if idx in by_id:
@@ -177,9 +182,10 @@ def _bpe_model(model: dict, added: list[dict]) -> bytes:
         if tok["id"] not in by_id:
             by_id[tok["id"]] = tok["content"]
             vocab.setdefault(tok["content"], tok["id"])
-    if sorted(by_id) != list(range(len(by_id))):
-        missing = sorted(set(range(max(by_id) + 1)) - set(by_id))[:10]
-        raise _Unsupported(f"vocabulary ids are not contiguous (missing ids such as {missing})")
+    if by_id and (min(by_id) != 0 or max(by_id) != len(by_id) - 1):  # ids are distinct: 0..n-1 is all of them
+        missing = [i for i in range(len(by_id) + 1) if i not in by_id][:10]
+        raise _Unsupported(f"vocabulary ids are not contiguous 0..{len(by_id) - 1} (highest {max(by_id)}, "
+                           f"missing ids such as {missing})")
     for b in range(256):
         if f"<0x{b:02X}>" not in vocab:
             raise _Unsupported(f"byte_fallback vocabulary lacks the byte piece <0x{b:02X}>")
@@ -199,23 +205,18 @@ def _bpe_model(model: dict, added: list[dict]) -> bytes:
 
 
 def _token_text(value) -> str:
-    if value is None:
-        return ""
     if isinstance(value, dict):
-        return value.get("content", "")
-    return str(value)
+        value = value.get("content")
+    return value if isinstance(value, str) else ""
 
 
 def _generation_eos_ids(folder: Path) -> list[int]:
     path = folder / "generation_config.json"
-    if not path.is_file():
-        return []
-    eos = json.loads(path.read_text(encoding="utf-8")).get("eos_token_id")
-    if isinstance(eos, int):
-        return [eos]
-    if isinstance(eos, list):
-        return [int(e) for e in eos]
-    return []
+    eos = (read_optional_json(path, what="generation config") or {}).get("eos_token_id")
+    ids = [eos] if isinstance(eos, int) else eos if isinstance(eos, list) else []
+    if not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids):
+        raise ValueError(f"{path}: 'eos_token_id' must be a token id or a list of them, got {eos!r}")
+    return ids
 
 
 def _unique(ids: Iterable[int]) -> list[int]:
@@ -251,14 +252,28 @@ def _runtime_decodes_verbatim(content: str) -> bool:
     return bool(content) and "\u2581" not in content and "<0x" not in content
 
 
-def write_mnn_tokenizer(
+def write_mnn_tokenizer(hf_tokenizer_dir: Path, out_path: Path, **options) -> None:
+    """Write `mnn_tokenizer_bytes(hf_tokenizer_dir, **options)` to `out_path`."""
+    out_path = Path(out_path)
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    out_path.write_bytes(mnn_tokenizer_bytes(hf_tokenizer_dir, **options))
+
+
+def _check_added_tokens(added, where: Path) -> list[dict]:
+    if not isinstance(added, list) or not all(
+            isinstance(t, dict) and isinstance(t.get("content"), str) and isinstance(t.get("id"), int)
+            and not isinstance(t.get("id"), bool) and t["id"] >= 0 for t in added):
+        raise ValueError(f"{where}: 'added_tokens' must list objects with a string 'content' and an integer 'id'")
+    return list(added)
+
+
+def mnn_tokenizer_bytes(
     hf_tokenizer_dir: Path,
-    out_path: Path,
     *,
     chat_template: str | None = None,
     stop_token_ids: Sequence[int] | None = None,
     bos_prefix: bool = False,
-) -> None:
+) -> bytes:
     """Convert `hf_tokenizer_dir/tokenizer.json` into MNN 3.6.1's pipeline tokenizer file.
 
     `chat_template` is stored in the file (an llm_config.json `jinja.chat_template` overrides it).
@@ -269,14 +284,14 @@ def write_mnn_tokenizer(
     """
     folder = Path(hf_tokenizer_dir)
     tj_path = folder / "tokenizer.json"
-    if not tj_path.is_file():
-        raise ValueError(f"{tj_path}: not found (only tokenizer.json based tokenizers are supported)")
-    tj = json.loads(tj_path.read_text(encoding="utf-8"))
+    tj = read_json(tj_path, TOKENIZER_LIMIT, "tokenizer file")
     tc_path = folder / "tokenizer_config.json"
-    tc = json.loads(tc_path.read_text(encoding="utf-8")) if tc_path.is_file() else {}
+    tc = read_optional_json(tc_path, TOKENIZER_LIMIT, "tokenizer config") or {}
 
-    added: list[dict] = list(tj.get("added_tokens", []))
+    added = _check_added_tokens(tj.get("added_tokens", []), tj_path)
     model = tj.get("model") or {}
+    if not isinstance(model, dict):
+        raise ValueError(f"{tj_path}: 'model' must be an object")
     mtype = model.get("type") or ("BPE" if "merges" in model else None)
     try:
         if mtype != "BPE":
@@ -287,6 +302,8 @@ def write_mnn_tokenizer(
         body = [_normalizer(tj.get("normalizer")), _pre_tokenizer(tj.get("pre_tokenizer")), _bpe_model(model, added), _decoder(tj.get("decoder"))]
     except _Unsupported as exc:
         raise ValueError(f"{tj_path}: unsupported {exc}") from None
+    except (AttributeError, TypeError, KeyError) as exc:  # a node of the wrong JSON type
+        raise ValueError(f"{tj_path}: malformed tokenizer ({type(exc).__name__}: {exc})") from None
 
     content_to_id = {tok["content"]: tok["id"] for tok in added}
     vocab = model.get("vocab", {})
@@ -338,6 +355,4 @@ def write_mnn_tokenizer(
     flags = 0x01 if tc.get("clean_up_tokenization_spaces") is True else 0
     trailer = _u32(len(template)) + template + _str(eos_text) + _u8(flags) + _str(bos_text)
 
-    out_path = Path(out_path)
-    out_path.parent.mkdir(parents=True, exist_ok=True)
-    out_path.write_bytes(header + b"".join(body) + b"".join(added_block) + trailer)
+    return header + b"".join(body) + b"".join(added_block) + trailer
