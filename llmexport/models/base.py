@@ -125,6 +125,9 @@ class Architecture(abc.ABC):
 
     #: the ``model_type`` values (config.json) this class handles
     model_types: tuple[str, ...] = ()
+    #: True when ``load_reference`` runs the checkpoint's own modeling code (``auto_map``), which
+    #: verification then does only with the user's explicit ``trust_remote_code``
+    reference_is_remote_code: bool = False
 
     def __init__(self, checkpoint: Checkpoint):
         self.checkpoint = checkpoint
@@ -195,9 +198,10 @@ class Architecture(abc.ABC):
 
     # --- reference -----------------------------------------------------------------------
     @abc.abstractmethod
-    def load_reference(self, stored: StoredWeights | None) -> nn.Module:
-        """The HF model in fp32; ``stored`` replaces the checkpoint values with what the
-        export wrote (the fair oracle for the runtime)."""
+    def load_reference(self, stored: StoredWeights | None, trust_remote_code: bool = False) -> nn.Module:
+        """The HF model in fp32, built from the checkpoint's safetensors (never a pickle);
+        ``stored`` replaces the checkpoint values with what the export wrote (the fair oracle for
+        the runtime). ``trust_remote_code`` is passed on to transformers."""
 
     @abc.abstractmethod
     def reference_logits(self, model: nn.Module, ids: torch.Tensor) -> torch.Tensor:

@@ -21,6 +21,7 @@ from llmexport.models import register
 from llmexport.models.base import Architecture, ExpertTemplate, GraphInputs, LinearRole, LinearSpec, StoredWeights
 from llmexport.models.gemma4_args import SLIDING, Gemma4TextArgs, parse_text_args
 from llmexport.models.gemma4_graph import Expert, Gemma4TextGraph
+from llmexport.models.tensor_checks import check_tensors, count_limit, finite_lookup, require_stacked
 
 log = logging.getLogger(__name__)
 
@@ -54,7 +55,12 @@ class Gemma4(Architecture):
             prefix = "model.language_model."
         else:
             text, prefix = config, "model."
-        self.args: Gemma4TextArgs = parse_text_args(text, prefix, where)
+        weights = checkpoint.weights
+        self.args: Gemma4TextArgs = parse_text_args(text, prefix, where, max_layers=count_limit(weights))
+        if self.args.moe:  # sized by the stacked expert tensor, not by the config alone
+            for layer in self.args.layers:
+                require_stacked(weights, f"{prefix}layers.{layer.index}.experts.down_proj",
+                                self.args.moe.num_experts, "num_experts", checkpoint.path)
         self._linears = self._collect_linears()
         self._towers = self._build_towers()
         self._check_weights()
@@ -123,8 +129,8 @@ class Gemma4(Architecture):
         return linear + ".weight", None
 
     def _check_weights(self) -> None:
-        w, a = self.checkpoint.weights, self.args
-        expected: dict[str, tuple[int, ...]] = {}
+        a = self.args
+        expected: dict[str, tuple[int, ...] | None] = {}
         for spec in self._linears:
             name, expert = self._checkpoint_name(spec.name)
             expected[name] = ((a.moe.num_experts,) if expert is not None else ()) + (spec.out_features,
@@ -134,16 +140,7 @@ class Gemma4(Architecture):
         expected.update(self._table_names())
         for tower in self._towers:
             expected.update(tower.expected_tensors())
-        for name, shape in expected.items():
-            if name not in w:
-                raise InputError(f"{self.checkpoint.path}: tensor {name!r} missing (config implies it)")
-            if shape is not None and tuple(w.shape(name)) != tuple(shape):
-                raise InputError(f"{self.checkpoint.path}: tensor {name!r} has shape {list(w.shape(name))}, "
-                                 f"config implies {list(shape)}")
-        unused = [n for n in w.names() if n not in expected]
-        if unused:
-            raise InputError(f"{self.checkpoint.path}: {len(unused)} tensor(s) not mapped by the Gemma4 exporter, "
-                             f"e.g. {unused[0]!r}")
+        check_tensors(self.checkpoint.weights, expected, self.checkpoint.path, "Gemma4")
 
     def _build_towers(self) -> list:
         """Vision/audio towers named by a multimodal config, each exported as its own graph."""
@@ -203,7 +200,7 @@ class Gemma4(Architecture):
 
     # --- graph ------------------------------------------------------------------------------
     def build_graph(self) -> nn.Module:
-        return Gemma4TextGraph(self.args, self.checkpoint.weights.tensor).eval()
+        return Gemma4TextGraph(self.args, finite_lookup(self.checkpoint.weights, self.checkpoint.path)).eval()
 
     def graph_inputs(self, seq_len: int) -> GraphInputs:
         a = self.args
@@ -267,7 +264,7 @@ class Gemma4(Architecture):
         return {"precision": "normal"}
 
     # --- reference --------------------------------------------------------------------------
-    def load_reference(self, stored: StoredWeights | None) -> nn.Module:
+    def load_reference(self, stored: StoredWeights | None, trust_remote_code: bool = False) -> nn.Module:
         import transformers
 
         cls = (transformers.Gemma4ForConditionalGeneration if self.checkpoint.model_type == "gemma4"

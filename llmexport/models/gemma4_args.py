@@ -14,6 +14,9 @@ from typing import Any
 import torch
 
 from llmexport.errors import InputError
+from llmexport.models.config_values import flag_value as _flag
+from llmexport.models.config_values import float_value as _float
+from llmexport.models.config_values import int_value as _int
 
 SLIDING, FULL = "sliding_attention", "full_attention"
 
@@ -90,36 +93,6 @@ class Gemma4TextArgs:
         return math.sqrt(self.hidden_size)
 
 
-def _int(cfg: dict[str, Any], key: str, where: str, default: int | None = None, minimum: int = 1) -> int:
-    """An integer config value >= ``minimum`` (None/absent -> ``default``, which None makes required)."""
-    value = cfg.get(key)
-    if value is None:
-        if default is None:
-            raise InputError(f"{where}: '{key}' is missing (expected an integer)")
-        return default
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise InputError(f"{where}: '{key}' must be an integer >= {minimum}, got {value!r}")
-    return value
-
-
-def _float(cfg: dict[str, Any], key: str, where: str, default: float | None) -> float | None:
-    value = cfg.get(key)
-    if value is None:
-        return default
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
-        raise InputError(f"{where}: '{key}' must be a positive number, got {value!r}")
-    return float(value)
-
-
-def _flag(cfg: dict[str, Any], key: str, where: str, default: bool) -> bool:
-    value = cfg.get(key)
-    if value is None:
-        return default
-    if not isinstance(value, bool):
-        raise InputError(f"{where}: '{key}' must be true or false, got {value!r}")
-    return value
-
-
 def _kv_sources(layer_types: list[str], num_shared: int, where: str) -> tuple[list[int], set[int]]:
     """Which layer each KV-shared layer reads (HF Gemma4TextConfig.kv_sharing_modes): a shared
     layer reuses the cache of the last non-shared layer of the same attention type."""
@@ -127,22 +100,26 @@ def _kv_sources(layer_types: list[str], num_shared: int, where: str) -> tuple[li
     first_shared = n - num_shared
     if not 0 <= num_shared < n:
         raise InputError(f"{where}: num_kv_shared_layers={num_shared} invalid for {n} layers")
+    last_of_type: dict[str, int] = {}
+    for j in range(first_shared):
+        last_of_type[layer_types[j]] = j
     sources = [-1] * n
-    stores: set[int] = set()
     for i in range(first_shared, n):
-        candidates = [j for j in range(first_shared) if layer_types[j] == layer_types[i]]
-        if not candidates:
+        if layer_types[i] not in last_of_type:
             raise InputError(f"{where}: shared layer {i} ({layer_types[i]}) has no earlier layer of its type")
-        sources[i] = candidates[-1]
-        stores.add(candidates[-1])
-    return sources, stores
+        sources[i] = last_of_type[layer_types[i]]
+    return sources, set(sources[first_shared:])
 
 
-def parse_text_args(config: dict[str, Any], prefix: str, where: str) -> Gemma4TextArgs:
+def parse_text_args(config: dict[str, Any], prefix: str, where: str, max_layers: int | None = None) -> Gemma4TextArgs:
+    """The text decoder's arguments; ``max_layers`` bounds the layer count before anything is
+    sized by it (a checkpoint cannot have more layers than tensors)."""
     cfg = config
-    n, hidden, heads = (_int(cfg, k, where) for k in ("num_hidden_layers", "hidden_size", "num_attention_heads"))
+    n = _int(cfg, "num_hidden_layers", where, maximum=max_layers)
+    hidden, heads = (_int(cfg, k, where) for k in ("hidden_size", "num_attention_heads"))
     layer_types = cfg.get("layer_types")
-    if not isinstance(layer_types, list) or len(layer_types) != n or set(layer_types) - {SLIDING, FULL}:
+    if not isinstance(layer_types, list) or len(layer_types) != n or \
+            not all(isinstance(t, str) and t in (SLIDING, FULL) for t in layer_types):
         raise InputError(f"{where}: 'layer_types' must list {n} of {SLIDING!r}/{FULL!r}")
     per_layer = _per_layer_overrides(cfg.get("per_layer_config") or {}, layer_types, where)
     sources, stores = _kv_sources(layer_types, _int(cfg, "num_kv_shared_layers", where, 0, minimum=0), where)
@@ -174,7 +151,7 @@ def parse_text_args(config: dict[str, Any], prefix: str, where: str) -> Gemma4Te
         raise InputError(f"{where}: hidden_activation {activation!r} is not supported (gelu_pytorch_tanh)")
     return Gemma4TextArgs(
         prefix=prefix, vocab_size=vocab, hidden_size=hidden, num_heads=heads,
-        eps=_float(cfg, "rms_norm_eps", where, 1e-6), sliding_window=_int(cfg, "sliding_window", where, 0, 0),
+        eps=_float(cfg, "rms_norm_eps", where, 1e-6, high=1.0), sliding_window=_int(cfg, "sliding_window", where, 0, 0),
         layers=tuple(layers), rope=rope, ple_dim=_int(cfg, "hidden_size_per_layer_input", where, 0, 0),
         ple_vocab=_int(cfg, "vocab_size_per_layer_input", where, vocab),
         final_softcap=_float(cfg, "final_logit_softcapping", where, None),

@@ -38,6 +38,8 @@ from llmexport.models.gemma4_towers import (GREEDY_STEPS, ClippedLinear, TowerLi
                                             compare_prompt, const, mllm_runtime_config, multimodal_logits,
                                             reference_greedy, reference_passes, relative_error, tower_linear)
 from llmexport.ops import rms_norm
+from llmexport.models.config_values import FP32_MAX, flag_value, float_value, int_value, str_value
+from llmexport.models.tensor_checks import count_limit, finite_lookup
 
 log = logging.getLogger(__name__)
 
@@ -90,27 +92,28 @@ class AudioArgs:
         return (((MELS - 1) // 2 + 1) - 1) // 2 + 1
 
 
-def parse_audio_args(config: dict[str, Any], text_hidden: int, where: str) -> AudioArgs:
-    def need(key: str) -> Any:
-        if key not in config:
-            raise InputError(f"{where}: audio_config needs {key!r}")
-        return config[key]
-
-    channels = tuple(int(c) for c in config.get("subsampling_conv_channels", (128, 32)))
-    act = config.get("hidden_act", "silu")
-    if act != "silu":
-        raise InputError(f"{where}: audio hidden_act {act!r} is not supported (silu)")
+def parse_audio_args(config: dict[str, Any], text_hidden: int, where: str, max_layers: int | None = None) -> AudioArgs:
+    where = f"{where}: audio_config"
+    channels = config.get("subsampling_conv_channels", [128, 32])
+    if not isinstance(channels, list) or len(channels) != 2 or \
+            not all(isinstance(c, int) and not isinstance(c, bool) and c > 0 for c in channels):
+        raise InputError(f"{where}: 'subsampling_conv_channels' must be two positive integers, got {channels!r}")
+    str_value(config, "hidden_act", where, "silu", ("silu",))
+    hidden = int_value(config, "hidden_size", where)
     args = AudioArgs(
-        hidden=int(need("hidden_size")), layers=int(need("num_hidden_layers")), heads=int(need("num_attention_heads")),
-        channels=(channels[0], channels[1]), conv_kernel=int(config.get("conv_kernel_size", 5)),
-        residual_weight=float(config.get("residual_weight", 0.5)), chunk=int(config.get("attention_chunk_size", 12)),
-        context_left=int(config.get("attention_context_left", 13)),
-        context_right=int(config.get("attention_context_right", 0)),
-        logit_cap=float(config.get("attention_logit_cap", 50.0)),
-        invalid_logit=float(config.get("attention_invalid_logits_value", -1e9)),
-        clipped=bool(config.get("use_clipped_linears", True)), eps=float(config.get("rms_norm_eps", 1e-6)),
-        gradient_clipping=float(config.get("gradient_clipping", 1e10)),
-        output_dims=int(config.get("output_proj_dims") or need("hidden_size")), text_hidden=text_hidden)
+        hidden=hidden, layers=int_value(config, "num_hidden_layers", where, maximum=max_layers),
+        heads=int_value(config, "num_attention_heads", where),
+        channels=(channels[0], channels[1]), conv_kernel=int_value(config, "conv_kernel_size", where, 5),
+        residual_weight=float_value(config, "residual_weight", where, 0.5),
+        chunk=int_value(config, "attention_chunk_size", where, 12),
+        context_left=int_value(config, "attention_context_left", where, 13),
+        context_right=int_value(config, "attention_context_right", where, 0, minimum=0),
+        logit_cap=float_value(config, "attention_logit_cap", where, 50.0),
+        invalid_logit=float_value(config, "attention_invalid_logits_value", where, -1e9, low=-FP32_MAX, high=0.0),
+        clipped=flag_value(config, "use_clipped_linears", where, True),
+        eps=float_value(config, "rms_norm_eps", where, 1e-6, high=1.0),
+        gradient_clipping=float_value(config, "gradient_clipping", where, 1e10),
+        output_dims=int_value(config, "output_proj_dims", where, hidden), text_hidden=text_hidden)
     if args.hidden % args.heads:
         raise InputError(f"{where}: audio hidden_size {args.hidden} is not a multiple of {args.heads} heads")
     # HF sizes input_proj_linear as (channels[0] // 4) * channels[1]; the flattened conv output is
@@ -353,7 +356,8 @@ class Gemma4AudioTower(TowerLinears, Tower):
         self.arch = arch
         self.checkpoint = arch.checkpoint
         where = str(self.checkpoint.path / "config.json")
-        self.args = parse_audio_args(audio_config, arch.args.hidden_size, where)
+        self.args = parse_audio_args(audio_config, arch.args.hidden_size, where,
+                                     count_limit(self.checkpoint.weights))
         config = self.checkpoint.config
         # transformers names the end-of-audio id "eoa_token_index" (Gemma4Config).
         keys = {"boa": "boa_token_id", "eoa": "eoa_token_index", "audio": "audio_token_id"}
@@ -367,7 +371,7 @@ class Gemma4AudioTower(TowerLinears, Tower):
         return {**audio_constants(self.args), **self.linear_tensors(self.args.clipped, PREFIX + "layers.")}
 
     def build_graph(self) -> nn.Module:
-        return AudioGraph(self.args, self._linears, self.checkpoint.weights.tensor).eval()
+        return AudioGraph(self.args, self._linears, finite_lookup(self.checkpoint.weights, self.checkpoint.path)).eval()
 
     def graph_inputs(self) -> GraphInputs:
         # 37 frames -> 10 encoder frames: several blocks, the last one partial; T is dynamic.

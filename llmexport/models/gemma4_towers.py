@@ -17,6 +17,7 @@ from torch import nn
 
 from llmexport.checkpoint import SafetensorsIndex
 from llmexport.models.base import LinearRole, LinearSpec, StoredWeights
+from llmexport.models.tensor_checks import check_finite
 from llmexport.ops import PlaceholderLinear
 
 TensorLookup = Callable[[str], torch.Tensor]
@@ -57,7 +58,8 @@ def tower_linear(weights: SafetensorsIndex, base: str, in_features: int, out_fea
         values = []
         for key in ("input_min", "input_max", "output_min", "output_max"):
             name = f"{base}.{key}"
-            value = float(weights.tensor(name).float()) if name in weights else math.inf
+            value = float(check_finite(name, weights.tensor(name).float(), weights.folder, allow_inf=True)) \
+                if name in weights else math.inf
             values.append(value if math.isfinite(value) else None)
         clip = tuple(values) if any(v is not None for v in values) else None
     weight = f"{base}.linear.weight" if clippable else f"{base}.weight"

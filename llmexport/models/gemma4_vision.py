@@ -35,6 +35,8 @@ from llmexport.models.gemma4_towers import (GREEDY_STEPS, ClippedLinear, TowerLi
                                             multimodal_logits, reference_greedy, reference_passes, relative_error,
                                             tower_linear)
 from llmexport.ops import gelu_tanh, rms_norm
+from llmexport.models.config_values import flag_value, float_value, int_value, str_value
+from llmexport.models.tensor_checks import count_limit, finite_lookup
 
 log = logging.getLogger(__name__)
 
@@ -69,29 +71,28 @@ class VisionArgs:
         return 1.0 / (RUNTIME_IMAGE_SCALE * math.sqrt(self.text_hidden))
 
 
-def parse_vision_args(config: dict[str, Any], text_hidden: int, where: str) -> VisionArgs:
-    def need(key: str) -> Any:
-        if key not in config:
-            raise InputError(f"{where}: vision_config needs {key!r}")
-        return config[key]
-
+def parse_vision_args(config: dict[str, Any], text_hidden: int, where: str, max_layers: int | None = None) -> VisionArgs:
+    where = f"{where}: vision_config"
     rope = config.get("rope_parameters") or {"rope_type": "axial", "rope_theta": 100.0}
-    if rope.get("rope_type", "axial") != "axial":
-        raise InputError(f"{where}: vision rope_type {rope.get('rope_type')!r} is not supported (axial only)")
-    act = config.get("hidden_activation", "gelu_pytorch_tanh")
-    if act != "gelu_pytorch_tanh":
-        raise InputError(f"{where}: vision hidden_activation {act!r} is not supported (gelu_pytorch_tanh)")
+    if not isinstance(rope, dict):
+        raise InputError(f"{where}: 'rope_parameters' must be an object")
+    str_value(rope, "rope_type", where, "axial", ("axial",))
+    str_value(config, "hidden_activation", where, "gelu_pytorch_tanh", ("gelu_pytorch_tanh",))
+    heads = int_value(config, "num_attention_heads", where)
     args = VisionArgs(
-        hidden=int(need("hidden_size")), intermediate=int(need("intermediate_size")),
-        layers=int(need("num_hidden_layers")), heads=int(need("num_attention_heads")),
-        kv_heads=int(config.get("num_key_value_heads") or need("num_attention_heads")),
-        head_dim=int(need("head_dim")), eps=float(config.get("rms_norm_eps", 1e-6)),
-        rope_theta=float(rope.get("rope_theta", 100.0)), patch=int(config.get("patch_size", 16)),
-        pooling=int(config.get("pooling_kernel_size", 3)), position_size=int(need("position_embedding_size")),
-        clipped=bool(config.get("use_clipped_linears", False)), standardize=bool(config.get("standardize", False)),
-        text_hidden=text_hidden)
+        hidden=int_value(config, "hidden_size", where), intermediate=int_value(config, "intermediate_size", where),
+        layers=int_value(config, "num_hidden_layers", where, maximum=max_layers), heads=heads,
+        kv_heads=int_value(config, "num_key_value_heads", where, heads),
+        head_dim=int_value(config, "head_dim", where), eps=float_value(config, "rms_norm_eps", where, 1e-6, high=1.0),
+        rope_theta=float_value(rope, "rope_theta", where, 100.0), patch=int_value(config, "patch_size", where, 16),
+        pooling=int_value(config, "pooling_kernel_size", where, 3),
+        position_size=int_value(config, "position_embedding_size", where),
+        clipped=flag_value(config, "use_clipped_linears", where, False),
+        standardize=flag_value(config, "standardize", where, False), text_hidden=text_hidden)
     if args.head_dim % 4:
-        raise InputError(f"{where}: vision head_dim {args.head_dim} must be a multiple of 4 (2-D RoPE)")
+        raise InputError(f"{where}: head_dim {args.head_dim} must be a multiple of 4 (2-D RoPE)")
+    if heads % args.kv_heads:
+        raise InputError(f"{where}: {heads} heads are not a multiple of {args.kv_heads} KV heads")
     if (args.patch, args.pooling) != (16, 3):
         raise InputError(f"{where}: MNN's runtime patchifies 16x16 and pools 3x3; the checkpoint has "
                          f"patch {args.patch}, pooling {args.pooling}")
@@ -259,7 +260,8 @@ class Gemma4VisionTower(TowerLinears, Tower):
         self.arch = arch
         self.checkpoint = arch.checkpoint
         where = str(self.checkpoint.path / "config.json")
-        self.args = parse_vision_args(vision_config, arch.args.hidden_size, where)
+        self.args = parse_vision_args(vision_config, arch.args.hidden_size, where,
+                                      count_limit(self.checkpoint.weights))
         config = self.checkpoint.config
         self.ids = {key: int(config[key]) for key in ("boi_token_id", "eoi_token_id", "image_token_id")
                     if config.get(key) is not None}
@@ -275,7 +277,7 @@ class Gemma4VisionTower(TowerLinears, Tower):
     # --- graph ------------------------------------------------------------------------------
     def build_graph(self, output_scale: float | None = None) -> nn.Module:
         scale = self.args.output_scale if output_scale is None else output_scale
-        return VisionGraph(self.args, self._linears, self.checkpoint.weights.tensor, scale).eval()
+        return VisionGraph(self.args, self._linears, finite_lookup(self.checkpoint.weights, self.checkpoint.path), scale).eval()
 
     def graph_inputs(self) -> GraphInputs:
         positions = trace_positions(6, 6, 9)  # 36 real patches + 9 padding, traced with dynamic N

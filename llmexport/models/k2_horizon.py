@@ -23,6 +23,7 @@ from llmexport.models.base import (Architecture, ExpertTemplate, GraphInputs, Li
                                    StoredWeights)
 from llmexport.models.k2_horizon_args import K2HorizonArgs, parse_args
 from llmexport.models.k2_horizon_graph import K2HorizonGraph, Mlp, ValueExpert, mova_layer_id
+from llmexport.models.tensor_checks import check_tensors, count_limit, finite_lookup
 
 _EXPERT_MARKER = "@expert@"
 _VALUE_MARKER = "@value_expert@"
@@ -34,10 +35,12 @@ _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 class K2Horizon(Architecture):
     #: evaluate MoVA's value experts densely in the main graph (benchmark baseline only)
     dense_mova: bool = False
+    reference_is_remote_code = True  # the checkpoint's auto_map modeling code
 
     def __init__(self, checkpoint: Checkpoint):
         super().__init__(checkpoint)
-        self.args: K2HorizonArgs = parse_args(checkpoint.config, str(checkpoint.path / "config.json"))
+        self.args: K2HorizonArgs = parse_args(checkpoint.config, str(checkpoint.path / "config.json"),
+                                              count_limit(checkpoint.weights))
         self._linears = self._collect_linears()
         self._check_weights()
 
@@ -91,23 +94,15 @@ class K2Horizon(Architecture):
         return linear + ".weight"
 
     def _check_weights(self) -> None:
-        w, a = self.checkpoint.weights, self.args
-        expected: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (a.vocab_size, a.hidden_size)}
+        a = self.args
+        expected: dict[str, tuple[int, ...] | None] = {"model.embed_tokens.weight": (a.vocab_size, a.hidden_size)}
         for spec in self._linears:
             expected[self._checkpoint_name(spec.name)] = (spec.out_features, spec.in_features)
             if spec.bias:
                 expected[spec.name + ".bias"] = (spec.out_features,)
         expected.update(self._small_tensors())
-        for name, shape in expected.items():
-            if name not in w:
-                raise InputError(f"{self.checkpoint.path}: tensor {name!r} missing (config implies it)")
-            if tuple(w.shape(name)) != shape:
-                raise InputError(f"{self.checkpoint.path}: tensor {name!r} has shape {list(w.shape(name))}, "
-                                 f"config implies {list(shape)}")
-        unused = [n for n in w.names() if n not in expected and not n.endswith(_IGNORED_SUFFIXES)]
-        if unused:
-            raise InputError(f"{self.checkpoint.path}: {len(unused)} tensor(s) not mapped by the K2-Horizon "
-                             f"exporter, e.g. {min(unused)!r}")
+        check_tensors(self.checkpoint.weights, expected, self.checkpoint.path, "K2-Horizon",
+                      ignored=lambda name: name.endswith(_IGNORED_SUFFIXES))
 
     def linears(self) -> list[LinearSpec]:
         return list(self._linears)
@@ -126,7 +121,8 @@ class K2Horizon(Architecture):
 
     # --- graph ------------------------------------------------------------------------------
     def build_graph(self) -> nn.Module:
-        return K2HorizonGraph(self.args, self.checkpoint.weights.tensor, dense_mova=self.dense_mova).eval()
+        lookup = finite_lookup(self.checkpoint.weights, self.checkpoint.path)
+        return K2HorizonGraph(self.args, lookup, dense_mova=self.dense_mova).eval()
 
     def graph_inputs(self, seq_len: int) -> GraphInputs:
         args = (torch.randn(seq_len, 1, self.args.hidden_size), torch.zeros(1, 1, seq_len, seq_len),
@@ -204,10 +200,11 @@ class K2Horizon(Architecture):
         return {"precision": "normal"}
 
     # --- reference --------------------------------------------------------------------------
-    def load_reference(self, stored: StoredWeights | None) -> nn.Module:
+    def load_reference(self, stored: StoredWeights | None, trust_remote_code: bool = False) -> nn.Module:
         from transformers import AutoModelForCausalLM
 
-        model = self.checkpoint.from_pretrained(AutoModelForCausalLM, trust_remote_code=True, dtype=torch.float32)
+        model = self.checkpoint.from_pretrained(AutoModelForCausalLM, trust_remote_code=trust_remote_code,
+                                                dtype=torch.float32)
         model.eval()
         if stored:
             self._apply_stored(model, stored)

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from llmexport.errors import InputError
+from llmexport.models.config_values import FP32_MAX, flag_value, float_value, int_value, str_value
 from llmexport.reference.k2_horizon.configuration_k2_horizon import K2HorizonConfig
 
 # A key missing from config.json takes the reference configuration's default, exactly as the
@@ -76,30 +77,43 @@ def _get(cfg: dict[str, Any], key: str) -> Any:
     return _DEFAULTS.get(key) if value is None else value
 
 
-def _int(cfg: dict[str, Any], key: str, where: str, default: int | None = None, minimum: int = 1) -> int:
-    value = _get(cfg, key)
+def _defaults(cfg: dict[str, Any], *keys: str) -> dict[str, Any]:
+    """``keys`` of ``cfg`` with the reference's defaults filled in (see ``_get``)."""
+    return {key: _get(cfg, key) for key in keys}
+
+
+def _int(cfg: dict[str, Any], key: str, where: str, default: int | None = None, minimum: int = 1,
+         maximum: int | None = None) -> int:
+    return int_value(_defaults(cfg, key), key, where, default, minimum, maximum)
+
+
+def _float(cfg: dict[str, Any], key: str, where: str, high: float = FP32_MAX) -> float:
+    value = float_value(_defaults(cfg, key), key, where, None, high=high)
     if value is None:
-        value = default
-    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
-        raise InputError(f"{where}: '{key}' must be an integer >= {minimum} (got {value!r})")
+        raise InputError(f"{where}: '{key}' is missing (expected a number)")
     return value
 
 
-def _router(cfg: dict[str, Any], experts: int, top_k_key: str, norm: Any, scale: Any, where: str) -> RouterSpec:
-    scoring = _get(cfg, "scoring_func")
-    if scoring not in SCORING_FUNCS:
-        raise InputError(f"{where}: 'scoring_func' must be one of {SCORING_FUNCS} (got {scoring!r})")
+def _flag(cfg: dict[str, Any], key: str, where: str) -> bool:
+    return flag_value(_defaults(cfg, key), key, where, False)
+
+
+def _router(cfg: dict[str, Any], experts: int, top_k_key: str, norm_key: str, scale_key: str,
+            where: str) -> RouterSpec:
+    """A router's settings; ``norm_key``/``scale_key`` are read from ``cfg`` as given."""
+    scoring = str_value(_defaults(cfg, "scoring_func"), "scoring_func", where, "", SCORING_FUNCS)
     top_k = _int(cfg, top_k_key, where)
     if top_k > experts:
         raise InputError(f"{where}: '{top_k_key}' {top_k} exceeds the {experts} experts")
-    return RouterSpec(experts, top_k, scoring, bool(norm), float(scale))
+    return RouterSpec(experts, top_k, scoring, _flag(cfg, norm_key, where), _float(cfg, scale_key, where))
 
 
 def _layers(cfg: dict[str, Any], n: int, num_experts: int, mova_experts: int, where: str) -> tuple[LayerSpec, ...]:
     """The sparse-layer rule of the reference (K2HorizonConfig.is_sparse_layer)."""
     mlp_only = _get(cfg, "mlp_only_layers") or []
-    if not isinstance(mlp_only, list) or not all(isinstance(i, int) for i in mlp_only):
+    if not isinstance(mlp_only, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in mlp_only):
         raise InputError(f"{where}: 'mlp_only_layers' must be a list of layer indices")
+    mlp_only = set(mlp_only)
     step = _int(cfg, "decoder_sparse_step", where)
     layers = []
     for i in range(n):
@@ -108,8 +122,10 @@ def _layers(cfg: dict[str, Any], n: int, num_experts: int, mova_experts: int, wh
     return tuple(layers)
 
 
-def parse_args(cfg: dict[str, Any], where: str) -> K2HorizonArgs:
-    n = _int(cfg, "num_hidden_layers", where)
+def parse_args(cfg: dict[str, Any], where: str, max_count: int | None = None) -> K2HorizonArgs:
+    """The family's arguments; ``max_count`` bounds layer and expert counts before anything is
+    sized by them (a checkpoint cannot have more of them than it has tensors)."""
+    n = _int(cfg, "num_hidden_layers", where, maximum=max_count)
     hidden = _int(cfg, "hidden_size", where)
     heads = _int(cfg, "num_attention_heads", where)
     kv_heads = _int(cfg, "num_key_value_heads", where)
@@ -119,35 +135,38 @@ def parse_args(cfg: dict[str, Any], where: str) -> K2HorizonArgs:
         raise InputError(f"{where}: hidden_size {hidden} is not divisible by layernorm_num_groups {groups}")
     if heads % kv_heads:
         raise InputError(f"{where}: num_attention_heads {heads} is not a multiple of num_key_value_heads {kv_heads}")
-    if _get(cfg, "hidden_act") != "silu":
-        raise InputError(f"{where}: hidden_act {cfg.get('hidden_act')!r} is not supported (K2-Horizon uses 'silu')")
+    str_value(_defaults(cfg, "hidden_act"), "hidden_act", where, "silu", ("silu",))
     rope = cfg.get("rope_parameters") or {"rope_type": "default", "rope_theta": 10_000_000.0}
-    if not isinstance(rope, dict) or "rope_theta" not in rope:
+    if not isinstance(rope, dict) or rope.get("rope_theta") is None:
         raise InputError(f"{where}: 'rope_parameters' needs 'rope_theta'")
+    rope_theta = float_value(rope, "rope_theta", where, None)
     if rope.get("rope_type", "default") != "default":
         raise InputError(f"{where}: rope_type {rope.get('rope_type')!r} is not supported (supported: default)")
-    num_experts = _int(cfg, "num_experts", where, minimum=0)
-    mova_experts = _int(cfg, "mova_num_experts", where, minimum=0)
+    num_experts = _int(cfg, "num_experts", where, minimum=0, maximum=max_count)
+    mova_experts = _int(cfg, "mova_num_experts", where, minimum=0, maximum=max_count)
     layers = _layers(cfg, n, num_experts, mova_experts, where)
     moe = mova = None
     moe_width = shared_width = 0
     if any(layer.sparse for layer in layers):
-        norm, scale = _get(cfg, "norm_topk_prob"), _get(cfg, "router_scaling_factor")
-        moe = _router(cfg, num_experts, "num_experts_per_tok", norm, scale, where)
+        moe = _router(cfg, num_experts, "num_experts_per_tok", "norm_topk_prob", "router_scaling_factor", where)
         moe_width = _int(cfg, "moe_intermediate_size", where)
         shared_width = _int(cfg, "num_shared_experts", where, minimum=0) * moe_width
         if mova_experts:
             # null = the MoE router's value (schema rule)
-            mova_norm = cfg.get("mova_norm_topk_prob")
-            mova_scale = cfg.get("mova_router_scaling_factor")
-            mova = _router(cfg, mova_experts, "mova_top_k", norm if mova_norm is None else mova_norm,
-                           scale if mova_scale is None else mova_scale, where)
+            mova_cfg = dict(cfg)
+            for key, moe_key in (("mova_norm_topk_prob", "norm_topk_prob"),
+                                 ("mova_router_scaling_factor", "router_scaling_factor")):
+                if cfg.get(key) is None:
+                    mova_cfg[key] = _get(cfg, moe_key)
+            mova = _router(mova_cfg, mova_experts, "mova_top_k", "mova_norm_topk_prob", "mova_router_scaling_factor",
+                           where)
     dense_width = _int(cfg, "intermediate_size", where) if not all(layer.sparse for layer in layers) else 0
     return K2HorizonArgs(
         vocab_size=_int(cfg, "vocab_size", where), hidden_size=hidden, intermediate_size=dense_width,
-        num_heads=heads, kv_heads=kv_heads, head_dim=head_dim, eps=float(_get(cfg, "rms_norm_eps")),
-        norm_groups=groups, qk_norm=bool(_get(cfg, "query_key_norm")), attention_bias=bool(_get(cfg, "attention_bias")),
-        rope_theta=float(rope["rope_theta"]), max_position_embeddings=_int(cfg, "max_position_embeddings", where),
-        tie_embeddings=bool(_get(cfg, "tie_word_embeddings")), layers=layers, moe=moe, moe_width=moe_width,
+        num_heads=heads, kv_heads=kv_heads, head_dim=head_dim, eps=_float(cfg, "rms_norm_eps", where, high=1.0),
+        norm_groups=groups, qk_norm=_flag(cfg, "query_key_norm", where),
+        attention_bias=_flag(cfg, "attention_bias", where),
+        rope_theta=rope_theta, max_position_embeddings=_int(cfg, "max_position_embeddings", where),
+        tie_embeddings=_flag(cfg, "tie_word_embeddings", where), layers=layers, moe=moe, moe_width=moe_width,
         shared_width=shared_width, mova=mova,
     )
