@@ -35,7 +35,7 @@ import numpy as np
 import torch
 
 from llmexport.quant.pack import pack_bits
-from llmexport.quant.rtn import QuantizedTensor, quantize_rtn
+from llmexport.quant.rtn import NonFiniteError, QuantizedTensor, quantize_rtn
 
 TableSource = Union[torch.Tensor, Iterable[torch.Tensor]]
 Quantizer = Callable[[torch.Tensor, int, int, bool], QuantizedTensor]
@@ -100,6 +100,8 @@ def _check_chunk(chunk: torch.Tensor, dim: Optional[int]) -> int:
 
 def _bf16_bytes(chunk: torch.Tensor) -> bytes:
     raw = chunk.detach().to(torch.bfloat16).cpu().contiguous().view(torch.int16).numpy()
+    if np.any((raw & 0x7F80) == 0x7F80):  # all exponent bits set: NaN or Inf
+        raise NonFiniteError("table contains NaN or Inf")
     return raw.astype("<i2").tobytes()
 
 

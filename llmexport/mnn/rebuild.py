@@ -17,10 +17,11 @@ from typing import Any, BinaryIO, Callable, Iterable
 
 import torch
 
-from llmexport.errors import ConversionError
+from llmexport.errors import ConversionError, InputError
 from llmexport.mnn.weights import LinearRecord, WeightFileWriter
 from llmexport.models.base import ExpertTemplate, LinearSpec
 from llmexport.ops import expert_subgraph_name
+from llmexport.quant.rtn import NonFiniteError
 from llmexport.quant.scheme import QuantMethod, QuantScheme
 
 log = logging.getLogger(__name__)
@@ -155,7 +156,10 @@ class _Rebuilder:
             raise ConversionError(f"graph linear {name!r} is unknown or appears twice")
         weight, bias = self.reader.get(name) if self.reader else self.weight_fn(name)
         scheme = self.schemes[name] = self.scheme_fn(spec)
-        self.records[name] = self.writer.write_linear(weight, bias, scheme, self.quantizers.get(scheme.method))
+        try:
+            self.records[name] = self.writer.write_linear(weight, bias, scheme, self.quantizers.get(scheme.method))
+        except NonFiniteError as exc:
+            raise InputError(f"checkpoint tensor of linear {name!r}: {exc}") from None
         if self.progress:
             self.progress(weight.numel())
         return self.records[name]

@@ -36,7 +36,7 @@ import torch
 
 from llmexport.mlx_import import Prequantized, transcode
 from llmexport.quant.pack import pack_bits
-from llmexport.quant.rtn import QuantizedTensor, quantize_rtn
+from llmexport.quant.rtn import NonFiniteError, QuantizedTensor, quantize_rtn
 from llmexport.quant.scheme import FP16_BITS, QuantMethod, QuantScheme
 
 log = logging.getLogger(__name__)
@@ -147,6 +147,11 @@ def _check_quantized(qt: QuantizedTensor, oc: int, ic: int, bits: int, block: in
         raise ValueError(f"quantized levels fall outside [{-half}, {half - 1}]")
 
 
+def finite_fp16(values: np.ndarray) -> bool:
+    """True when no fp16 value is NaN or Inf (all exponent bits set), checked on the bits."""
+    return not bool(np.any((values.view(np.uint16) & 0x7C00) == 0x7C00))
+
+
 def _row_slices(oc: int, ic: int) -> Iterator[slice]:
     step = max(8, (_CHUNK_ELEMENTS // max(ic, 1)) // 8 * 8)
     return (slice(i, min(i + step, oc)) for i in range(0, oc, step))
@@ -196,6 +201,8 @@ class WeightFileWriter:
         start = self.offset
         if scheme.is_fp16:
             fp16 = weight.detach().to(torch.float16).cpu().numpy().astype("<f2")
+            if not finite_fp16(fp16):
+                raise NonFiniteError("weight contains NaN or Inf, or values beyond fp16's range (65504)")
             header_bytes, weight_bytes, alpha_bytes, block = 0, self._write(fp16.tobytes()), 0, 0
         else:
             header_bytes, weight_bytes, alpha_bytes, block = self._write_quantized(weight, scheme, quantizer)
@@ -235,4 +242,7 @@ class WeightFileWriter:
             return 0
         if bias.numel() != oc:
             raise ValueError(f"bias has {bias.numel()} values for {oc} output channels")
-        return self._write(bias.detach().reshape(-1).to(torch.float32).cpu().numpy().astype("<f4").tobytes())
+        values = bias.detach().reshape(-1).to(torch.float32).cpu()
+        if not bool(torch.isfinite(values).all()):
+            raise NonFiniteError("bias contains NaN or Inf")
+        return self._write(values.numpy().astype("<f4").tobytes())

@@ -47,6 +47,10 @@ class QuantizedTensor:
         return (self.q + (1 << (self.bits - 1))).view(torch.uint8)
 
 
+class NonFiniteError(ValueError):
+    """The values to be written hold NaN/Inf, or do not fit the storage format's range."""
+
+
 def _check_args(w: torch.Tensor, bits: int, block: int) -> None:
     if w.dim() != 2:
         raise ValueError(f"expected a 2-D weight [oc, ic], got shape {tuple(w.shape)}")
@@ -65,7 +69,7 @@ def _to_storage(x: torch.Tensor, scale_dtype: torch.dtype) -> torch.Tensor:
 def _check_alpha(*tensors: torch.Tensor) -> None:
     for t in tensors:
         if not torch.isfinite(t).all():
-            raise ValueError("quantization scale/zero overflows the storage dtype (weights too large)")
+            raise NonFiniteError("quantization scale/zero overflows the storage dtype (weights too large)")
 
 
 def quantize_rtn(
@@ -90,7 +94,7 @@ def quantize_rtn(
     # amin/amax propagate NaN, so checking the block extremes also rejects NaN/Inf weights.
     lo, hi = torch.aminmax(wb, dim=-1)
     if not (torch.isfinite(lo).all() and torch.isfinite(hi).all()):
-        raise ValueError("weight contains NaN or Inf; it cannot be quantized")
+        raise NonFiniteError("weight contains NaN or Inf; it cannot be quantized")
     if sym:
         scale = _to_storage(torch.maximum(hi, -lo) / qmax, scale_dtype)
         zero = None
