@@ -1,20 +1,17 @@
 """Python API: ``export(path, dst, options)`` and ``verify(dst, path)``.
 
-The export is built in a temporary folder beside ``dst`` and moved into place only when every
-stage (and verification, if asked) succeeded, so ``dst`` never holds a half-written model.
+The export is built in a folder beside ``dst`` and swapped into place only when every stage (and
+verification, if asked) succeeded, so ``dst`` never holds a half-written model (llmexport.staging).
 """
 
 from __future__ import annotations
 
 import logging
 import os
-import shutil
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from llmexport.errors import OutputError
 from llmexport.options import ExportOptions
 
 log = logging.getLogger(__name__)
@@ -30,19 +27,22 @@ class ExportResult:
 
 
 def export(path: str | os.PathLike, dst: str | os.PathLike, options: ExportOptions | None = None) -> ExportResult:
-    """Export the HF checkpoint at ``path`` into the folder ``dst`` (replaced atomically)."""
+    """Export the HF checkpoint at ``path`` into the folder ``dst`` (replaced atomically).
+
+    ``dst`` must not overlap ``path`` (nor be the current folder, one of its parents, the home or
+    the root folder): that is refused before any work. The export is built beside ``dst`` and
+    swapped in at the end; on any failure ``dst`` and its surroundings are left as they were.
+    """
     from llmexport.pipeline import run_export
+    from llmexport.staging import StagedExport, resolve_destination
 
     options = (options or ExportOptions()).validate()
-    dst = Path(dst).absolute()
-    staging = _staging_dir(dst)
-    try:
-        result = run_export(Path(path), staging, options)
-        _replace(staging, dst)
-        result.dst = dst
-        return result
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
+    target = resolve_destination(dst, path)
+    with StagedExport(target) as staging:
+        result = run_export(Path(path), staging.path, options)
+        staging.commit()
+    result.dst = target
+    return result
 
 
 def plan(path: str | os.PathLike, options: ExportOptions | None = None) -> dict[str, Any]:
@@ -53,35 +53,8 @@ def plan(path: str | os.PathLike, options: ExportOptions | None = None) -> dict[
 
 
 def verify(dst: str | os.PathLike, path: str | os.PathLike, **kwargs: Any) -> dict[str, Any]:
-    """Run an exported folder in MNN's runtime beside the HF checkpoint it came from."""
+    """Run an exported folder in MNN's runtime beside the HF checkpoint it came from
+    (``trust_remote_code=True`` is needed for families whose reference is the checkpoint's own code)."""
     from llmexport.verify import verify_export
 
     return verify_export(Path(dst), Path(path), **kwargs)
-
-
-def _staging_dir(dst: Path) -> Path:
-    parent = dst.parent
-    try:
-        parent.mkdir(parents=True, exist_ok=True)
-        return Path(tempfile.mkdtemp(prefix=f".{dst.name}.", suffix=".partial", dir=parent))
-    except OSError as exc:
-        raise OutputError(f"{dst}: cannot create the destination ({exc.strerror})") from None
-
-
-def _replace(staging: Path, dst: Path) -> None:
-    """Swap the finished export into ``dst``; an older export there is removed only afterwards."""
-    old = None
-    try:
-        if dst.exists():
-            if not dst.is_dir():
-                raise OutputError(f"{dst}: exists and is not a folder")
-            old = Path(tempfile.mkdtemp(prefix=f".{dst.name}.", suffix=".old", dir=dst.parent))
-            os.rename(dst, old / "previous")
-        os.rename(staging, dst)
-    except OSError as exc:
-        if old is not None and (old / "previous").exists() and not dst.exists():
-            os.rename(old / "previous", dst)
-        raise OutputError(f"{dst}: cannot move the export into place ({exc.strerror})") from None
-    finally:
-        if old is not None:
-            shutil.rmtree(old, ignore_errors=True)

@@ -8,7 +8,10 @@ from __future__ import annotations
 
 import json
 import logging
+import signal
 import sys
+import threading
+from contextlib import contextmanager
 
 import click
 
@@ -50,43 +53,82 @@ def _configure_logging(quiet: bool) -> None:
 @click.option("--thread_num", type=int, default=4, show_default=True, help="Runtime threads written to config.json.")
 @click.option("--dry-run", "dry_run", is_flag=True, help="Print the plan (layers, schemes, size) and write nothing.")
 @click.option("--verify", is_flag=True, help="Run the export in MNN's runtime next to HF; fail on disagreement.")
+@click.option("--trust_remote_code", is_flag=True,
+              help="Allow --verify to run the checkpoint's own modeling code (families whose reference model is "
+                   "remote code, such as k2_horizon).")
 @click.option("--quiet", is_flag=True, help="Only warnings and errors.")
 @click.version_option(__version__, "--version", prog_name="llmexport")
 def main(path: str, export_format: str, dst_path: str, quant_bit: int, quant_block: int, sym: bool, hqq: bool,
          quant_config: str | None, lm_quant_bit: int | None, lm_quant_block: int | None, embed_bit: int | None,
          visual_quant_bit: int, audio_quant_bit: int, requantize: bool, thread_num: int, dry_run: bool, verify: bool,
-         quiet: bool) -> None:
+         trust_remote_code: bool, quiet: bool) -> None:
     """Export a HuggingFace LLM checkpoint to MNN (or ONNX), optionally verified."""
     _configure_logging(quiet)
     from llmexport.errors import LlmExportError
 
     try:
-        from llmexport.api import export, plan
-
-        options = _options(export_format, quant_bit, quant_block, sym, hqq, quant_config, lm_quant_bit,
-                           lm_quant_block, embed_bit, verify, quiet, thread_num, visual_quant_bit, audio_quant_bit,
-                           requantize)
-        if dry_run:
-            from llmexport.export_plan import plan_summary
-
-            click.echo(plan_summary(plan(path, options)))
-            return
-        result = export(path, dst_path, options)
+        with _termination_as_interrupt():
+            result = _run(path, dst_path, dry_run, export_format, quant_bit, quant_block, sym, hqq, quant_config,
+                          lm_quant_bit, lm_quant_block, embed_bit, verify, quiet, thread_num, visual_quant_bit,
+                          audio_quant_bit, requantize, trust_remote_code)
     except LlmExportError as exc:
         click.echo(f"llmexport: error: {exc}", err=True)
         sys.exit(exc.exit_code)
-    except KeyboardInterrupt:
-        click.echo("llmexport: interrupted; the destination was left unchanged", err=True)
-        sys.exit(130)
+    except KeyboardInterrupt as exc:
+        signum = exc.signum if isinstance(exc, Terminated) else signal.SIGINT
+        click.echo(f"llmexport: interrupted ({signal.Signals(signum).name}); the destination was left unchanged",
+                   err=True)
+        sys.exit(128 + signum)
     except Exception as exc:  # an llmexport bug: say so in one line, keep the traceback in the log
         logging.getLogger("llmexport").debug("internal error", exc_info=True)
         click.echo(f"llmexport: internal error: {type(exc).__name__}: {exc}", err=True)
         sys.exit(EXIT_INTERNAL)
-    _report(result, quiet)
+    if result is not None:
+        _report(result, quiet)
+
+
+def _run(path, dst_path, dry_run, *flags):
+    """The export (or with --dry-run, the printed plan and None)."""
+    from llmexport.api import export, plan
+
+    options = _options(*flags)
+    if dry_run:
+        from llmexport.export_plan import plan_summary
+
+        click.echo(plan_summary(plan(path, options)))
+        return None
+    return export(path, dst_path, options)
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM/SIGHUP, raised like Ctrl-C so that every ``finally`` cleans up on the way out."""
+
+    def __init__(self, signum: int):
+        super().__init__(signum)
+        self.signum = signum
+
+
+@contextmanager
+def _termination_as_interrupt():
+    """While the command runs, SIGTERM and SIGHUP raise ``Terminated`` (where they would kill)."""
+    def raise_terminated(signum, frame):
+        raise Terminated(signum)
+
+    previous = {}
+    if threading.current_thread() is threading.main_thread():
+        for signum in (signal.SIGTERM, signal.SIGHUP):
+            if signal.getsignal(signum) == signal.SIG_DFL:
+                previous[signum] = signal.signal(signum, raise_terminated)
+    try:
+        yield
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
 
 
 def _options(export_format, quant_bit, quant_block, sym, hqq, quant_config, lm_quant_bit, lm_quant_block,
-             embed_bit, verify, quiet, thread_num, visual_quant_bit=8, audio_quant_bit=8, requantize=False):
+             embed_bit, verify, quiet, thread_num, visual_quant_bit=8, audio_quant_bit=8, requantize=False,
+             trust_remote_code=False):
     from pathlib import Path
 
     from llmexport.errors import UsageError
@@ -102,7 +144,8 @@ def _options(export_format, quant_bit, quant_block, sym, hqq, quant_config, lm_q
                          block=quant_block if lm_quant_block is None else lm_quant_block, sym=sym, method=method)
     options = ExportOptions(export=ExportFormat(export_format), quant=default, lm_quant=lm, embed_bit=embed_bit,
                             verify=verify, quiet=quiet, thread_num=thread_num, visual_quant_bit=visual_quant_bit,
-                            audio_quant_bit=audio_quant_bit, requantize=requantize)
+                            audio_quant_bit=audio_quant_bit, requantize=requantize,
+                            trust_remote_code=trust_remote_code)
     if quant_config is None:
         return options
     try:

@@ -5,7 +5,6 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-from dataclasses import asdict
 from importlib import metadata
 from pathlib import Path
 from typing import Any
@@ -123,7 +122,7 @@ def write_manifest(out: Path, arch: Architecture, options: ExportOptions, plan: 
     """manifest.json: file hashes, versions, options and the detected architecture."""
     files = {p.name: {"bytes": p.stat().st_size, "sha256": _sha256(p)}
              for p in sorted(out.iterdir()) if p.is_file() and p.name != "manifest.json"}
-    manifest = {"versions": _versions(), "architecture": arch.describe(), "options": _jsonable(asdict(options)),
+    manifest = {"versions": _versions(), "architecture": arch.describe(), "options": _jsonable(options.manifest_fields()),
                 "adjusted_blocks": plan["adjusted_blocks"], "files": files}
     if "prequantized" in plan:
         manifest["prequantized"] = plan["prequantized"]

@@ -30,6 +30,9 @@ class ExportOptions:
     An already-quantized (MLX) checkpoint keeps its stored integers per module by default (see
     llmexport.mlx_sources): explicit rules, ``lm_quant`` and ``embed_bit`` override that for
     what they name, and ``requantize`` dequantizes everything and applies the scheme above.
+
+    ``trust_remote_code`` lets ``verify`` run a checkpoint's own modeling code where the family's
+    reference model is that code (K2-Horizon); without it such a verification is refused.
     """
 
     export: ExportFormat = ExportFormat.MNN
@@ -45,6 +48,10 @@ class ExportOptions:
     quiet: bool = False
     thread_num: int = 4
     requantize: bool = False
+    trust_remote_code: bool = False
+
+    #: fields that change how the export talks, never what it writes (left out of manifest.json)
+    PRESENTATION = ("quiet",)
 
     def validate(self) -> "ExportOptions":
         for flag, scheme in (("--quant_bit/--quant_block", self.quant), ("--lm_quant_bit", self.lm_quant)):
@@ -81,6 +88,12 @@ class ExportOptions:
         """Scheme of every linear of a multimodal tower ("visual", "audio")."""
         bits = {"visual": self.visual_quant_bit, "audio": self.audio_quant_bit}.get(tower, self.quant.bits)
         return QuantScheme(bits=bits, block=self.quant.block, sym=self.quant.sym, method=self.quant.method)
+
+    def manifest_fields(self) -> dict:
+        """The options that decide the exported bytes, as recorded in manifest.json."""
+        from dataclasses import asdict
+
+        return {k: v for k, v in asdict(self).items() if k not in self.PRESENTATION}
 
     def with_plan(self, plan: QuantPlan) -> "ExportOptions":
         """These options with a recipe's or quant_config's default, rules and table width."""

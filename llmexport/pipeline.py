@@ -15,7 +15,7 @@ from typing import Any, Iterator
 
 from llmexport.api import ExportResult
 from llmexport.checkpoint import Checkpoint
-from llmexport.errors import InputError, OutputError
+from llmexport.errors import InputError, OutputError, UsageError
 from llmexport.mnn import config as mnn_config
 from llmexport.models import architecture_for
 from llmexport.models.base import Architecture
@@ -23,6 +23,7 @@ from llmexport.options import ExportFormat, ExportOptions
 from llmexport.export_plan import export_plan, write_manifest
 from llmexport.mlx_sources import WeightSources
 from llmexport.progress import Progress
+from llmexport.quant.rtn import NonFiniteError
 
 log = logging.getLogger(__name__)
 TRACE_SEQ_LEN = 3
@@ -30,6 +31,7 @@ TRACE_SEQ_LEN = 3
 
 @contextmanager
 def _stage(timings: dict[str, float], name: str) -> Iterator[None]:
+    """Time a stage; an OSError inside a writing stage is the destination failing."""
     start = time.perf_counter()
     log.info("stage %s ...", name)
     try:
@@ -40,15 +42,26 @@ def _stage(timings: dict[str, float], name: str) -> Iterator[None]:
         timings[name] = round(time.perf_counter() - start, 3)
 
 
+def _load(path: Path, options: ExportOptions) -> tuple[Checkpoint, Architecture, bytes | None]:
+    """Open and check everything the export reads before any heavy work: config, weights'
+    headers, the architecture, the tokenizer (converted in memory), the verification's needs."""
+    checkpoint = Checkpoint.open(path)
+    arch = architecture_for(checkpoint)
+    tokenizer = _tokenizer_bytes(checkpoint) if options.export is ExportFormat.MNN else None
+    if options.verify and arch.reference_is_remote_code and not options.trust_remote_code:
+        raise UsageError(f"--verify: the {arch.describe()['family']} reference model is the checkpoint's own code "
+                         f"({', '.join(sorted(p.name for p in path.glob('*.py'))) or 'auto_map'}); pass "
+                         "--trust_remote_code to allow running it")
+    return checkpoint, arch, tokenizer
+
+
 def run_export(path: Path, out: Path, options: ExportOptions) -> ExportResult:
     timings: dict[str, float] = {}
-    with _stage(timings, "load"):
-        checkpoint = Checkpoint.open(path)
-        arch = architecture_for(checkpoint)
-        if options.export is ExportFormat.MNN:
-            checkpoint.tokenizer_file()  # fail before the heavy stages, not after them
-        graph = arch.build_graph()
-        sources = WeightSources(arch, options)
+    start = time.perf_counter()
+    _, arch, tokenizer = _load(path, options)  # reading only: input errors, never output errors
+    graph = arch.build_graph()
+    sources = WeightSources(arch, options)
+    timings["load"] = round(time.perf_counter() - start, 3)
     plan = export_plan(arch, options, sources)
     for adjusted in plan["adjusted_blocks"]:
         log.info("block %d does not divide %s (width %d): using %d", adjusted["requested"], adjusted["name"],
@@ -56,13 +69,14 @@ def run_export(path: Path, out: Path, options: ExportOptions) -> ExportResult:
     if options.export is ExportFormat.ONNX:
         _export_reference_onnx(arch, graph, out, timings)
     else:
-        _export_mnn(arch, graph, checkpoint, out, options, timings, sources)
+        _export_mnn(arch, graph, tokenizer, out, options, timings, sources)
     result = ExportResult(out, [], plan, timings)
     if options.verify and options.export is ExportFormat.MNN:
         from llmexport.verify import verify_export
 
         with _stage(timings, "verify"):
-            result.verification = verify_export(out, path, raise_on_failure=True)
+            result.verification = verify_export(out, path, raise_on_failure=True,
+                                                trust_remote_code=options.trust_remote_code)
     with _stage(timings, "manifest"):
         write_manifest(out, arch, options, plan)
     result.files = sorted(p.name for p in out.iterdir())
@@ -84,7 +98,7 @@ def _export_reference_onnx(arch: Architecture, graph, out: Path, timings: dict[s
         export_onnx(graph, arch.graph_inputs(TRACE_SEQ_LEN), out / "llm.onnx", for_mnn=False)
 
 
-def _export_mnn(arch: Architecture, graph, checkpoint: Checkpoint, out: Path, options: ExportOptions,
+def _export_mnn(arch: Architecture, graph, tokenizer: bytes, out: Path, options: ExportOptions,
                 timings: dict[str, float], sources: WeightSources) -> None:
     work = out / ".work"
     work.mkdir()
@@ -104,7 +118,7 @@ def _export_mnn(arch: Architecture, graph, checkpoint: Checkpoint, out: Path, op
         mnn_config.write_json(out / "config.json", mnn_config.runtime_config(
             family_runtime, options.thread_num, embedding_file))
     with _stage(timings, "tokenizer"):
-        _write_tokenizer(checkpoint, out)
+        (out / mnn_config.TOKENIZER_FILE).write_bytes(tokenizer)
     shutil.rmtree(work, ignore_errors=True)
 
 
@@ -189,14 +203,18 @@ def _table(fileobj, table, choice, what: str):
 
     try:
         return write_embedding_table(fileobj, choice.chunks(), choice.bits, choice.block, choice.quantizer)
+    except NonFiniteError as exc:
+        raise InputError(f"{what} table {table.name!r}: {exc}") from None
     except ValueError as exc:
         raise InputError(f"--embed_bit/--quant_block: {what} table of width {table.shape[-1]}: {exc}") from None
 
 
-def _write_tokenizer(checkpoint: Checkpoint, out: Path) -> None:
-    from llmexport.mnn.tokenizer import write_mnn_tokenizer
+def _tokenizer_bytes(checkpoint: Checkpoint) -> bytes:
+    """The runtime's tokenizer file, converted in memory (unsupported tokenizers fail here)."""
+    from llmexport.mnn.tokenizer import mnn_tokenizer_bytes
 
+    checkpoint.tokenizer_file()
     try:
-        write_mnn_tokenizer(checkpoint.path, out / mnn_config.TOKENIZER_FILE)
+        return mnn_tokenizer_bytes(checkpoint.path)
     except ValueError as exc:
         raise InputError(str(exc)) from None

@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from llmexport.checkpoint import Checkpoint
-from llmexport.errors import VerificationFailed
+from llmexport.errors import UsageError, VerificationFailed
 from llmexport.mlx_sources import compare_with_source
 from llmexport.mnn.readback import read_stored
 from llmexport.mnn.runtime import run_runtime
@@ -87,21 +87,30 @@ def _reference_greedy(model, arch, prompt: list[int], steps: int) -> list[int]:
 
 
 def verify_export(export_dir: Path, model_path: Path, steps: int = 24, prompt_ids: list[int] | None = None,
-                  raise_on_failure: bool = False) -> dict[str, Any]:
+                  raise_on_failure: bool = False, trust_remote_code: bool = False) -> dict[str, Any]:
+    """Verification report of ``export_dir`` against the checkpoint at ``model_path``.
+
+    ``trust_remote_code`` must be True for families whose reference model is the checkpoint's
+    own modeling code (``Architecture.reference_is_remote_code``); it is refused otherwise.
+    """
     from transformers import AutoTokenizer
 
     arch = architecture_for(Checkpoint.open(model_path))
+    if arch.reference_is_remote_code and not trust_remote_code:
+        raise UsageError(f"{model_path}: verifying a {arch.describe()['family']} export runs the checkpoint's "
+                         "own modeling code; allow it with --trust_remote_code (trust_remote_code=True)")
     # Tokenizers are plain tokenizer.json files: never run a checkpoint's remote code for them.
     tokenizer = AutoTokenizer.from_pretrained(model_path, trust_remote_code=False)
     window = int(arch.llm_config().get("sliding_window") or 0)
     prompt = prompt_ids or default_prompt(tokenizer, window + 8)
     stored = read_stored(export_dir, arch)
-    oracle = arch.load_reference(stored)
+    oracle = arch.load_reference(stored, trust_remote_code=trust_remote_code)
     greedy_ref = _reference_greedy(oracle, arch, prompt, steps)
     forced = prompt + greedy_ref[:-1]
     ref_logits = arch.reference_logits(oracle, torch.tensor(forced))[len(prompt) - 1:].numpy()
     del oracle
-    fp32_logits = arch.reference_logits(arch.load_reference(None), torch.tensor(forced))[len(prompt) - 1:].numpy()
+    fp32 = arch.load_reference(None, trust_remote_code=trust_remote_code)
+    fp32_logits = arch.reference_logits(fp32, torch.tensor(forced))[len(prompt) - 1:].numpy()
     texts = TOKENIZER_SAMPLES + [tokenizer.decode(prompt[1:])]
     run = run_runtime(export_dir, prompt, greedy_ref[:-1], steps, texts=texts)
     tok_cases = {t: (run.encoded[t], tokenizer(t, add_special_tokens=False)["input_ids"]) for t in texts}

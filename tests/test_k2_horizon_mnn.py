@@ -28,7 +28,7 @@ def _export_and_verify(checkpoint: Path, out: Path, options: ExportOptions, dens
                        steps: int = 24) -> dict:
     with mock.patch.object(K2Horizon, "dense_mova", dense_mova):
         export(checkpoint, out, options)
-    return verify_export(out, checkpoint, steps=steps)
+    return verify_export(out, checkpoint, steps=steps, trust_remote_code=True)
 
 
 def _subgraphs(out: Path, tmp: Path) -> set[str]:

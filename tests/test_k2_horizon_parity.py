@@ -37,7 +37,7 @@ def test_rewrite_matches_reference(tiny_k2_horizon, variant):
     ids = torch.randint(5, 500, (21,))
     _, ours = _rewrite_logits(arch, ids)
     _, dense = _rewrite_logits(arch, ids, dense_mova=True)
-    ref = arch.reference_logits(arch.load_reference(None), ids)
+    ref = arch.reference_logits(arch.load_reference(None, trust_remote_code=True), ids)
     assert ours.shape == ref.shape == (21, 512)
     assert ref.abs().max() > 1.0  # not degenerate
     assert (ours - ref).abs().max().item() < 1e-4
@@ -63,7 +63,7 @@ def test_random_variant_rewrite_matches_reference(tmp_path, seed):
                                        dtype=torch.float32 if seed % 2 else torch.bfloat16)
     arch = architecture_for(Checkpoint.open(path))
     sparse = [layer.index for layer in arch.args.layers if layer.sparse]
-    reference = arch.load_reference(None)
+    reference = arch.load_reference(None, trust_remote_code=True)
     assert sparse == [i for i in range(config["num_hidden_layers"]) if reference.config.is_sparse_layer(i)]
     torch.manual_seed(seed)
     ids = torch.randint(5, 500, (13,))

@@ -263,7 +263,7 @@ def test_mlx_checkpoint_exports_as_stored_and_verifies(mlx_checkpoints, tmp_path
     manifest = json.loads((result.dst / "manifest.json").read_text())
     assert manifest["prequantized"]["transcoded"] == len(transcoded)
 
-    report = verify_export(result.dst, mlx_path, steps=24)
+    report = verify_export(result.dst, mlx_path, steps=24, trust_remote_code=True)
     print(f"\n{case}: {summary_line(report)}; {pre['transcoded']} transcoded, requantized {sorted(requantized)}")
     assert all(step["top1_match"] for step in report["oracle"]["per_step"])
     assert report["oracle"]["max_abs_err"] < 0.2 and report["passed"]
