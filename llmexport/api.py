@@ -55,6 +55,6 @@ def plan(path: str | os.PathLike, options: ExportOptions | None = None) -> dict[
 def verify(dst: str | os.PathLike, path: str | os.PathLike, **kwargs: Any) -> dict[str, Any]:
     """Run an exported folder in MNN's runtime beside the HF checkpoint it came from
     (``trust_remote_code=True`` is needed for families whose reference is the checkpoint's own code)."""
-    from llmexport.verify import verify_export
+    from llmexport.verification import verify_export
 
     return verify_export(Path(dst), Path(path), **kwargs)

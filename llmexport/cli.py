@@ -165,6 +165,6 @@ def _report(result, quiet: bool) -> None:
     click.echo(f"exported {arch['family']} ({arch['layers']} layers) to {result.dst}")
     click.echo("stages (s): " + json.dumps(result.timings))
     if result.verification is not None:
-        from llmexport.verify import summary_line
+        from llmexport.verification import summary_line
 
         click.echo("verify: " + summary_line(result.verification))

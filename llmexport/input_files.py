@@ -22,6 +22,8 @@ KIB, MIB = 1 << 10, 1 << 20
 CONFIG_LIMIT = 16 * MIB
 INDEX_LIMIT = 64 * MIB
 TOKENIZER_LIMIT = 512 * MIB
+#: deepest nesting accepted in a JSON file (real configs and tokenizers stay under 10)
+MAX_DEPTH = 64
 
 
 def open_regular(path: Path, what: str = "file") -> int:
@@ -87,11 +89,23 @@ def _no_constant(name: str) -> Any:
     raise ValueError(f"{name} is not valid JSON")
 
 
+def _depth_exceeds(value: Any, limit: int) -> bool:
+    """True when ``value`` nests lists/objects deeper than ``limit`` (walked without recursion)."""
+    stack = [(value, 1)]
+    while stack:
+        node, depth = stack.pop()
+        if depth > limit:
+            return True
+        children = node.values() if isinstance(node, dict) else node
+        stack.extend((child, depth + 1) for child in children if isinstance(child, (dict, list)))
+    return False
+
+
 def parse_json(data: bytes | str, where: str) -> Any:
-    """Strict JSON: UTF-8, no NaN/Infinity, finite numbers, bounded nesting."""
+    """Strict JSON: UTF-8, no NaN/Infinity, finite numbers, at most ``MAX_DEPTH`` levels deep."""
     try:
         text = data.decode("utf-8") if isinstance(data, bytes) else data
-        return json.loads(text, parse_float=_finite_float, parse_constant=_no_constant)
+        value = json.loads(text, parse_float=_finite_float, parse_constant=_no_constant)
     except UnicodeDecodeError as exc:
         raise InputError(f"{where}: not UTF-8 text ({exc.reason} at byte {exc.start})") from None
     except json.JSONDecodeError as exc:
@@ -100,6 +114,9 @@ def parse_json(data: bytes | str, where: str) -> Any:
         raise InputError(f"{where}: JSON nested too deeply") from None
     except ValueError as exc:  # _finite_float, _no_constant, int digit limits
         raise InputError(f"{where}: malformed JSON ({exc})") from None
+    if isinstance(value, (dict, list)) and _depth_exceeds(value, MAX_DEPTH):
+        raise InputError(f"{where}: JSON nested deeper than {MAX_DEPTH} levels")
+    return value
 
 
 def read_json(path: Path, limit: int = CONFIG_LIMIT, what: str = "file", expect: type = dict) -> Any:

@@ -72,7 +72,7 @@ def run_export(path: Path, out: Path, options: ExportOptions) -> ExportResult:
         _export_mnn(arch, graph, tokenizer, out, options, timings, sources)
     result = ExportResult(out, [], plan, timings)
     if options.verify and options.export is ExportFormat.MNN:
-        from llmexport.verify import verify_export
+        from llmexport.verification import verify_export
 
         with _stage(timings, "verify"):
             result.verification = verify_export(out, path, raise_on_failure=True,
@@ -84,8 +84,9 @@ def run_export(path: Path, out: Path, options: ExportOptions) -> ExportResult:
 
 
 def dry_run(path: Path, options: ExportOptions) -> dict:
-    """The plan of an export, computed without writing anything."""
-    return export_plan(architecture_for(Checkpoint.open(path)), options)
+    """The plan of an export, computed without writing anything (after the same input checks)."""
+    _, arch, _ = _load(path, options)
+    return export_plan(arch, options)
 
 
 def _export_reference_onnx(arch: Architecture, graph, out: Path, timings: dict[str, float]) -> None:
@@ -103,12 +104,14 @@ def _export_mnn(arch: Architecture, graph, tokenizer: bytes, out: Path, options:
     work = out / ".work"
     work.mkdir()
     rebuilt = _export_graph("llm", graph, arch.graph_inputs(TRACE_SEQ_LEN), arch.linears(), sources.weight,
-                            sources.scheme, out, work, options, timings, _convert_expert_templates(arch, work))
+                            sources.scheme, out, work, options, timings, _convert_expert_templates(arch, work),
+                            source_of=arch.linear_source)
     files: dict[str, Any] = {}
     family_llm, family_runtime = dict(arch.llm_config()), dict(arch.runtime_config())
     for tower in arch.towers():
         _export_graph(tower.name, tower.build_graph(), tower.graph_inputs(), tower.linears(), tower.linear_weight,
-                      lambda spec, t=tower: options.tower_scheme(t.name), out, work, options, timings)
+                      lambda spec, t=tower: options.tower_scheme(t.name), out, work, options, timings,
+                      source_of=tower.linear_source)
         family_llm.update(tower.llm_config())
         family_runtime.update(tower.runtime_config())
     with _stage(timings, "embeddings"):
@@ -123,10 +126,11 @@ def _export_mnn(arch: Architecture, graph, tokenizer: bytes, out: Path, options:
 
 
 def _export_graph(stem: str, graph, inputs, linears, weight_fn, scheme_fn, out: Path, work: Path,
-                  options: ExportOptions, timings: dict[str, float], experts=()):
-    """One graph: trace -> ONNX -> MNN -> JSON -> rebuilt with streamed weights -> {stem}.mnn(.weight)."""
+                  options: ExportOptions, timings: dict[str, float], experts=(), source_of=None):
+    """One graph: trace -> ONNX -> MNN -> JSON -> rebuilt with streamed weights -> {stem}.mnn(.weight).
+    ``source_of`` names the checkpoint tensor behind a linear (LinearSource) in error messages."""
     from llmexport.mnn.convert import json_to_mnn, mnn_to_json, onnx_to_mnn
-    from llmexport.mnn.rebuild import rebuild_graph
+    from llmexport.mnn.rebuild import NonFiniteLinear, rebuild_graph
     from llmexport.mnn.external import rehome_external
     from llmexport.onnx_export import export_onnx
 
@@ -140,9 +144,13 @@ def _export_graph(stem: str, graph, inputs, linears, weight_fn, scheme_fn, out: 
     total = sum(spec.in_features * spec.out_features for spec in linears)
     with _stage(timings, f"{label}weights"), open(out / f"{stem}.mnn.weight", "wb") as weight_file, \
             Progress(f"{stem} weights", total, options.quiet, unit="param") as progress:
-        rebuilt = rebuild_graph(graph_json, linears, weight_fn, scheme_fn, weight_file,
-                                use_gpu=options.use_gpu, experts=experts,
-                                progress=progress.update)
+        try:
+            rebuilt = rebuild_graph(graph_json, linears, weight_fn, scheme_fn, weight_file,
+                                    use_gpu=options.use_gpu, experts=experts, progress=progress.update)
+        except NonFiniteLinear as exc:
+            source = source_of(exc.linear)
+            row = f" (expert {source.expert})" if source.expert is not None else ""
+            raise InputError(f"tensor {source.weight!r}{row}: {exc.reason}") from None
         # Constants the converter moved out of the graph (norms wider than 1024, tables, convolutions).
         rehome_external(rebuilt.graph, work / f"{stem}.mnn.weight", weight_file, skip=rebuilt.records)
     with _stage(timings, f"{label}rebuild"):

@@ -11,7 +11,7 @@ from llmexport import ExportOptions, export
 from llmexport.media.audio import hf_frame_count, runtime_frame_count
 from llmexport.quant.scheme import QuantScheme
 from llmexport.tiny.gemma4_towers import build_tiny_multimodal
-from llmexport.verify import verify_export
+from llmexport.verification import verify_export
 
 import PIL  # noqa: E402,F401  (pillow is a dependency)
 

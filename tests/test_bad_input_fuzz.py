@@ -4,6 +4,7 @@ one-line errors come out — never a traceback."""
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 import struct
@@ -67,3 +68,150 @@ def test_mutated_safetensors_header_gives_typed_errors(tiny_gemma4, tmp_path_fac
     body = body[: len(body) - truncate * 1000] if truncate else body
     file.write_bytes(struct.pack("<Q", len(raw)) + raw + body)
     _run(path)
+
+
+# --- generated instances of the hostile classes (tests/test_hostile_inputs.py has one of each) -----------
+from pathlib import Path  # noqa: E402
+
+from hostile import (assert_refused, copy_model, make_old_dst, nested_json, poison, snapshot,  # noqa: E402
+                     tensor_names, write_index)
+from helpers import rewrite_safetensors_header  # noqa: E402
+
+EXAMPLES = int(os.environ.get("FUZZ_EXAMPLES", 40))
+FUZZ = settings(max_examples=EXAMPLES, deadline=None, derandomize=not os.environ.get("FUZZ_EXAMPLES"),
+                suppress_health_check=[HealthCheck.function_scoped_fixture])
+SAME_SIZE_NON_FLOAT = {1: ["I8", "U8", "BOOL"], 2: ["I16"], 4: ["I32", "U32"], 8: ["I64", "F64"]}
+ITEMSIZE = {"F32": 4, "F16": 2, "BF16": 2, "F64": 8}
+ESCAPING_SHARDS = st.one_of(
+    st.builds(lambda n, name: "../" * n + name, st.integers(1, 4), st.sampled_from(["x.safetensors", "model.safetensors"])),
+    st.builds(lambda name: "/" + name, st.sampled_from(["etc/passwd", "dev/zero", "tmp/model.safetensors"])),
+    st.builds(lambda a, n: f"{a}/" + "../" * n + "model.safetensors", st.sampled_from(["sub", "a/b"]), st.integers(2, 4)),
+    st.sampled_from(["", "..", ".", "a\\..\\..\\model.safetensors", "model.bin", "model.safetensors\x00.txt"]),
+)
+
+
+def _refuses_plan(path, *needles) -> None:
+    """The input checks every export runs first (``plan`` = --dry-run) refuse the checkpoint."""
+    from llmexport import plan
+    from llmexport.errors import InputError
+
+    try:
+        plan(path)
+    except InputError as exc:
+        message = str(exc)
+        assert len(message.splitlines()) == 1 and "Traceback" not in message
+        for needle in needles:
+            assert needle in message, (needle, message)
+        return
+    raise AssertionError("the hostile checkpoint was accepted")
+
+
+def _header(model: Path) -> dict:
+    data = (model / "model.safetensors").read_bytes()
+    (n,) = struct.unpack("<Q", data[:8])
+    return json.loads(data[8:8 + n])
+
+
+@FUZZ
+@given(picks=st.lists(st.integers(0, 10_000), min_size=2, max_size=6, unique=True), shift=st.integers(0, 7))
+def test_generated_overlapping_offsets_are_refused(tiny_gemma4, tmp_path_factory, picks, shift):
+    model = copy_model(tiny_gemma4("31b", text_only=True), tmp_path_factory.mktemp("fuzz"))
+    names = tensor_names(model)
+    chosen = [names[i % len(names)] for i in picks]
+    target = _header(model)[chosen[0]]["data_offsets"]
+
+    def alias(header):
+        for name in dict.fromkeys(chosen[1:]):  # every chosen tensor starts inside the first one's bytes
+            if name == chosen[0]:
+                continue
+            size = header[name]["data_offsets"][1] - header[name]["data_offsets"][0]
+            begin = target[0] + min(shift * 2, max(0, target[1] - target[0] - 2))
+            header[name]["data_offsets"] = [begin, begin + size]
+
+    rewrite_safetensors_header(model / "model.safetensors", alias)
+    _refuses_plan(model, "model.safetensors")
+
+
+@FUZZ
+@given(pick=st.integers(0, 10_000), choice=st.integers(0, 2))
+def test_generated_non_float_dtypes_are_refused(tiny_gemma4, tmp_path_factory, pick, choice):
+    model = copy_model(tiny_gemma4("e2b", text_only=True), tmp_path_factory.mktemp("fuzz"))
+    names = tensor_names(model)
+    name = names[pick % len(names)]
+    stored = _header(model)[name]["dtype"]
+    options = SAME_SIZE_NON_FLOAT[ITEMSIZE[stored]]
+    dtype = options[choice % len(options)]
+    rewrite_safetensors_header(model / "model.safetensors", lambda h: h[name].__setitem__("dtype", dtype))
+    _refuses_plan(model, repr(name), dtype)
+
+
+@FUZZ
+@given(pick=st.integers(0, 10_000), shard=ESCAPING_SHARDS)
+def test_generated_escaping_index_shards_are_refused(tiny_gemma4, tmp_path_factory, pick, shard):
+    model = copy_model(tiny_gemma4("31b", text_only=True), tmp_path_factory.mktemp("fuzz"))
+    names = tensor_names(model)
+    (model.parent / "x.safetensors").write_bytes((model / "model.safetensors").read_bytes())
+    weight_map = {n: "model.safetensors" for n in names}
+    weight_map[names[pick % len(names)]] = shard
+    write_index(model, weight_map)
+    _refuses_plan(model, "model.safetensors.index.json")
+
+
+@FUZZ
+@given(pick=st.integers(0, 10_000), drop=st.booleans(), extra=st.text(min_size=1, max_size=12))
+def test_generated_index_header_disagreements_are_refused(tiny_gemma4, tmp_path_factory, pick, drop, extra):
+    model = copy_model(tiny_gemma4("31b", text_only=True), tmp_path_factory.mktemp("fuzz"))
+    names = tensor_names(model)
+    weight_map = {n: "model.safetensors" for n in names}
+    if drop:
+        del weight_map[names[pick % len(names)]]
+    else:
+        weight_map["extra." + extra] = "model.safetensors"
+    write_index(model, weight_map)
+    _refuses_plan(model)
+
+
+@FUZZ
+@given(depth=st.integers(1_500, 150_000), where=st.sampled_from(["config", "header", "tokenizer", "index"]))
+def test_generated_deep_nesting_is_refused(tiny_gemma4, tmp_path_factory, depth, where):
+    model = copy_model(tiny_gemma4("31b", text_only=True), tmp_path_factory.mktemp("fuzz"))
+    deep = nested_json(depth)
+    if where == "config":
+        config = (model / "config.json").read_text().rstrip().rstrip("}")
+        (model / "config.json").write_text(config + ', "deep": ' + deep + "}")
+    elif where == "tokenizer":
+        (model / "tokenizer_config.json").write_text('{"deep": ' + deep + "}")
+    elif where == "index":
+        (model / "model.safetensors.index.json").write_text('{"weight_map": ' + deep + "}")
+    else:
+        raw = ('{"deep": ' + deep + "}").encode()
+        body = (model / "model.safetensors").read_bytes()
+        (n,) = struct.unpack("<Q", body[:8])
+        (model / "model.safetensors").write_bytes(struct.pack("<Q", len(raw)) + raw + body[8 + n:])
+    _refuses_plan(model)
+
+
+NAN_EXAMPLES = max(4, EXAMPLES // 5)
+
+
+@settings(max_examples=NAN_EXAMPLES, deadline=None, derandomize=not os.environ.get("FUZZ_EXAMPLES"),
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(shape=st.sampled_from(["e2b", "31b", "26b-a4b"]), pick=st.integers(0, 10_000), row=st.integers(0, 40),
+       value=st.sampled_from([math.nan, math.inf, -math.inf]), bits=st.sampled_from(["4", "8", "16"]),
+       embed_bits=st.sampled_from(["4", "8", "16"]))
+def test_generated_non_finite_values_anywhere_are_refused_by_name(tiny_gemma4, tmp_path_factory, shape, pick, row,
+                                                                  value, bits, embed_bits):
+    from click.testing import CliRunner
+
+    from llmexport.cli import main
+
+    work = tmp_path_factory.mktemp("fuzz")
+    model = copy_model(tiny_gemma4(shape, text_only=True), work)
+    dst = make_old_dst(work)
+    names = tensor_names(model)
+    name = names[pick % len(names)]
+    poison(model, name, value, row=row)
+    before = snapshot(work)
+    result = CliRunner().invoke(main, ["--path", str(model), "--dst_path", str(dst), "--quant_bit", bits,
+                                       "--embed_bit", embed_bits])
+    assert_refused(result.exit_code, result.output, work, before, [repr(name)], codes=(3,))

@@ -10,7 +10,7 @@ import pytest
 from conftest import GEMMA4_SHAPES
 from llmexport import ExportOptions, export
 from llmexport.quant.scheme import QuantScheme
-from llmexport.verify import summary_line, verify_export
+from llmexport.verification import summary_line, verify_export
 
 RUNTIME_FILES = {"config.json", "llm_config.json", "llm.mnn", "llm.mnn.weight", "tokenizer.mtok"}
 

@@ -10,7 +10,7 @@ import pytest
 from llmexport import ExportOptions, export
 from llmexport.mnn.embeddings import read_embedding_table
 from llmexport.quant.scheme import QuantMethod, QuantScheme
-from llmexport.verify import summary_line, verify_export
+from llmexport.verification import summary_line, verify_export
 
 VARIANTS = {
     "q8": dict(quant=QuantScheme(8, 64)),

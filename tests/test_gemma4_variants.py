@@ -34,7 +34,7 @@ def test_random_variant_rewrite_matches_hf(tmp_path, seed):
 def test_random_variant_runs_in_mnn(tmp_path, seed):
     from llmexport import ExportOptions, export
     from llmexport.quant.scheme import QuantScheme
-    from llmexport.verify import verify_export
+    from llmexport.verification import verify_export
 
     path = build_gemma4_checkpoint(tmp_path / "model", random_text_config(seed), seed=seed)
     export(path, tmp_path / "out", ExportOptions(quant=QuantScheme(16)))

@@ -19,7 +19,7 @@ from llmexport.models.k2_horizon import K2Horizon
 from llmexport.quant.recipes import recipe
 from llmexport.quant.scheme import QuantScheme
 from llmexport.tiny.k2_horizon import build_k2_horizon_checkpoint, random_config
-from llmexport.verify import summary_line, verify_export
+from llmexport.verification import summary_line, verify_export
 
 VARIANTS = ("dense", "sparse", "sparse-qknorm")
 

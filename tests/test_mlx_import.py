@@ -33,7 +33,7 @@ from llmexport.mnn.weight_reader import read_levels, read_linear  # noqa: E402
 from llmexport.mnn.weights import WeightFileWriter  # noqa: E402
 from llmexport.quant.recipes import QuantRule  # noqa: E402
 from llmexport.quant.scheme import QuantMethod, QuantScheme  # noqa: E402
-from llmexport.verify import summary_line, verify_export  # noqa: E402
+from llmexport.verification import summary_line, verify_export  # noqa: E402
 
 
 def _np(array) -> np.ndarray:

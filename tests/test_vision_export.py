@@ -13,7 +13,7 @@ from llmexport.mnn.readback import read_stored
 from llmexport.models import architecture_for
 from llmexport.quant.scheme import QuantScheme
 from llmexport.tiny.gemma4_towers import build_tiny_multimodal
-from llmexport.verify import verify_export
+from llmexport.verification import verify_export
 
 import PIL  # noqa: E402,F401  (pillow is a dependency)
 # name -> (text bits, visual bits)

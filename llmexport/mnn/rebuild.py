@@ -17,7 +17,7 @@ from typing import Any, BinaryIO, Callable, Iterable
 
 import torch
 
-from llmexport.errors import ConversionError, InputError
+from llmexport.errors import ConversionError
 from llmexport.mnn.weights import LinearRecord, WeightFileWriter
 from llmexport.models.base import ExpertTemplate, LinearSpec
 from llmexport.ops import expert_subgraph_name
@@ -28,6 +28,14 @@ log = logging.getLogger(__name__)
 
 WeightFn = Callable[[str], tuple[torch.Tensor, torch.Tensor | None]]
 SchemeFn = Callable[[LinearSpec], QuantScheme]
+
+
+class NonFiniteLinear(NonFiniteError):
+    """A linear's checkpoint values cannot be written (NaN/Inf, beyond the format's range)."""
+
+    def __init__(self, linear: str, reason: str):
+        super().__init__(f"linear {linear!r}: {reason}")
+        self.linear, self.reason = linear, reason
 
 
 @dataclass
@@ -159,7 +167,7 @@ class _Rebuilder:
         try:
             self.records[name] = self.writer.write_linear(weight, bias, scheme, self.quantizers.get(scheme.method))
         except NonFiniteError as exc:
-            raise InputError(f"checkpoint tensor of linear {name!r}: {exc}") from None
+            raise NonFiniteLinear(name, str(exc)) from None
         if self.progress:
             self.progress(weight.numel())
         return self.records[name]

@@ -213,7 +213,7 @@ def _token_text(value) -> str:
 def _generation_eos_ids(folder: Path) -> list[int]:
     path = folder / "generation_config.json"
     eos = (read_optional_json(path, what="generation config") or {}).get("eos_token_id")
-    ids = [eos] if isinstance(eos, int) else eos if isinstance(eos, list) else []
+    ids = [] if eos is None else [eos] if not isinstance(eos, list) else eos
     if not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids):
         raise ValueError(f"{path}: 'eos_token_id' must be a token id or a list of them, got {eos!r}")
     return ids

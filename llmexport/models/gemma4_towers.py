@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from llmexport.checkpoint import SafetensorsIndex
-from llmexport.models.base import LinearRole, LinearSpec, StoredWeights
+from llmexport.models.base import LinearRole, LinearSource, LinearSpec, StoredWeights
 from llmexport.models.tensor_checks import check_finite
 from llmexport.ops import PlaceholderLinear
 
@@ -78,6 +78,10 @@ class TowerLinears:
 
     def linears(self) -> list[LinearSpec]:
         return [linear.spec for linear in self._linears]
+
+    def linear_source(self, name: str) -> LinearSource:
+        linear = next(linear for linear in self._linears if linear.spec.name == name)
+        return LinearSource(linear.weight, None, linear.bias)
 
     def linear_weight(self, name: str) -> tuple[torch.Tensor, torch.Tensor | None]:
         linear = next(linear for linear in self._linears if linear.spec.name == name)
@@ -238,7 +242,7 @@ def compare_prompt(run, prompt_ids: list[int], greedy_ref: list[int], ref_logits
     Failures follow the text verification's rule: a teacher-forced top-1 disagreement counts
     unless the oracle's own top-2 margin is below the error measured at that step (a near-tie).
     """
-    from llmexport.verify import step_stats, summarize
+    from llmexport.verification import step_stats, summarize
 
     report: dict[str, Any] = {"prompt_tokens": len(prompt_ids), "ids_match": run.ids == prompt_ids,
                               "greedy_ref": greedy_ref, "greedy_mnn": run.greedy_ids,
