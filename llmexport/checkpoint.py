@@ -307,14 +307,12 @@ class Checkpoint:
             raise InputError(f"{self.path}: no tokenizer.json (a HF fast tokenizer is required)")
         return path
 
-    def tokenizer_files(self) -> dict[str, Any]:
-        """The tokenizer's JSON files, read and checked: ``tokenizer.json`` (required),
-        ``tokenizer_config.json``, ``generation_config.json`` and ``special_tokens_map.json``
-        (None where absent)."""
-        files: dict[str, Any] = {"tokenizer.json": read_json(self.tokenizer_file(), TOKENIZER_LIMIT, "tokenizer file")}
-        for name in ("tokenizer_config.json", "generation_config.json", "special_tokens_map.json"):
-            files[name] = read_optional_json(self.path / name, TOKENIZER_LIMIT, "tokenizer file")
-        return files
+    def check_tokenizer_side_files(self) -> None:
+        """The small JSON files HF's tokenizer loader reads beside ``tokenizer.json`` must parse
+        (an error names the file) before any heavy stage runs."""
+        for name in ("tokenizer_config.json", "generation_config.json", "special_tokens_map.json",
+                     "added_tokens.json"):
+            read_optional_json(self.path / name, TOKENIZER_LIMIT, "tokenizer file")
 
 
 def read_config(folder: Path) -> dict[str, Any]:

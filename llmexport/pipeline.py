@@ -103,11 +103,11 @@ def _export_mnn(arch: Architecture, graph, tokenizer: bytes, out: Path, options:
                 timings: dict[str, float], sources: WeightSources) -> None:
     work = out / ".work"
     work.mkdir()
+    family_llm, family_runtime = dict(arch.llm_config()), dict(arch.runtime_config())  # reads files: fail early
     rebuilt = _export_graph("llm", graph, arch.graph_inputs(TRACE_SEQ_LEN), arch.linears(), sources.weight,
                             sources.scheme, out, work, options, timings, _convert_expert_templates(arch, work),
                             source_of=arch.linear_source)
     files: dict[str, Any] = {}
-    family_llm, family_runtime = dict(arch.llm_config()), dict(arch.runtime_config())
     for tower in arch.towers():
         _export_graph(tower.name, tower.build_graph(), tower.graph_inputs(), tower.linears(), tower.linear_weight,
                       lambda spec, t=tower: options.tower_scheme(t.name), out, work, options, timings,
@@ -222,6 +222,7 @@ def _tokenizer_bytes(checkpoint: Checkpoint) -> bytes:
     from llmexport.mnn.tokenizer import mnn_tokenizer_bytes
 
     checkpoint.tokenizer_file()
+    checkpoint.check_tokenizer_side_files()
     try:
         return mnn_tokenizer_bytes(checkpoint.path)
     except ValueError as exc:

@@ -47,3 +47,14 @@ def tiny_k2_horizon(tmp_path_factory):
         return cache[variant, seed]
 
     return build
+
+
+@pytest.fixture(scope="session")
+def wide_model(tmp_path_factory):
+    """A text-only model whose weight write takes long enough to be interrupted by a signal."""
+    from llmexport.tiny.gemma4 import SHAPES, build_gemma4_checkpoint, text_config_dict
+
+    config = text_config_dict(SHAPES["31b"])
+    config.update(hidden_size=512, intermediate_size=2048, vocab_size=4096, head_dim=64, global_head_dim=64,
+                  num_attention_heads=8, num_key_value_heads=2)
+    return build_gemma4_checkpoint(tmp_path_factory.mktemp("wide"), config)

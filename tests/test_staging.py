@@ -42,17 +42,6 @@ def _wait_for_weights(proc: subprocess.Popen, dst: Path, timeout: float = 180) -
     return False
 
 
-@pytest.fixture(scope="module")
-def wide_model(tmp_path_factory):
-    """A model whose weight write takes long enough to be interrupted."""
-    from llmexport.tiny.gemma4 import SHAPES, build_gemma4_checkpoint, text_config_dict
-
-    config = text_config_dict(SHAPES["31b"])
-    config.update(hidden_size=512, intermediate_size=2048, vocab_size=4096, head_dim=64, global_head_dim=64,
-                  num_attention_heads=8, num_key_value_heads=2)
-    return build_gemma4_checkpoint(tmp_path_factory.mktemp("wide"), config)
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT, signal.SIGHUP])
 def test_termination_signals_clean_up_and_leave_dst_unchanged(wide_model, tmp_path, signum):

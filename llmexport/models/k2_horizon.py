@@ -17,7 +17,6 @@ import torch
 from torch import nn
 
 from llmexport.checkpoint import Checkpoint, LazyTensor
-from llmexport.errors import InputError
 from llmexport.models import register
 from llmexport.models.base import (Architecture, ExpertTemplate, GraphInputs, LinearRole, LinearSource, LinearSpec,
                                    StoredWeights)
