@@ -215,3 +215,48 @@ def test_generated_non_finite_values_anywhere_are_refused_by_name(tiny_gemma4, t
     result = CliRunner().invoke(main, ["--path", str(model), "--dst_path", str(dst), "--quant_bit", bits,
                                        "--embed_bit", embed_bits])
     assert_refused(result.exit_code, result.output, work, before, [repr(name)], codes=(3,))
+
+
+@FUZZ
+@given(relation=st.sampled_from(["same", "ancestor", "descendant"]), depth=st.integers(1, 3),
+       spelling=st.sampled_from(["absolute", "dotted", "trailing_slash", "symlink"]))
+def test_generated_overlapping_destinations_are_refused(tiny_gemma4, tmp_path_factory, relation, depth, spelling):
+    from click.testing import CliRunner
+
+    from llmexport.cli import main
+
+    work = tmp_path_factory.mktemp("fuzz")
+    model = copy_model(tiny_gemma4("31b", text_only=True), work / "a" / "b" / "c")
+    if relation == "same":
+        dst = model
+    elif relation == "ancestor":
+        dst = model.parents[depth - 1]
+    else:
+        dst = model.joinpath(*["sub"] * depth)
+    if spelling == "dotted":
+        dst = Path(str(dst.parent / "." / ".." / dst.parent.name / dst.name))
+    elif spelling == "symlink":
+        (work / "link").symlink_to(dst, target_is_directory=True)
+        dst = work / "link"
+    text = str(dst) + ("/" if spelling == "trailing_slash" else "")
+    before = snapshot(work)
+    result = CliRunner().invoke(main, ["--path", str(model), "--dst_path", text])
+    assert_refused(result.exit_code, result.output, work, before, ["overlaps --path"], codes=(2,))
+
+
+@FUZZ
+@given(shape=st.sampled_from(["e2b", "26b-a4b"]),
+       key=st.sampled_from(["num_hidden_layers", "num_experts", "num_kv_shared_layers", "vocab_size", "hidden_size",
+                            "top_k_experts", "hidden_size_per_layer_input", "head_dim", "num_attention_heads"]),
+       value=st.one_of(st.integers(10 ** 6, 10 ** 12), st.integers(-10 ** 12, -1), st.just(10 ** 30)))
+def test_generated_huge_counts_fail_fast_with_typed_errors(tiny_gemma4, tmp_path_factory, shape, key, value):
+    model = copy_model(tiny_gemma4(shape, text_only=True), tmp_path_factory.mktemp("fuzz"))
+    config = json.loads((model / "config.json").read_text())
+    config[key] = value
+    (model / "config.json").write_text(json.dumps(config))
+    if shape == "e2b" and key in ("num_experts", "top_k_experts") and value > 0:
+        from llmexport import plan
+
+        plan(model)  # a MoE size without a MoE block is ignored, as transformers ignores it
+        return
+    _refuses_plan(model)  # named: config.json's key, or the tensor whose shape disagrees with it
