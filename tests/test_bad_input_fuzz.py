@@ -254,7 +254,7 @@ def test_generated_huge_counts_fail_fast_with_typed_errors(tiny_gemma4, tmp_path
     config = json.loads((model / "config.json").read_text())
     config[key] = value
     (model / "config.json").write_text(json.dumps(config))
-    if shape == "e2b" and key in ("num_experts", "top_k_experts") and value > 0:
+    if shape == "e2b" and key in ("num_experts", "top_k_experts"):
         from llmexport import plan
 
         plan(model)  # a MoE size without a MoE block is ignored, as transformers ignores it
