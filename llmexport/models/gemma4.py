@@ -37,6 +37,8 @@ MINJA_CHAT_TEMPLATE = (
     "{% endfor %}"
     "{% if add_generation_prompt %}<|turn>model\n{% endif %}"
 )
+# Gemma4's turn end, and Gemma 1-3's, which some tokenizers keep.
+END_OF_TURN_TOKENS = ("<turn|>", "<end_of_turn>")
 _EXPERT = re.compile(r"^(?P<p>.*layers\.\d+\.experts\.)(?P<e>\d+)\.(?P<w>gate_up_proj|down_proj)$")
 
 
@@ -262,6 +264,9 @@ class Gemma4(Architecture):
     def runtime_config(self) -> dict[str, Any]:
         # Gemma4 degenerates into repetition with fp16 activations.
         return {"precision": "normal"}
+
+    def end_of_turn_tokens(self) -> tuple[str, ...]:
+        return END_OF_TURN_TOKENS
 
     # --- reference --------------------------------------------------------------------------
     def load_reference(self, stored: StoredWeights | None, trust_remote_code: bool = False) -> nn.Module:

@@ -151,7 +151,8 @@ def build_k2_horizon_checkpoint(out_dir: Path | str, config_kwargs: dict[str, An
     build_tiny_gemma_tokenizer(out, vocab_size=config["vocab_size"])
     (out / "chat_template.jinja").write_text(PLAIN_CHAT_TEMPLATE, encoding="utf-8")
     (out / "generation_config.json").write_text(json.dumps(dict(
-        bos_token_id=SPECIAL_TOKENS["bos"][1], eos_token_id=SPECIAL_TOKENS["eos"][1],
+        bos_token_id=SPECIAL_TOKENS["bos"][1],
+        eos_token_id=[SPECIAL_TOKENS["eos"][1], SPECIAL_TOKENS["end_of_turn"][1]],
         pad_token_id=SPECIAL_TOKENS["pad"][1], do_sample=False), indent=2))
     return out
 
