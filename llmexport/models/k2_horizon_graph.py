@@ -14,20 +14,15 @@ main graph instead (the benchmark's baseline; same weights, same results).
 
 from __future__ import annotations
 
-from typing import Callable
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from llmexport.models.graph_parts import TensorLookup
+from llmexport.models.graph_parts import const as _const
 from llmexport.models.k2_horizon_args import K2HorizonArgs, LayerSpec, RouterSpec
+from llmexport.models.rope import RopeSpec, rope_cos_sin, rotate
 from llmexport.ops import FusedAttention, FusedMoE, GatedMlp, PlaceholderLinear, dense_mixture, rms_norm
-
-TensorLookup = Callable[[str], torch.Tensor]
-
-
-def _const(lookup: TensorLookup, name: str) -> nn.Parameter:
-    return nn.Parameter(lookup(name).detach().float().clone(), requires_grad=False)
 
 
 def mova_layer_id(args: K2HorizonArgs, index: int) -> int:
@@ -155,12 +150,7 @@ class Attention(nn.Module):
         v = self.values(x).view(1, -1, a.kv_heads, a.head_dim)
         if a.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        return self.o_proj(self.attn(_rotate(q, cos, sin), _rotate(k, cos, sin), v, mask))
-
-
-def _rotate(x, cos, sin):
-    half = x.shape[-1] // 2
-    return x * cos + torch.cat([-x[..., half:], x[..., :half]], dim=-1) * sin
+        return self.o_proj(self.attn(rotate(q, cos, sin), rotate(k, cos, sin), v, mask))
 
 
 class SparseMoe(nn.Module):
@@ -212,15 +202,12 @@ class K2HorizonGraph(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(args, layer, lookup, dense_mova) for layer in args.layers)
         self.norm = GroupedNorm(_const(lookup, "model.norm.weight"), args.norm_groups, args.eps)
         self.lm_head = PlaceholderLinear("lm_head", args.hidden_size, args.vocab_size)
-        d = args.head_dim
-        inv_freq = 1.0 / (args.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
-        self.register_buffer("inv_freq", inv_freq, persistent=False)
+        rope = RopeSpec(args.rope_theta, args.head_dim, args.head_dim // 2)
+        self.register_buffer("inv_freq", rope.inv_freq(), persistent=False)
 
     def forward(self, input_ids, attention_mask, position_ids, logits_index):
         x = input_ids.view(1, -1, self.args.hidden_size)
-        freqs = position_ids.float().view(1, -1, 1) * self.inv_freq.view(1, 1, -1)
-        emb = torch.cat([freqs, freqs], dim=-1).unsqueeze(2)  # [1, seq, 1, head_dim]
-        cos, sin = emb.cos(), emb.sin()
+        cos, sin = rope_cos_sin(position_ids, self.inv_freq)  # [1, seq, 1, head_dim]
         for layer in self.layers:
             x = layer(x, cos, sin, attention_mask)
         x = x[:, logits_index.to(torch.int64):, :]
