@@ -17,10 +17,46 @@ from torch import nn
 
 from llmexport.checkpoint import LazyTensor
 from llmexport.input_files import TOKENIZER_LIMIT, read_bytes, read_optional_json
-from llmexport.models.base import Architecture, GraphInputs, LinearSource, StoredWeights
+from llmexport.models.base import Architecture, GraphInputs, LinearRole, LinearSource, LinearSpec, StoredWeights
 from llmexport.models.tensor_checks import check_tensors
 
 Shapes = dict[str, "tuple[int, ...] | None"]
+
+
+class AttentionShape:
+    """Derived sizes of a decoder's arguments (``layers``, ``kv_heads``, ``head_dim`` fields)."""
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layers)
+
+    @property
+    def kv_width(self) -> int:
+        return self.kv_heads * self.head_dim
+
+
+def attention_specs(prefix: str, hidden: int, q_width: int, kv_width: int, bias: bool,
+                    values: list[LinearSpec] | None = None) -> list[LinearSpec]:
+    """``{prefix}{q,k}_proj``, the value projection(s) (default ``v_proj``), ``o_proj``."""
+    values = values if values is not None else [LinearSpec(prefix + "v_proj", hidden, kv_width, LinearRole.ATTENTION,
+                                                           bias)]
+    return [LinearSpec(prefix + "q_proj", hidden, q_width, LinearRole.ATTENTION, bias),
+            LinearSpec(prefix + "k_proj", hidden, kv_width, LinearRole.ATTENTION, bias), *values,
+            LinearSpec(prefix + "o_proj", q_width, hidden, LinearRole.ATTENTION, bias)]
+
+
+def mlp_specs(prefix: str, hidden: int, width: int, role: LinearRole) -> list[LinearSpec]:
+    """A gated MLP's ``{prefix}{gate,up,down}_proj``."""
+    return [LinearSpec(prefix + "gate_proj", hidden, width, role), LinearSpec(prefix + "up_proj", hidden, width, role),
+            LinearSpec(prefix + "down_proj", width, hidden, role)]
+
+
+def routed_specs(prefix: str, hidden: int, num_experts: int, width: int) -> list[LinearSpec]:
+    """A router ``{prefix}gate`` and its experts ``{prefix}experts.E.{gate,up,down}_proj``."""
+    specs = [LinearSpec(prefix + "gate", hidden, num_experts, LinearRole.ROUTER)]
+    for e in range(num_experts):
+        specs += mlp_specs(prefix + f"experts.{e}.", hidden, width, LinearRole.EXPERT)
+    return specs
 
 
 class DecoderFamily(Architecture):
@@ -104,6 +140,19 @@ class DecoderFamily(Architecture):
                            ["logits", "hidden_states"])
 
     # --- runtime files ------------------------------------------------------------------------
+    def full_attention_config(self, model_type: str) -> dict[str, Any]:
+        """llm_config.json of a full-attention decoder with the checkpoint's own chat template.
+        ``attn_scale`` is left to the runtime default 1/sqrt(head_dim), which is the family's
+        (the graph's Attention ops carry the same scale)."""
+        a = self.args
+        config: dict[str, Any] = {"model_type": model_type, "hidden_size": a.hidden_size,
+                                  "layer_nums": a.num_layers, "attention_type": "full",
+                                  "max_position_embeddings": a.max_position_embeddings}
+        jinja = self.checkpoint_chat_template()
+        if jinja:
+            config["jinja"] = jinja
+        return config
+
     def checkpoint_chat_template(self) -> dict[str, str] | None:
         """The checkpoint's own chat template (``chat_template.jinja`` over tokenizer_config.json's)
         with its bos and eos strings, passed through unchanged."""

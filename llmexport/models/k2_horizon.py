@@ -17,7 +17,7 @@ from torch import nn
 from llmexport.checkpoint import Checkpoint
 from llmexport.models import register
 from llmexport.models.base import ExpertTemplate, LinearRole, LinearSpec
-from llmexport.models.decoder import DecoderFamily
+from llmexport.models.decoder import DecoderFamily, attention_specs, mlp_specs, routed_specs
 from llmexport.models.k2_horizon_args import K2HorizonArgs, parse_args
 from llmexport.models.k2_horizon_graph import K2HorizonGraph, Mlp, ValueExpert, mova_layer_id
 from llmexport.models.tensor_checks import count_limit, finite_lookup
@@ -49,24 +49,19 @@ class K2Horizon(DecoderFamily):
         specs: list[LinearSpec] = []
         for layer in a.layers:
             p = f"model.layers.{layer.index}."
-            specs += [LinearSpec(p + "self_attn.q_proj", h, q_width, LinearRole.ATTENTION, bias),
-                      LinearSpec(p + "self_attn.k_proj", h, a.kv_width, LinearRole.ATTENTION, bias)]
+            values = None
             if layer.mova:
-                specs.append(LinearSpec(p + "self_attn.v_router", h, a.mova.num_experts, LinearRole.ROUTER))
                 # value experts are attention projections: attention-role bits, not MLP bits
-                specs += [LinearSpec(p + f"self_attn.v_experts.{e}", h, a.kv_width, LinearRole.ATTENTION)
-                          for e in range(a.mova.num_experts)]
-            else:
-                specs.append(LinearSpec(p + "self_attn.v_proj", h, a.kv_width, LinearRole.ATTENTION, bias))
-            specs.append(LinearSpec(p + "self_attn.o_proj", q_width, h, LinearRole.ATTENTION, bias))
+                values = [LinearSpec(p + "self_attn.v_router", h, a.mova.num_experts, LinearRole.ROUTER)]
+                values += [LinearSpec(p + f"self_attn.v_experts.{e}", h, a.kv_width, LinearRole.ATTENTION)
+                           for e in range(a.mova.num_experts)]
+            specs += attention_specs(p + "self_attn.", h, q_width, a.kv_width, bias, values)
             if layer.sparse:
-                specs.append(LinearSpec(p + "mlp.gate", h, a.moe.num_experts, LinearRole.ROUTER))
-                for e in range(a.moe.num_experts):
-                    specs += _mlp_specs(p + f"mlp.experts.{e}.", h, a.moe_width, LinearRole.EXPERT)
+                specs += routed_specs(p + "mlp.", h, a.moe.num_experts, a.moe_width)
                 if a.shared_width:
-                    specs += _mlp_specs(p + "mlp.shared_experts.", h, a.shared_width, LinearRole.MLP)
+                    specs += mlp_specs(p + "mlp.shared_experts.", h, a.shared_width, LinearRole.MLP)
             else:
-                specs += _mlp_specs(p + "mlp.", h, a.intermediate_size, LinearRole.MLP)
+                specs += mlp_specs(p + "mlp.", h, a.intermediate_size, LinearRole.MLP)
         specs.append(LinearSpec("lm_head", h, a.vocab_size, LinearRole.LM_HEAD))
         return specs
 
@@ -126,16 +121,7 @@ class K2Horizon(DecoderFamily):
 
     # --- runtime files ----------------------------------------------------------------------
     def llm_config(self) -> dict[str, Any]:
-        a = self.args
-        # attn_scale is left to the runtime default, 1/sqrt(head_dim), which is the family's;
-        # the graph's Attention ops carry the same scale.
-        config: dict[str, Any] = {"model_type": "k2_horizon", "hidden_size": a.hidden_size,
-                                  "layer_nums": a.num_layers, "attention_type": "full",
-                                  "max_position_embeddings": a.max_position_embeddings}
-        jinja = self.checkpoint_chat_template()
-        if jinja:
-            config["jinja"] = jinja
-        return config
+        return self.full_attention_config("k2_horizon")
 
     def runtime_config(self) -> dict[str, Any]:
         # fp32 activations: routers pick experts by score differences that fp16 can flip
@@ -159,7 +145,3 @@ class K2Horizon(DecoderFamily):
             MlxRule(r"^(model\.layers\.\d+\.self_attn\.v_experts)\.weight$", r"\1.{e}.weight", True),
         ))
 
-
-def _mlp_specs(prefix: str, hidden: int, width: int, role: LinearRole) -> list[LinearSpec]:
-    return [LinearSpec(prefix + "gate_proj", hidden, width, role), LinearSpec(prefix + "up_proj", hidden, width, role),
-            LinearSpec(prefix + "down_proj", width, hidden, role)]

@@ -10,7 +10,7 @@ tokens). Real K2-Horizon checkpoints think inside ``<ifm|think> ... </ifm|think>
 template takes ``reasoning_effort``; the tiny checkpoints use a plain turn template instead
 (``PLAIN_CHAT_TEMPLATE``), which is all verification needs (a chat-templated prompt).
 
-Weights: matrices N(0, WEIGHT_STD); one-dimensional weights (norm gammas) are randomised away from 1
+Weights (llmexport.tiny.weights): matrices N(0, 0.15); one-dimensional weights (norm gammas) are randomised away from 1
 so a forgotten gamma shows; router ``e_score_correction_bias`` values are random and large
 enough that the biased choice differs from the unbiased one for many tokens.
 """
@@ -26,11 +26,9 @@ from typing import Any
 import torch
 
 from llmexport.tiny.tokenizer import SPECIAL_TOKENS, build_tiny_gemma_tokenizer
+from llmexport.tiny.weights import randomize
 
 TINY_VOCAB = 512
-# Matrices N(0, 0.15): large enough that greedy decoding of the tiny models does not settle on
-# one repeated token (0.05 does), so decode steps feed the KV cache different tokens.
-WEIGHT_STD = 0.15
 ROUTER_BIAS_RANGE = 0.25  # uniform in [-r, r]; the tiny routers' sigmoid scores spread about 0.2
 
 PLAIN_CHAT_TEMPLATE = (
@@ -105,22 +103,6 @@ def random_config(seed: int) -> dict[str, Any]:
     return config
 
 
-def _randomize(model: torch.nn.Module, generator: torch.Generator) -> None:
-    with torch.no_grad():
-        for name, tensor in list(model.named_parameters()) + list(model.named_buffers()):
-            if not tensor.is_floating_point() or name.endswith("inv_freq"):
-                continue
-            if tensor.dim() >= 2:
-                value = torch.randn(tensor.shape, generator=generator) * WEIGHT_STD
-            elif name.endswith("e_score_correction_bias"):
-                value = (torch.rand(tensor.shape, generator=generator) * 2 - 1) * ROUTER_BIAS_RANGE
-            elif name.endswith(".bias"):  # attention_bias
-                value = torch.randn(tensor.shape, generator=generator) * 0.05
-            else:  # norm gammas
-                value = torch.rand(tensor.shape, generator=generator) * 0.8 + 0.6
-            tensor.copy_(value.to(tensor.dtype))
-
-
 def build_k2_horizon_checkpoint(out_dir: Path | str, config_kwargs: dict[str, Any], *, seed: int = 0,
                                 dtype: torch.dtype = torch.bfloat16) -> Path:
     """Write a random-weight K2-Horizon checkpoint (remote code, weights, tokenizer) to ``out_dir``.
@@ -135,7 +117,7 @@ def build_k2_horizon_checkpoint(out_dir: Path | str, config_kwargs: dict[str, An
     out.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(seed)
     model = K2HorizonForCausalLM(K2HorizonConfig(**config_kwargs)).eval()
-    _randomize(model, torch.Generator().manual_seed(seed + 1))
+    randomize(model, torch.Generator().manual_seed(seed + 1), ROUTER_BIAS_RANGE)
     # the router bias stays fp32 whatever the checkpoint dtype (published numerics)
     biases = {n: b.clone() for n, b in model.named_buffers() if n.endswith("e_score_correction_bias")}
     model = model.to(dtype)
