@@ -1,4 +1,4 @@
-"""Trace-friendly pre-norm decoder: the graph MNN runs for K2-Horizon (and the plain decoders).
+"""Trace-friendly pre-norm decoder: the graph MNN runs for Llama, Qwen3, Qwen3-MoE and K2-Horizon.
 
 The runtime's interface: embeddings come in as ``[seq, 1, hidden]`` (the runtime does the
 lookup; these families have no embedding scale), attention goes through ``FusedAttention``
@@ -6,7 +6,7 @@ lookup; these families have no embedding scale), attention goes through ``FusedA
 (MNN's MoE op, only the chosen experts run). The layer is HF's
 ``h = x + attn(input_layernorm(x)); out = h + mlp(post_attention_layernorm(h))``
 (LlamaDecoderLayer, Qwen3DecoderLayer, Qwen3MoeDecoderLayer). Families pass in their own norms,
-attention values and MLPs.
+attention values and MLPs; ``DenseDecoderGraph`` builds the Llama/Qwen3 variant from ``DecoderArgs``.
 """
 
 from __future__ import annotations
@@ -15,8 +15,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from llmexport.models.decoder_args import DecoderArgs, LayerSpec, MoeSpec
+from llmexport.models.graph_parts import Norm, TensorLookup, const
 from llmexport.models.rope import rope_cos_sin, rotate
-from llmexport.ops import FusedAttention, GatedMlp, PlaceholderLinear
+from llmexport.ops import FusedAttention, FusedMoE, GatedMlp, PlaceholderLinear
 
 
 class Attention(nn.Module):
@@ -94,3 +96,45 @@ class SwiGlu(GatedMlp):
 
     def __init__(self, prefix: str, hidden: int, width: int):
         super().__init__(prefix, hidden, width, F.silu)
+
+
+class SoftmaxMoe(nn.Module):
+    """Qwen3-MoE's sparse block (Qwen3MoeTopKRouter + experts) on [1, seq, hidden]: softmax over
+    the router logits in fp32, top-k, optionally renormalised to sum 1; SwiGLU experts on MNN's
+    MoE op (layer_id = layer index)."""
+
+    def __init__(self, prefix: str, index: int, hidden: int, moe: MoeSpec):
+        super().__init__()
+        self.hidden, self.spec = hidden, moe
+        self.gate = PlaceholderLinear(prefix + "gate", hidden, moe.num_experts)
+        experts = nn.ModuleList(SwiGlu(prefix + f"experts.{e}.", hidden, moe.width) for e in range(moe.num_experts))
+        self.experts = FusedMoE(experts, moe.top_k, index, hidden)
+
+    def forward(self, x):
+        probs = torch.softmax(self.gate(x).float(), dim=-1)
+        weights, chosen = torch.topk(probs, self.spec.top_k, dim=-1)
+        if self.spec.normalize:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        out = self.experts(x.view(-1, self.hidden), weights.view(-1, self.spec.top_k),
+                           chosen.view(-1, self.spec.top_k))
+        return out.view(1, -1, self.hidden)
+
+
+def _layer(args: DecoderArgs, layer: LayerSpec, lookup: TensorLookup) -> PreNormLayer:
+    p = f"model.layers.{layer.index}."
+    norm = lambda name: Norm(const(lookup, p + name + ".weight"), args.eps)  # noqa: E731
+    qk = (norm("self_attn.q_norm"), norm("self_attn.k_norm")) if args.qk_norm else None
+    attn = Attention(p + "self_attn.", layer.index, args.hidden_size, args.num_heads, args.kv_heads, args.head_dim,
+                     args.attention_bias, qk)
+    mlp = SoftmaxMoe(p + "mlp.", layer.index, args.hidden_size, args.moe) if layer.sparse else \
+        SwiGlu(p + "mlp.", args.hidden_size, args.intermediate_size)
+    return PreNormLayer(norm("input_layernorm"), norm("post_attention_layernorm"), attn, mlp)
+
+
+class DenseDecoderGraph(DecoderStack):
+    """Llama / Qwen3 / Qwen3-MoE: RMSNorm everywhere, per-head q/k RMSNorm when ``qk_norm``."""
+
+    def __init__(self, args: DecoderArgs, lookup: TensorLookup):
+        layers = [_layer(args, layer, lookup) for layer in args.layers]
+        super().__init__(layers, Norm(const(lookup, "model.norm.weight"), args.eps), args.hidden_size,
+                         args.vocab_size, args.rope.inv_freq())

@@ -29,7 +29,9 @@ from tokenizers.trainers import BpeTrainer
 
 from llmexport.tiny.tokenizer import TRAINING_CORPUS
 
-__all__ = ["STYLES", "EXTRA_CORPUS", "TokenizerStyle", "build_byte_level_tokenizer", "LLAMA3_PATTERN", "QWEN_PATTERN"]
+__all__ = ["STYLES", "EXTRA_CORPUS", "TokenizerStyle", "build_byte_level_tokenizer", "write_checkpoint_tokenizer",
+           "write_generation_config",
+           "LLAMA3_PATTERN", "QWEN_PATTERN"]
 
 # The split regexes of the real tokenizers (tiktoken's cl100k-style pattern; Qwen2 keeps one
 # digit per piece, Llama-3 up to three).
@@ -173,7 +175,18 @@ def build_byte_level_tokenizer(out_dir: Path, style: str, vocab_size: int = 512)
     return spec
 
 
-def token_ids(out_dir: Path, texts: tuple[str, ...]) -> list[int]:
-    """Ids of tokens in a written tokenizer (for generation_config.json)."""
+def write_checkpoint_tokenizer(out_dir: Path, style: str, vocab_size: int) -> dict[str, int | list[int] | None]:
+    """A checkpoint's tokenizer files of ``style``; returns the token ids its config.json and
+    generation_config.json carry (bos/eos/pad_token_id; eos: the style's generation eos ids)."""
+    spec = build_byte_level_tokenizer(out_dir, style, vocab_size)
     tok = Tokenizer.from_file(str(Path(out_dir) / "tokenizer.json"))
-    return [tok.token_to_id(t) for t in texts]
+    return {"bos_token_id": tok.token_to_id(spec.bos) if spec.bos else None,
+            "eos_token_id": [tok.token_to_id(t) for t in spec.generation_eos],
+            "pad_token_id": tok.token_to_id(spec.pad) if spec.pad else None}
+
+
+def write_generation_config(out_dir: Path, token_ids: dict[str, int | list[int] | None]) -> None:
+    """generation_config.json with greedy decoding and ``token_ids`` (after ``save_pretrained``,
+    which writes its own)."""
+    (Path(out_dir) / "generation_config.json").write_text(json.dumps(dict(token_ids, do_sample=False), indent=2),
+                                                          encoding="utf-8")

@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 
+from llmexport.tiny.byte_level_tokenizer import write_checkpoint_tokenizer, write_generation_config
 from llmexport.tiny.tokenizer import SPECIAL_TOKENS, build_tiny_gemma_tokenizer
 from llmexport.tiny.weights import randomize
 
@@ -104,17 +105,23 @@ def random_config(seed: int) -> dict[str, Any]:
 
 
 def build_k2_horizon_checkpoint(out_dir: Path | str, config_kwargs: dict[str, Any], *, seed: int = 0,
-                                dtype: torch.dtype = torch.bfloat16) -> Path:
+                                dtype: torch.dtype = torch.bfloat16, tokenizer: str = "gemma") -> Path:
     """Write a random-weight K2-Horizon checkpoint (remote code, weights, tokenizer) to ``out_dir``.
 
     bf16 by default, as the family ships: a ``--quant_bit 16`` export then stores the weights
     exactly (bf16 values are fp16 values at these magnitudes), so the runtime can be held to the
-    unmodified fp32 reference too, not only to the stored-weights oracle.
+    unmodified fp32 reference too, not only to the stored-weights oracle. ``tokenizer``: "gemma"
+    (the tiny Gemma-style one) or a byte-level style of ``llmexport.tiny.byte_level_tokenizer``
+    ("qwen": Qwen's ByteLevel BPE and ChatML template).
     """
     from llmexport.reference.k2_horizon import AUTO_MAP, REMOTE_CODE_FILES, K2HorizonConfig, K2HorizonForCausalLM
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
+    token_ids = None
+    if tokenizer != "gemma":
+        token_ids = write_checkpoint_tokenizer(out, tokenizer, config_kwargs["vocab_size"])
+        config_kwargs = {**config_kwargs, **token_ids}
     torch.manual_seed(seed)
     model = K2HorizonForCausalLM(K2HorizonConfig(**config_kwargs)).eval()
     randomize(model, torch.Generator().manual_seed(seed + 1), ROUTER_BIAS_RANGE)
@@ -130,16 +137,20 @@ def build_k2_horizon_checkpoint(out_dir: Path | str, config_kwargs: dict[str, An
     config_path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
     for source in REMOTE_CODE_FILES:
         shutil.copyfile(source, out / source.name)
-    build_tiny_gemma_tokenizer(out, vocab_size=config["vocab_size"])
-    (out / "chat_template.jinja").write_text(PLAIN_CHAT_TEMPLATE, encoding="utf-8")
-    (out / "generation_config.json").write_text(json.dumps(dict(
-        bos_token_id=SPECIAL_TOKENS["bos"][1],
-        eos_token_id=[SPECIAL_TOKENS["eos"][1], SPECIAL_TOKENS["end_of_turn"][1]],
-        pad_token_id=SPECIAL_TOKENS["pad"][1], do_sample=False), indent=2))
+    if tokenizer == "gemma":
+        build_tiny_gemma_tokenizer(out, vocab_size=config["vocab_size"])
+        (out / "chat_template.jinja").write_text(PLAIN_CHAT_TEMPLATE, encoding="utf-8")
+        (out / "generation_config.json").write_text(json.dumps(dict(
+            bos_token_id=SPECIAL_TOKENS["bos"][1],
+            eos_token_id=[SPECIAL_TOKENS["eos"][1], SPECIAL_TOKENS["end_of_turn"][1]],
+            pad_token_id=SPECIAL_TOKENS["pad"][1], do_sample=False), indent=2))
+    else:
+        write_generation_config(out, token_ids)
     return out
 
 
 def build_tiny_k2_horizon(out_dir: Path | str, variant: str = "sparse", *, seed: int = 0,
-                          dtype: torch.dtype = torch.bfloat16) -> Path:
-    """Write one of ``VARIANTS`` as a tiny random checkpoint to ``out_dir``."""
-    return build_k2_horizon_checkpoint(out_dir, variant_config(variant), seed=seed, dtype=dtype)
+                          dtype: torch.dtype = torch.bfloat16, tokenizer: str = "gemma") -> Path:
+    """Write one of ``VARIANTS`` as a tiny random checkpoint to ``out_dir`` (``tokenizer``: see
+    ``build_k2_horizon_checkpoint``)."""
+    return build_k2_horizon_checkpoint(out_dir, variant_config(variant), seed=seed, dtype=dtype, tokenizer=tokenizer)
