@@ -4,16 +4,19 @@ rewrite, the MNN-flavoured trace, config reading and the checkpoint checks."""
 from __future__ import annotations
 
 import json
+import os
 import shutil
 
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from families import parametrize
 from helpers import assert_reference_onnx_matches_eager, custom_nodes, edit_checkpoint
 from llmexport.checkpoint import Checkpoint
 from llmexport.eager import bind_weights, prompt_inputs
-from llmexport.errors import InputError
+from llmexport.errors import InputError, LlmExportError
 from llmexport.models import architecture_for
 from llmexport.models.base import LinearRole
 from llmexport.quant.recipes import recipe
@@ -148,9 +151,39 @@ def test_transformers_4_config_keys_read_the_same(tiny_decoder, tmp_path):
     ("llama3", dict(config={"hidden_act": "gelu"}), "hidden_act"),
     ("llama3", dict(config={"num_key_value_heads": 3}), "multiple of num_key_value_heads"),
     ("llama3", dict(config={"hidden_size": "64"}), "LlamaConfig rejects it"),
+    ("llama3", dict(config={"num_attention_heads": 0}), "LlamaConfig rejects it"),
     ("qwen3-moe", dict(config={"num_experts_per_tok": 9}), "exceeds the 8 experts"),
 ])
 def test_checkpoint_problems_are_input_errors(tiny_decoder, tmp_path, variant, edit, message):
     path = edit_checkpoint(tiny_decoder(variant), tmp_path / "bad", **edit)
     with pytest.raises(InputError, match=message):
         architecture_for(Checkpoint.open(path))
+
+
+_JUNK = st.one_of(st.none(), st.booleans(), st.integers(-3, 10**6), st.floats(allow_nan=True), st.text(max_size=6),
+                  st.lists(st.integers(-1, 4), max_size=3), st.dictionaries(st.text(max_size=3), st.integers(), max_size=2))
+_KEYS = ["num_hidden_layers", "hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim",
+         "intermediate_size", "vocab_size", "rms_norm_eps", "rope_parameters", "rope_theta", "rope_scaling",
+         "tie_word_embeddings", "attention_bias", "mlp_bias", "hidden_act", "max_position_embeddings", "layer_types",
+         "use_sliding_window", "num_experts", "num_local_experts", "num_experts_per_tok", "moe_intermediate_size",
+         "norm_topk_prob", "decoder_sparse_step", "mlp_only_layers"]
+
+
+@settings(max_examples=int(os.environ.get("FUZZ_EXAMPLES", 80)), deadline=None,
+          derandomize=not os.environ.get("FUZZ_EXAMPLES"), suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(variant=st.sampled_from(["llama3", "qwen3", "qwen3-moe-mixed"]), key=st.sampled_from(_KEYS), value=_JUNK,
+       delete=st.booleans())
+def test_mutated_config_gives_typed_errors(tiny_decoder, tmp_path_factory, variant, key, value, delete):
+    """Whatever a config value is, a typed one-line error or a working architecture comes out."""
+    path = shutil.copytree(tiny_decoder(variant), tmp_path_factory.mktemp("fuzz"), dirs_exist_ok=True)
+    config = json.loads((path / "config.json").read_text())
+    if delete:
+        config.pop(key, None)
+    else:
+        config[key] = value
+    (path / "config.json").write_text(json.dumps(config))
+    try:
+        arch = architecture_for(Checkpoint.open(path))
+        arch.build_graph()
+    except LlmExportError as exc:
+        assert str(exc) and "\n" not in str(exc).strip()

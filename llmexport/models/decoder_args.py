@@ -60,7 +60,8 @@ def resolve_config(config_class: Any, raw: dict[str, Any], where: str) -> dict[s
 
     try:
         return config_class.from_dict(dict(raw)).to_dict()
-    except (StrictDataclassError, TypeError, ValueError, KeyError, AttributeError) as exc:
+    except (StrictDataclassError, TypeError, ValueError, KeyError, AttributeError, IndexError, ArithmeticError) as exc:
+        # what transformers' validators and __post_init__ raise on values of the wrong kind
         raise InputError(f"{where}: transformers' {config_class.__name__} rejects it "
                          f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})") from None
 
