@@ -47,7 +47,7 @@ def _load(path: Path, options: ExportOptions) -> tuple[Checkpoint, Architecture,
     headers, the architecture, the tokenizer (converted in memory), the verification's needs."""
     checkpoint = Checkpoint.open(path)
     arch = architecture_for(checkpoint)
-    tokenizer = _tokenizer_bytes(checkpoint) if options.export is ExportFormat.MNN else None
+    tokenizer = _tokenizer_bytes(checkpoint, arch) if options.export is ExportFormat.MNN else None
     if options.verify and arch.reference_is_remote_code and not options.trust_remote_code:
         raise UsageError(f"--verify: the {arch.describe()['family']} reference model is the checkpoint's own code "
                          f"({', '.join(sorted(p.name for p in path.glob('*.py'))) or 'auto_map'}); pass "
@@ -217,13 +217,13 @@ def _table(fileobj, table, choice, what: str):
         raise InputError(f"--embed_bit/--quant_block: {what} table of width {table.shape[-1]}: {exc}") from None
 
 
-def _tokenizer_bytes(checkpoint: Checkpoint) -> bytes:
+def _tokenizer_bytes(checkpoint: Checkpoint, arch: Architecture) -> bytes:
     """The runtime's tokenizer file, converted in memory (unsupported tokenizers fail here)."""
     from llmexport.mnn.tokenizer import mnn_tokenizer_bytes
 
     checkpoint.tokenizer_file()
     checkpoint.check_tokenizer_side_files()
     try:
-        return mnn_tokenizer_bytes(checkpoint.path)
+        return mnn_tokenizer_bytes(checkpoint.path, end_of_turn=arch.end_of_turn_tokens())
     except ValueError as exc:
         raise InputError(str(exc)) from None

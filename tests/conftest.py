@@ -33,20 +33,23 @@ def tiny_gemma4(tmp_path_factory):
     return build
 
 
+def _cached_variants(tmp_path_factory, stem: str, builder):
+    cache: dict[tuple, Path] = {}
+
+    def build(variant: str, seed: int = 0) -> Path:
+        if (variant, seed) not in cache:
+            cache[variant, seed] = builder(tmp_path_factory.mktemp(f"{stem}-{variant}-{seed}"), variant, seed=seed)
+        return cache[variant, seed]
+
+    return build
+
+
 @pytest.fixture(scope="session")
 def tiny_k2_horizon(tmp_path_factory):
     """``tiny_k2_horizon(variant, seed=0)`` -> path of a cached tiny K2-Horizon checkpoint."""
     from llmexport.tiny.k2_horizon import build_tiny_k2_horizon
 
-    cache: dict[tuple, Path] = {}
-
-    def build(variant: str, seed: int = 0) -> Path:
-        if (variant, seed) not in cache:
-            out = tmp_path_factory.mktemp(f"k2-{variant}-{seed}")
-            cache[variant, seed] = build_tiny_k2_horizon(out, variant, seed=seed)
-        return cache[variant, seed]
-
-    return build
+    return _cached_variants(tmp_path_factory, "k2", build_tiny_k2_horizon)
 
 
 @pytest.fixture(scope="session")
@@ -58,3 +61,12 @@ def wide_model(tmp_path_factory):
     config.update(hidden_size=512, intermediate_size=2048, vocab_size=4096, head_dim=64, global_head_dim=64,
                   num_attention_heads=8, num_key_value_heads=2)
     return build_gemma4_checkpoint(tmp_path_factory.mktemp("wide"), config)
+
+
+@pytest.fixture(scope="session")
+def tiny_decoder(tmp_path_factory):
+    """``tiny_decoder(variant, seed=0)`` -> path of a cached tiny Llama/Qwen3/Qwen3-MoE checkpoint
+    (variants: llmexport.tiny.decoders.VARIANTS)."""
+    from llmexport.tiny.decoders import build_tiny_decoder
+
+    return _cached_variants(tmp_path_factory, "decoder", build_tiny_decoder)

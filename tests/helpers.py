@@ -41,3 +41,39 @@ def assert_reference_onnx_matches_eager(arch, graph, path: Path, vocab: int = 51
             want = graph(*args)[0].numpy()
         assert got.shape == want.shape == (1, seq if all_logits else 1, vocab)
         assert np.abs(got - want).max() < 1e-4
+
+
+def edit_checkpoint(src: Path, dst: Path, config: dict | None = None, drop=(), add: dict | None = None,
+                    reshape: dict | None = None) -> Path:
+    """A copy of the checkpoint ``src`` at ``dst`` with tensors dropped, added or replaced by zeros
+    of another shape, and config.json keys updated."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(src, dst)
+    tensors = load_file(str(dst / "model.safetensors"))
+    for name in drop:
+        del tensors[name]
+    tensors.update(add or {})
+    for name, shape in (reshape or {}).items():
+        tensors[name] = torch.zeros(shape, dtype=tensors[name].dtype)
+    save_file(tensors, str(dst / "model.safetensors"))
+    if config:
+        data = json.loads((dst / "config.json").read_text())
+        data.update(config)
+        (dst / "config.json").write_text(json.dumps(data))
+    return dst
+
+
+def custom_nodes(arch, path: Path) -> dict[str, list[dict]]:
+    """The MNN-flavoured trace of ``arch``'s graph at ``path``: attributes of its Linear,
+    Attention and MoE placeholder ops."""
+    import onnx
+
+    from llmexport.onnx_export import export_onnx
+
+    export_onnx(arch.build_graph(), arch.graph_inputs(3), path, for_mnn=True)
+    nodes = [n for n in onnx.load(str(path)).graph.node if n.domain == "LlmExport"]
+    attrs = lambda n: {a.name: onnx.helper.get_attribute_value(a) for a in n.attribute}  # noqa: E731
+    return {kind: [attrs(n) for n in nodes if n.op_type == kind] for kind in ("Linear", "Attention", "MoE")}

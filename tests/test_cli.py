@@ -62,11 +62,12 @@ def test_unsupported_model_type_lists_supported(tiny_gemma4, tmp_path, old_dst):
     model = tmp_path / "m"
     shutil.copytree(tiny_gemma4("31b"), model)
     config = json.loads((model / "config.json").read_text())
-    config["model_type"] = "llama"
+    config["model_type"] = "mamba"
     (model / "config.json").write_text(json.dumps(config))
     result = _run("--path", str(model), "--dst_path", str(old_dst))
     assert result.exit_code == 3
-    assert "unsupported model_type 'llama'" in result.output and "gemma4, gemma4_text" in result.output
+    assert "unsupported model_type 'mamba'" in result.output
+    assert "gemma4, gemma4_text, k2_horizon, llama, qwen3, qwen3_moe" in result.output
     assert _unchanged(old_dst)
 
 

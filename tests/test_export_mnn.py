@@ -8,6 +8,7 @@ import json
 import pytest
 
 from conftest import GEMMA4_SHAPES
+from families import parametrize
 from llmexport import ExportOptions, export
 from llmexport.quant.scheme import QuantScheme
 from llmexport.verification import summary_line, verify_export
@@ -30,7 +31,7 @@ def exported(tiny_gemma4, tmp_path_factory):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("shape", GEMMA4_SHAPES)
+@parametrize("mnn", "shape", GEMMA4_SHAPES, "gemma4")
 def test_fp16_export_agrees_with_stored_weights_oracle(exported, shape):
     out, result, report = exported(shape, 16)
     print(f"\n{shape} q16 export {sum(result.timings.values()):.2f}s: {summary_line(report)}")

@@ -12,6 +12,7 @@ from unittest import mock
 
 import pytest
 
+from families import parametrize
 from llmexport import ExportOptions, export
 from llmexport.mnn.convert import mnn_to_json
 from llmexport.mnn.readback import linear_records
@@ -48,7 +49,7 @@ def _assert_agrees(report: dict, steps: int = 24) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("variant", VARIANTS)
+@parametrize("mnn", "variant", VARIANTS, "k2_horizon")
 def test_fp16_export_agrees_with_fp32_reference(tiny_k2_horizon, tmp_path, variant):
     out = tmp_path / "out"
     report = _export_and_verify(tiny_k2_horizon(variant), out, ExportOptions(quant=QuantScheme(16, 64)))

@@ -3,20 +3,18 @@ the MNN-flavoured trace, and the checkpoint checks."""
 
 from __future__ import annotations
 
-import json
 from unittest import mock
 
-import onnx
 import pytest
 import torch
 
-from helpers import assert_reference_onnx_matches_eager
+from families import parametrize
+from helpers import assert_reference_onnx_matches_eager, custom_nodes, edit_checkpoint
 from llmexport.checkpoint import Checkpoint
 from llmexport.eager import bind_weights, prompt_inputs
 from llmexport.errors import InputError
 from llmexport.models import architecture_for
 from llmexport.models.k2_horizon import K2Horizon
-from llmexport.onnx_export import export_onnx
 from llmexport.tiny.k2_horizon import build_k2_horizon_checkpoint, random_config
 
 VARIANTS = ("dense", "sparse", "sparse-qknorm")
@@ -30,7 +28,7 @@ def _rewrite_logits(arch, ids, dense_mova=False):
         return graph, graph(*prompt_inputs(arch, ids, arch.embedding_table(), None))[0][0]
 
 
-@pytest.mark.parametrize("variant", VARIANTS)
+@parametrize("rewrite", "variant", VARIANTS, "k2_horizon")
 def test_rewrite_matches_reference(tiny_k2_horizon, variant):
     arch = architecture_for(Checkpoint.open(tiny_k2_horizon(variant)))
     torch.manual_seed(1)
@@ -72,23 +70,16 @@ def test_random_variant_rewrite_matches_reference(tmp_path, seed):
     assert (ours - ref).abs().max().item() < 1e-4, config
 
 
-@pytest.mark.parametrize("variant", ["dense", "sparse-qknorm"])  # between them, every feature
+@parametrize("onnx", "variant", ["dense", "sparse-qknorm"], "k2_horizon")  # between them, every feature
 def test_reference_onnx_matches_eager(tiny_k2_horizon, tmp_path, variant):
     arch = architecture_for(Checkpoint.open(tiny_k2_horizon(variant)))
     graph = bind_weights(arch.build_graph(), arch.linear_weight)
     assert_reference_onnx_matches_eager(arch, graph, tmp_path / "ref.onnx")
 
 
-def _custom_nodes(arch, path):
-    export_onnx(arch.build_graph(), arch.graph_inputs(3), path, for_mnn=True)
-    nodes = [n for n in onnx.load(str(path)).graph.node if n.domain == "LlmExport"]
-    attrs = lambda n: {a.name: onnx.helper.get_attribute_value(a) for a in n.attribute}  # noqa: E731
-    return {kind: [attrs(n) for n in nodes if n.op_type == kind] for kind in ("Linear", "Attention", "MoE")}
-
-
 def test_mnn_flavour_routes_both_kinds_of_experts_through_the_moe_op(tiny_k2_horizon, tmp_path):
     arch = architecture_for(Checkpoint.open(tiny_k2_horizon("sparse")))
-    nodes = _custom_nodes(arch, tmp_path / "llm.onnx")
+    nodes = custom_nodes(arch, tmp_path / "llm.onnx")
     # FFN experts on layer_id = layer, MoVA value experts on layer_id = layers + layer
     assert sorted((m["layer_id"], m["num_experts"], m["top_k"]) for m in nodes["MoE"]) == [
         (1, 8, 2), (3, 8, 2), (5, 8, 2), (7, 8, 2)]
@@ -106,7 +97,7 @@ def test_mnn_flavour_routes_both_kinds_of_experts_through_the_moe_op(tiny_k2_hor
 def test_dense_mova_runs_every_value_expert_in_the_main_graph(tiny_k2_horizon, tmp_path):
     arch = architecture_for(Checkpoint.open(tiny_k2_horizon("sparse")))
     with mock.patch.object(K2Horizon, "dense_mova", True):
-        nodes = _custom_nodes(arch, tmp_path / "dense.onnx")
+        nodes = custom_nodes(arch, tmp_path / "dense.onnx")
         assert [t.marker for t in arch.expert_templates()] == ["@expert@"]
     assert sorted(m["layer_id"] for m in nodes["MoE"]) == [1, 3]
     assert {f"model.layers.1.self_attn.v_experts.{e}" for e in range(8)} <= {m["name"].decode() for m in nodes["Linear"]}
@@ -128,26 +119,6 @@ def test_routers_are_router_role_and_keep_8_bits(tiny_k2_horizon):
     assert plan.scheme_for(specs["model.layers.1.self_attn.v_experts.0"]).bits == 8
 
 
-def _edit_checkpoint(src, dst, config=None, drop=(), add=None, reshape=None):
-    import shutil
-
-    from safetensors.torch import load_file, save_file
-
-    shutil.copytree(src, dst)
-    tensors = load_file(str(dst / "model.safetensors"))
-    for name in drop:
-        del tensors[name]
-    tensors.update(add or {})
-    for name, shape in (reshape or {}).items():
-        tensors[name] = torch.zeros(shape, dtype=tensors[name].dtype)
-    save_file(tensors, str(dst / "model.safetensors"))
-    if config:
-        data = json.loads((dst / "config.json").read_text())
-        data.update(config)
-        (dst / "config.json").write_text(json.dumps(data))
-    return dst
-
-
 @pytest.mark.parametrize("edit, message", [
     (dict(drop=["model.layers.1.self_attn.v_experts.3.weight"]), "v_experts.3.weight' missing"),
     (dict(reshape={"model.layers.1.mlp.gate.e_score_correction_bias": (7,)}), r"has shape \[7\]"),
@@ -157,12 +128,12 @@ def _edit_checkpoint(src, dst, config=None, drop=(), add=None, reshape=None):
     (dict(config={"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e6}}), "rope_type"),
 ])
 def test_checkpoint_problems_are_input_errors(tiny_k2_horizon, tmp_path, edit, message):
-    path = _edit_checkpoint(tiny_k2_horizon("sparse"), tmp_path / "bad", **edit)
+    path = edit_checkpoint(tiny_k2_horizon("sparse"), tmp_path / "bad", **edit)
     with pytest.raises(InputError, match=message):
         architecture_for(Checkpoint.open(path))
 
 
 def test_rotary_inv_freq_in_a_checkpoint_is_ignored(tiny_k2_horizon, tmp_path):
-    path = _edit_checkpoint(tiny_k2_horizon("dense"), tmp_path / "inv",
+    path = edit_checkpoint(tiny_k2_horizon("dense"), tmp_path / "inv",
                             add={"model.rotary_emb.inv_freq": torch.ones(8)})
     assert architecture_for(Checkpoint.open(path)).describe()["layer_kinds"][0] == "0: dense"

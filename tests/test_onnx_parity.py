@@ -6,6 +6,7 @@ import onnx
 import pytest
 
 from conftest import GEMMA4_SHAPES
+from families import parametrize
 from helpers import assert_reference_onnx_matches_eager
 from llmexport.checkpoint import Checkpoint
 from llmexport.eager import bind_weights
@@ -13,7 +14,7 @@ from llmexport.models import architecture_for
 from llmexport.onnx_export import export_onnx
 
 
-@pytest.mark.parametrize("shape", GEMMA4_SHAPES)
+@parametrize("onnx", "shape", GEMMA4_SHAPES, "gemma4")
 def test_reference_onnx_matches_eager(tiny_gemma4, tmp_path, shape):
     arch = architecture_for(Checkpoint.open(tiny_gemma4(shape)))
     graph = bind_weights(arch.build_graph(), arch.linear_weight)

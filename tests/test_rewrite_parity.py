@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from conftest import GEMMA4_SHAPES
+from families import parametrize
 from llmexport.checkpoint import Checkpoint
 from llmexport.eager import bind_weights, prompt_inputs
 from llmexport.models import architecture_for
@@ -21,7 +22,7 @@ def _rewrite_and_reference(path, ids):
 
 
 @pytest.mark.parametrize("shape", GEMMA4_SHAPES)
-@pytest.mark.parametrize("text_only", [False, True])
+@parametrize("rewrite", "text_only", [False, True], lambda text_only: "gemma4_text" if text_only else "gemma4")
 def test_rewrite_matches_hf(tiny_gemma4, shape, text_only):
     torch.manual_seed(1)
     ids = torch.randint(5, 500, (21,))  # longer than the sliding window (8)

@@ -22,7 +22,7 @@ if str(_ROOT) not in sys.path:  # allow running without installing the package
 from transformers import AutoTokenizer  # noqa: E402
 
 from llmexport.mnn.tokenizer import write_mnn_tokenizer  # noqa: E402
-from llmexport.models.gemma4 import MINJA_CHAT_TEMPLATE  # noqa: E402
+from llmexport.models.gemma4 import END_OF_TURN_TOKENS, MINJA_CHAT_TEMPLATE  # noqa: E402
 from llmexport.tiny.tokenizer import (  # noqa: E402
     BYTE_TOKEN_OFFSET,
     SPECIAL_TOKENS,
@@ -134,7 +134,7 @@ def tiny(tmp_path_factory):
     hf_dir = root / "hf"
     build_tiny_gemma_tokenizer(hf_dir)
     mnn_dir = root / "mnn"
-    write_mnn_tokenizer(hf_dir, mnn_dir / MNN_TOKENIZER_FILE)
+    written = write_mnn_tokenizer(hf_dir, mnn_dir / MNN_TOKENIZER_FILE, end_of_turn=END_OF_TURN_TOKENS)
     # Variants that pin down where the runtime's BOS comes from (see test_bos_variants).
     write_mnn_tokenizer(hf_dir, root / "prefix" / MNN_TOKENIZER_FILE, bos_prefix=True)
     no_bos_dir = root / "hf_no_bos"
@@ -158,7 +158,7 @@ def tiny(tmp_path_factory):
             "variants": {"prefix": str(root / "prefix"), "no_bos": str(root / "no_bos")},
         },
     )
-    return {"hf_dir": hf_dir, "mnn_dir": mnn_dir, "tok": tok, "mnn": mnn}
+    return {"hf_dir": hf_dir, "mnn_dir": mnn_dir, "tok": tok, "mnn": mnn, "written": written}
 
 
 def _chat_ids(tok, messages) -> list[int]:
@@ -286,6 +286,14 @@ def test_mnn_response_feeds_one_bos(tiny):
     assert history[: len(want)] == want
     assert len(history) == len(want) + 1
     assert history.count(BOS_ID) == 1
+
+
+def test_stop_ids_are_eos_and_the_family_end_of_turn(tiny):
+    header = (tiny["mnn_dir"] / MNN_TOKENIZER_FILE).read_bytes().split(b"\n")[:3]
+    n_special, n_stop, _ = map(int, header[1].split())
+    stops = list(map(int, header[2].split()))[n_special:n_special + n_stop]
+    assert stops == [SPECIAL_TOKENS["eos"][1], SPECIAL_TOKENS["end_of_turn"][1]] == list(tiny["written"].stop_ids)
+    assert tiny["written"].notes == () and tiny["written"].unsafe_chars == frozenset()
 
 
 def test_bos_variants(tiny):

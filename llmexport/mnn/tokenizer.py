@@ -22,6 +22,10 @@ How the runtime uses the header (3.6.1):
   each position (we list longer strings first so the longest special token wins, as in HF);
 * stop ids end generation.
 
+Which HF components are written and which are refused: tokenizer_pipeline.py (and
+tokenizer_regex.py for Split regexes). Stop ids come from the tokenizer (eos_token,
+generation_config.json's eos_token_id) and from the model family (its end-of-turn tokens).
+
 BOS: this writer leaves the prefix list empty by default and stores the bos string in the
 trailer, where the runtime exposes it to chat templates as `bos_token`. A template that starts
 with `{{ bos_token }}` then yields exactly one BOS (the rendered "<bos>" text is split out as the
@@ -33,175 +37,35 @@ not write `{{ bos_token }}`, and multimodal prompts get one BOS per text segment
 
 from __future__ import annotations
 
-import struct
+import logging
 from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from llmexport.input_files import TOKENIZER_LIMIT, read_json, read_optional_json
+from llmexport.mnn.tokenizer_pipeline import Body, Unsupported, byte_level_chars, encode_body, string, u8, u32
 
-__all__ = ["write_mnn_tokenizer", "mnn_tokenizer_bytes", "MNN_TOKENIZER_MAGIC", "MNN_TOKENIZER_PIPELINE"]
+__all__ = ["write_mnn_tokenizer", "mnn_tokenizer_bytes", "convert_tokenizer", "MnnTokenizerFile",
+           "MNN_TOKENIZER_MAGIC", "MNN_TOKENIZER_PIPELINE"]
+
+log = logging.getLogger(__name__)
 
 MNN_TOKENIZER_MAGIC = 430
 MNN_TOKENIZER_PIPELINE = 4
 
-# Binary type codes of the 3.6.1 loader (PipelineTokenizer::load_vocab_binary).
-_NORM_NONE, _NORM_PREPEND, _NORM_REPLACE, _NORM_SEQUENCE = 0, 2, 3, 4
-_PRE_NONE, _PRE_SPLIT, _PRE_SEQUENCE = 0, 4, 6
-_SPLIT_BEHAVIOR = {"Isolated": 0, "Removed": 1, "MergedWithPrevious": 2}
-_MODEL_BPE = 0
-_DEC_BYTE_FALLBACK, _DEC_FUSE, _DEC_REPLACE, _DEC_STRIP, _DEC_SEQUENCE = 1, 4, 5, 6, 7
-# Decoder type 0 means "ByteLevel" to the loader, so a missing decoder cannot be written as 0;
-# an empty Sequence is the neutral decoder.
 
-_REGEX_META = set(".^$*+?{}[]\\|()")
+@dataclass(frozen=True)
+class MnnTokenizerFile:
+    """The file's bytes, its stop ids, and where the runtime's encode differs from HF's.
 
-# End-of-turn markers that must stop generation when the tokenizer has them as single tokens.
-_END_OF_TURN_TOKENS = ("<turn|>", "<end_of_turn>")
+    ``unsafe_chars``: text characters on which the runtime's regex split may differ from HF's
+    (tokenizer_regex.py); ``notes``: other inputs it encodes differently (e.g. text not in NFC).
+    """
 
-
-def _u8(v: int) -> bytes:
-    return struct.pack("<B", v)
-
-
-def _u16(v: int) -> bytes:
-    return struct.pack("<H", v)
-
-
-def _u32(v: int) -> bytes:
-    return struct.pack("<I", v)
-
-
-def _str(s: str | bytes) -> bytes:
-    data = s.encode("utf-8") if isinstance(s, str) else s
-    if len(data) > 0xFFFF:
-        raise ValueError(f"string of {len(data)} bytes does not fit the u16 length field")
-    return _u16(len(data)) + data
-
-
-class _Unsupported(ValueError):
-    pass
-
-
-def _string_pattern(node: dict, what: str) -> str:
-    pattern = node.get("pattern")
-    if isinstance(pattern, str):
-        return pattern
-    if isinstance(pattern, dict) and "String" in pattern:
-        return pattern["String"]
-    raise _Unsupported(f"{what} with pattern {pattern!r} (only literal String patterns are supported)")
-
-
-def _normalizer(node: dict | None) -> bytes:
-    if node is None:
-        return _u8(_NORM_NONE)
-    kind = node.get("type")
-    if kind == "Replace":
-        return _u8(_NORM_REPLACE) + _str(_string_pattern(node, "Replace normalizer")) + _str(node.get("content", ""))
-    if kind == "Prepend":
-        return _u8(_NORM_PREPEND) + _str(node.get("prepend", ""))
-    if kind == "Sequence":
-        children = node.get("normalizers", [])
-        return _u8(_NORM_SEQUENCE) + _u32(len(children)) + b"".join(_normalizer(c) for c in children)
-    raise _Unsupported(f"normalizer {kind!r}")
-
-
-def _pre_tokenizer(node: dict | None) -> bytes:
-    if node is None:
-        return _u8(_PRE_NONE)
-    kind = node.get("type")
-    if kind == "Split":
-        pattern = _string_pattern(node, "Split pre-tokenizer")
-        # The runtime compiles the pattern as a regex: only plain literals mean the same thing.
-        if not pattern or any(ch in _REGEX_META for ch in pattern):
-            raise _Unsupported(f"Split pre-tokenizer with pattern {pattern!r} (regex metacharacters)")
-        behavior = node.get("behavior", "Isolated")
-        if behavior not in _SPLIT_BEHAVIOR:
-            raise _Unsupported(f"Split pre-tokenizer behavior {behavior!r}")
-        if node.get("invert", False):
-            raise _Unsupported("Split pre-tokenizer with invert=true")
-        return _u8(_PRE_SPLIT) + _str(pattern) + _u8(0) + _u8(_SPLIT_BEHAVIOR[behavior])
-    if kind == "Sequence":
-        children = node.get("pretokenizers", [])
-        return _u8(_PRE_SEQUENCE) + _u32(len(children)) + b"".join(_pre_tokenizer(c) for c in children)
-    raise _Unsupported(f"pre-tokenizer {kind!r}")
-
-
-def _decoder(node: dict | None) -> bytes:
-    if node is None:
-        return _u8(_DEC_SEQUENCE) + _u32(0)
-    kind = node.get("type")
-    if kind == "Replace":
-        return _u8(_DEC_REPLACE) + _str(_string_pattern(node, "Replace decoder")) + _str(node.get("content", ""))
-    if kind == "ByteFallback":
-        return _u8(_DEC_BYTE_FALLBACK)
-    if kind == "Fuse":
-        return _u8(_DEC_FUSE)
-    if kind == "Strip":
-        return _u8(_DEC_STRIP) + _str(node.get("content", " ")) + _u32(node.get("start", 0)) + _u32(node.get("stop", 0))
-    if kind == "Sequence":
-        children = node.get("decoders", [])
-        return _u8(_DEC_SEQUENCE) + _u32(len(children)) + b"".join(_decoder(c) for c in children)
-    raise _Unsupported(f"decoder {kind!r}")
-
-
-def _merge_pair(merge) -> tuple[str, str]:
-    if isinstance(merge, str):
-        parts = merge.split(" ")
-        if len(parts) != 2:
-            raise _Unsupported(f"merge {merge!r}")
-        return parts[0], parts[1]
-    if isinstance(merge, (list, tuple)) and len(merge) == 2:
-        return merge[0], merge[1]
-    raise _Unsupported(f"merge {merge!r}")
-
-
-def _bpe_model(model: dict, added: list[dict]) -> bytes:
-    for key in ("continuing_subword_prefix", "end_of_word_suffix"):
-        if model.get(key):
-            raise _Unsupported(f"BPE model with {key}={model[key]!r}")
-    if model.get("dropout"):
-        raise _Unsupported("BPE model with dropout")
-    if model.get("ignore_merges"):
-        raise _Unsupported("BPE model with ignore_merges=true")
-    if not model.get("byte_fallback"):
-        raise _Unsupported("BPE model without byte_fallback (the runtime drops unknown characters instead of <unk>)")
-
-    vocab: dict[str, int] = model.get("vocab", {})
-    if not isinstance(vocab, dict) or not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0
-                                              for i in vocab.values()):
-        raise _Unsupported("BPE vocabulary that is not an object of piece -> non-negative integer id")
-    vocab = dict(vocab)
-    by_id: dict[int, str] = {}
-    for piece, idx in vocab.items():
-        if idx in by_id:
-            raise _Unsupported(f"vocabulary id {idx} used twice ({by_id[idx]!r}, {piece!r})")
-        by_id[idx] = piece
-    # Added tokens outside the model vocabulary still need a row: the runtime sizes its id table
-    # by the vocabulary count and decodes ids through it.
-    for tok in added:
-        if tok["id"] not in by_id:
-            by_id[tok["id"]] = tok["content"]
-            vocab.setdefault(tok["content"], tok["id"])
-    if by_id and (min(by_id) != 0 or max(by_id) != len(by_id) - 1):  # ids are distinct: 0..n-1 is all of them
-        missing = [i for i in range(len(by_id) + 1) if i not in by_id][:10]
-        raise _Unsupported(f"vocabulary ids are not contiguous 0..{len(by_id) - 1} (highest {max(by_id)}, "
-                           f"missing ids such as {missing})")
-    for b in range(256):
-        if f"<0x{b:02X}>" not in vocab:
-            raise _Unsupported(f"byte_fallback vocabulary lacks the byte piece <0x{b:02X}>")
-
-    rank_of: dict[tuple[int, int], int] = {}
-    for rank, merge in enumerate(model.get("merges", [])):
-        left, right = _merge_pair(merge)
-        if left not in vocab or right not in vocab or left + right not in vocab:
-            raise _Unsupported(f"merge {left!r} + {right!r} refers to pieces outside the vocabulary")
-        rank_of[(vocab[left], vocab[right])] = rank  # a later duplicate wins, as in `tokenizers`
-
-    rows = sorted((piece.encode("utf-8"), idx) for idx, piece in by_id.items())
-    out = [_u8(_MODEL_BPE), _u32(len(rows)), _u8(1), _u8(0), _u32(len(rank_of))]
-    out += [_str(piece) + _u32(idx) for piece, idx in rows]
-    out += [_u32(a) + _u32(b) + _u32(r) for (a, b), r in sorted(rank_of.items(), key=lambda kv: (kv[0][0] << 32) | kv[0][1])]
-    return b"".join(out)
+    data: bytes
+    stop_ids: tuple[int, ...]
+    unsafe_chars: frozenset[str] = field(default_factory=frozenset)
+    notes: tuple[str, ...] = ()
 
 
 def _token_text(value) -> str:
@@ -229,11 +93,24 @@ def _unique(ids: Iterable[int]) -> list[int]:
 
 def _check_added_token(tok: dict, normalize) -> None:
     if tok.get("single_word"):
-        raise _Unsupported(f"added token {tok['content']!r} with single_word=true")
+        raise Unsupported(f"added token {tok['content']!r} with single_word=true")
     if tok.get("normalized") and not tok.get("special") and normalize is not None:
         # HF matches such a token in the normalized text, the runtime in the raw text.
         if normalize(tok["content"]) != tok["content"]:
-            raise _Unsupported(f"added token {tok['content']!r} is normalized and the normalizer changes it")
+            raise Unsupported(f"added token {tok['content']!r} is normalized and the normalizer changes it")
+
+
+def _check_added_overlaps(specials: list[dict], added: list[dict]) -> None:
+    """The runtime splits special tokens out of the text before the other added tokens; HF
+    matches all of them in one leftmost-longest pass. Equal only if no special token can overlap
+    another added token in some text."""
+    others = [t["content"] for t in added if not t.get("special")]
+    for special in (t["content"] for t in specials):
+        for other in others:
+            if other in special or special in other or any(
+                    special.endswith(other[:k]) or other.endswith(special[:k])
+                    for k in range(1, min(len(special), len(other)))):
+                raise Unsupported(f"added token {other!r} can overlap the special token {special!r}")
 
 
 def _hf_normalizer(tj_path: Path):
@@ -242,21 +119,31 @@ def _hf_normalizer(tj_path: Path):
     try:
         hf_norm = Tokenizer.from_file(str(tj_path)).normalizer
     except Exception as exc:  # the tokenizers library rejects the file
-        raise _Unsupported(f"file that the tokenizers library cannot load ({exc})") from None
+        raise Unsupported(f"file that the tokenizers library cannot load ({exc})") from None
     return hf_norm.normalize_str if hf_norm is not None else None
 
 
-def _runtime_decodes_verbatim(content: str) -> bool:
-    # PipelineTokenizer::decode(int) turns "▁" into a space and "<0xNN>" into a byte; the special
-    # list is matched against that decoded text, so only tokens it leaves alone may go there.
-    return bool(content) and "\u2581" not in content and "<0x" not in content
+def _runtime_decodes_verbatim(content: str, byte_level_decoder: bool) -> bool:
+    # PipelineTokenizer::decode(int) turns "▁" into a space and "<0xNN>" into a byte, then (with
+    # a ByteLevel decoder) maps byte characters back to bytes; the special list is matched
+    # against that decoded text, so only tokens it leaves alone may go there.
+    if not content or "\u2581" in content or "<0x" in content:
+        return False
+    return not byte_level_decoder or all(c not in _BYTE_CHARS or 33 <= ord(c) <= 126 for c in content)
 
 
-def write_mnn_tokenizer(hf_tokenizer_dir: Path, out_path: Path, **options) -> None:
-    """Write `mnn_tokenizer_bytes(hf_tokenizer_dir, **options)` to `out_path`."""
-    out_path = Path(out_path)
-    out_path.parent.mkdir(parents=True, exist_ok=True)
-    out_path.write_bytes(mnn_tokenizer_bytes(hf_tokenizer_dir, **options))
+_BYTE_CHARS = frozenset(byte_level_chars())
+
+
+def _stop_ids(folder: Path, tc: dict, token_id, end_of_turn: Sequence[str], extra: Sequence[int]) -> list[int]:
+    eos_text = _token_text(tc.get("eos_token"))
+    stop_ids: list[int] = []
+    if eos_text and token_id(eos_text) is not None:
+        stop_ids.append(token_id(eos_text))
+    stop_ids += _generation_eos_ids(folder)
+    stop_ids += [token_id(t) for t in end_of_turn if token_id(t) is not None]
+    stop_ids += list(extra)
+    return _unique(stop_ids)
 
 
 def _check_added_tokens(added, where: Path) -> list[dict]:
@@ -267,20 +154,53 @@ def _check_added_tokens(added, where: Path) -> list[dict]:
     return list(added)
 
 
-def mnn_tokenizer_bytes(
+def write_mnn_tokenizer(hf_tokenizer_dir: Path, out_path: Path, **options) -> MnnTokenizerFile:
+    """Write `convert_tokenizer(hf_tokenizer_dir, **options)` to `out_path`."""
+    converted = convert_tokenizer(hf_tokenizer_dir, **options)
+    out_path = Path(out_path)
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    out_path.write_bytes(converted.data)
+    return converted
+
+
+def mnn_tokenizer_bytes(hf_tokenizer_dir: Path, **options) -> bytes:
+    """The bytes of `convert_tokenizer(hf_tokenizer_dir, **options)`."""
+    return convert_tokenizer(hf_tokenizer_dir, **options).data
+
+
+def _encode_body(tj: dict, tj_path: Path, added: list[dict]) -> tuple[Body, list[dict]]:
+    """The pipeline body and the special tokens the runtime's special list may hold."""
+    try:
+        body = encode_body(tj)
+        normalize = _hf_normalizer(tj_path) if tj.get("normalizer") is not None else None
+        for tok in added:
+            _check_added_token(tok, normalize)
+        specials = [tok for tok in added if tok.get("special")
+                    and _runtime_decodes_verbatim(tok["content"], body.byte_level_decoder)]
+        _check_added_overlaps(specials, added)
+    except Unsupported as exc:
+        raise ValueError(f"{tj_path}: unsupported {exc}") from None
+    except (AttributeError, TypeError, KeyError) as exc:  # a node of the wrong JSON type
+        raise ValueError(f"{tj_path}: malformed tokenizer ({type(exc).__name__}: {exc})") from None
+    return body, specials
+
+
+def convert_tokenizer(
     hf_tokenizer_dir: Path,
     *,
     chat_template: str | None = None,
+    end_of_turn: Sequence[str] = (),
     stop_token_ids: Sequence[int] | None = None,
     bos_prefix: bool = False,
-) -> bytes:
+) -> MnnTokenizerFile:
     """Convert `hf_tokenizer_dir/tokenizer.json` into MNN 3.6.1's pipeline tokenizer file.
 
     `chat_template` is stored in the file (an llm_config.json `jinja.chat_template` overrides it).
-    Stop ids are the eos token, the ids in generation_config.json's `eos_token_id`, end-of-turn
-    tokens (`<turn|>`, `<end_of_turn>`) when present, and `stop_token_ids`. See the module
-    docstring for `bos_prefix`. Raises ValueError, naming the file, for tokenizer features the
-    runtime cannot reproduce exactly (for example a Unigram or WordPiece model).
+    Stop ids are the eos token, the ids in generation_config.json's `eos_token_id`, the family's
+    `end_of_turn` tokens that the tokenizer has, and `stop_token_ids`. See the module docstring
+    for `bos_prefix`. Raises ValueError, naming the file, for tokenizer features the runtime
+    cannot reproduce (for example a Unigram or WordPiece model); inputs on which the runtime is
+    known to differ are returned (and logged).
     """
     folder = Path(hf_tokenizer_dir)
     tj_path = folder / "tokenizer.json"
@@ -289,24 +209,12 @@ def mnn_tokenizer_bytes(
     tc = read_optional_json(tc_path, TOKENIZER_LIMIT, "tokenizer config") or {}
 
     added = _check_added_tokens(tj.get("added_tokens", []), tj_path)
-    model = tj.get("model") or {}
-    if not isinstance(model, dict):
+    if not isinstance(tj.get("model") or {}, dict):
         raise ValueError(f"{tj_path}: 'model' must be an object")
-    mtype = model.get("type") or ("BPE" if "merges" in model else None)
-    try:
-        if mtype != "BPE":
-            raise _Unsupported(f"tokenizer model type {mtype!r} (supported: BPE with byte_fallback)")
-        normalize = _hf_normalizer(tj_path) if tj.get("normalizer") is not None else None
-        for tok in added:
-            _check_added_token(tok, normalize)
-        body = [_normalizer(tj.get("normalizer")), _pre_tokenizer(tj.get("pre_tokenizer")), _bpe_model(model, added), _decoder(tj.get("decoder"))]
-    except _Unsupported as exc:
-        raise ValueError(f"{tj_path}: unsupported {exc}") from None
-    except (AttributeError, TypeError, KeyError) as exc:  # a node of the wrong JSON type
-        raise ValueError(f"{tj_path}: malformed tokenizer ({type(exc).__name__}: {exc})") from None
+    body, specials = _encode_body(tj, tj_path, added)
 
     content_to_id = {tok["content"]: tok["id"] for tok in added}
-    vocab = model.get("vocab", {})
+    vocab = (tj.get("model") or {}).get("vocab", {})
 
     def token_id(text: str) -> int | None:
         if text in content_to_id:
@@ -315,18 +223,9 @@ def mnn_tokenizer_bytes(
 
     bos_text = _token_text(tc.get("bos_token"))
     eos_text = _token_text(tc.get("eos_token"))
-
-    specials = [tok for tok in added if tok.get("special") and _runtime_decodes_verbatim(tok["content"])]
     specials.sort(key=lambda t: (-len(t["content"].encode("utf-8")), t["id"]))
     special_ids = _unique(t["id"] for t in specials)
-
-    stop_ids: list[int] = []
-    if eos_text and token_id(eos_text) is not None:
-        stop_ids.append(token_id(eos_text))
-    stop_ids += _generation_eos_ids(folder)
-    stop_ids += [content_to_id[t] for t in _END_OF_TURN_TOKENS if t in content_to_id]
-    stop_ids += list(stop_token_ids or [])
-    stop_ids = _unique(stop_ids)
+    stop_ids = _stop_ids(folder, tc, token_id, end_of_turn, stop_token_ids or ())
 
     prefix_ids: list[int] = []
     if bos_prefix:
@@ -341,18 +240,25 @@ def mnn_tokenizer_bytes(
         + "\n"
     ).encode("ascii")
 
-    added_block = [_u32(len(added))]
+    added_block = [u32(len(added))]
     for tok in added:
         added_block.append(
-            _u32(tok["id"])
-            + _u8(int(bool(tok.get("special"))))
-            + _u8(int(bool(tok.get("lstrip"))))
-            + _u8(int(bool(tok.get("rstrip"))))
-            + _str(tok["content"])
+            u32(tok["id"])
+            + u8(int(bool(tok.get("special"))))
+            + u8(int(bool(tok.get("lstrip"))))
+            + u8(int(bool(tok.get("rstrip"))))
+            + string(tok["content"])
         )
 
     template = (chat_template or "").encode("utf-8")
     flags = 0x01 if tc.get("clean_up_tokenization_spaces") is True else 0
-    trailer = _u32(len(template)) + template + _str(eos_text) + _u8(flags) + _str(bos_text)
+    trailer = u32(len(template)) + template + string(eos_text) + u8(flags) + string(bos_text)
 
-    return header + b"".join(body) + b"".join(added_block) + trailer
+    converted = MnnTokenizerFile(header + body.data + b"".join(added_block) + trailer, tuple(stop_ids),
+                                 frozenset(body.unsafe_chars), tuple(body.notes))
+    for note in converted.notes:
+        log.warning("tokenizer: %s", note)
+    if converted.unsafe_chars:
+        log.info("tokenizer: MNN's regex matcher classifies %d rare character(s) differently from HF "
+                 "(docs/supported-models.md)", len(converted.unsafe_chars))
+    return converted

@@ -11,7 +11,8 @@ from llmexport.models.base import Architecture
 
 _REGISTRY: dict[str, type[Architecture]] = {}
 # Family modules are imported on first use so that `llmexport --help` stays fast.
-_FAMILY_MODULES = ("llmexport.models.gemma4", "llmexport.models.k2_horizon")
+_FAMILY_MODULES = ("llmexport.models.gemma4", "llmexport.models.k2_horizon", "llmexport.models.llama",
+                   "llmexport.models.qwen3")
 
 
 def register(*model_types: str) -> Callable[[type[Architecture]], type[Architecture]]:
@@ -34,6 +35,12 @@ def _load_families() -> None:
 def supported_model_types() -> list[str]:
     _load_families()
     return sorted(_REGISTRY)
+
+
+def registered_families() -> dict[str, type[Architecture]]:
+    """``model_type`` -> the Architecture class registered for it."""
+    _load_families()
+    return dict(_REGISTRY)
 
 
 def architecture_for(checkpoint: Checkpoint) -> Architecture:

@@ -196,6 +196,11 @@ class Architecture(abc.ABC):
         """Family overrides of config.json (e.g. activation precision)."""
         return {}
 
+    def end_of_turn_tokens(self) -> tuple[str, ...]:
+        """Tokens that close a chat turn. Those the tokenizer has stop generation, beside its
+        eos token and generation_config.json's ``eos_token_id`` (the tokenizer file's stop list)."""
+        return ()
+
     # --- reference -----------------------------------------------------------------------
     @abc.abstractmethod
     def load_reference(self, stored: StoredWeights | None, trust_remote_code: bool = False) -> nn.Module:

@@ -18,10 +18,11 @@ from torch import nn
 from llmexport.checkpoint import Checkpoint, LazyTensor
 from llmexport.errors import InputError
 from llmexport.models import register
-from llmexport.models.base import Architecture, ExpertTemplate, GraphInputs, LinearRole, LinearSpec, StoredWeights
+from llmexport.models.base import ExpertTemplate, GraphInputs, LinearRole, LinearSpec, StoredWeights
+from llmexport.models.decoder import DecoderFamily, Shapes
 from llmexport.models.gemma4_args import SLIDING, Gemma4TextArgs, parse_text_args
 from llmexport.models.gemma4_graph import Expert, Gemma4TextGraph
-from llmexport.models.tensor_checks import check_tensors, count_limit, finite_lookup, require_stacked
+from llmexport.models.tensor_checks import count_limit, finite_lookup, require_stacked
 
 log = logging.getLogger(__name__)
 
@@ -37,11 +38,15 @@ MINJA_CHAT_TEMPLATE = (
     "{% endfor %}"
     "{% if add_generation_prompt %}<|turn>model\n{% endif %}"
 )
+# Gemma4's turn end, and Gemma 1-3's, which some tokenizers keep.
+END_OF_TURN_TOKENS = ("<turn|>", "<end_of_turn>")
 _EXPERT = re.compile(r"^(?P<p>.*layers\.\d+\.experts\.)(?P<e>\d+)\.(?P<w>gate_up_proj|down_proj)$")
 
 
 @register("gemma4", "gemma4_text")
-class Gemma4(Architecture):
+class Gemma4(DecoderFamily):
+    family = "Gemma4"
+
     def __init__(self, checkpoint: Checkpoint):
         super().__init__(checkpoint)
         where = str(checkpoint.path / "config.json")
@@ -63,7 +68,7 @@ class Gemma4(Architecture):
                                 self.args.moe.num_experts, "num_experts", checkpoint.path)
         self._linears = self._collect_linears()
         self._towers = self._build_towers()
-        self._check_weights()
+        self.check_weights()
 
     # --- weights ----------------------------------------------------------------------------
     def _collect_linears(self) -> list[LinearSpec]:
@@ -94,7 +99,7 @@ class Gemma4(Architecture):
         specs.append(LinearSpec("lm_head", a.hidden_size, a.vocab_size, LinearRole.LM_HEAD))
         return specs
 
-    def _constant_names(self) -> list[str]:
+    def constant_shapes(self) -> Shapes:
         a = self.args
         names = [a.prefix + "norm.weight"]
         if a.ple_dim:
@@ -109,38 +114,34 @@ class Gemma4(Architecture):
                       "post_feedforward_layernorm_2"] if a.moe else []
             names += [p + n + ".weight" for n in norms] + [p + "layer_scalar"]
             names += [p + "router.scale", p + "router.per_expert_scale"] if a.moe else []
-        return names
+        return {name: (1,) if name.endswith("layer_scalar") else None for name in names}
 
-    def _table_names(self) -> dict[str, tuple[int, int]]:
+    @property
+    def embedding_name(self) -> str:
+        return self.args.prefix + "embed_tokens.weight"
+
+    def table_shapes(self) -> Shapes:
         a = self.args
-        tables = {a.prefix + "embed_tokens.weight": (a.vocab_size, a.hidden_size)}
+        tables: Shapes = {self.embedding_name: (a.vocab_size, a.hidden_size)}
         if a.ple_dim:
             tables[a.prefix + "embed_tokens_per_layer.weight"] = (a.ple_vocab, a.num_layers * a.ple_dim)
         return tables
 
-    def _checkpoint_name(self, linear: str) -> tuple[str, int | None]:
+    def checkpoint_name(self, linear: str) -> tuple[str, int | None]:
         """Checkpoint tensor behind a linear, and the expert row when it is a 3-D slice."""
-        if linear == "lm_head":
-            return ("lm_head.weight" if not self.args.tie_embeddings
-                    else self.args.prefix + "embed_tokens.weight"), None
         m = _EXPERT.match(linear)
         if m:
             return m["p"] + m["w"], int(m["e"])
-        return linear + ".weight", None
+        return super().checkpoint_name(linear)
 
-    def _check_weights(self) -> None:
-        a = self.args
-        expected: dict[str, tuple[int, ...] | None] = {}
-        for spec in self._linears:
-            name, expert = self._checkpoint_name(spec.name)
-            expected[name] = ((a.moe.num_experts,) if expert is not None else ()) + (spec.out_features,
-                                                                                     spec.in_features)
-        for name in self._constant_names():
-            expected.setdefault(name, (1,) if name.endswith("layer_scalar") else None)
-        expected.update(self._table_names())
+    def stacked_count(self, tensor: str) -> int:
+        return self.args.moe.num_experts
+
+    def expected_tensors(self) -> Shapes:
+        expected = super().expected_tensors()
         for tower in self._towers:
             expected.update(tower.expected_tensors())
-        check_tensors(self.checkpoint.weights, expected, self.checkpoint.path, "Gemma4")
+        return expected
 
     def _build_towers(self) -> list:
         """Vision/audio towers named by a multimodal config, each exported as its own graph."""
@@ -180,18 +181,6 @@ class Gemma4(Architecture):
 
     def linears(self) -> list[LinearSpec]:
         return list(self._linears)
-
-    def linear_weight(self, name: str) -> tuple[torch.Tensor, torch.Tensor | None]:
-        tensor_name, expert = self._checkpoint_name(name)
-        lazy = self.checkpoint.weights.lazy(tensor_name)
-        return (lazy.read() if expert is None else lazy.rows(expert, expert + 1)[0]), None
-
-    @property
-    def tied_embedding(self) -> bool:
-        return self.args.tie_embeddings
-
-    def embedding_table(self) -> LazyTensor:
-        return self.checkpoint.weights.lazy(self.args.prefix + "embed_tokens.weight")
 
     def ple_table(self) -> LazyTensor | None:
         if not self.args.ple_dim:
@@ -263,31 +252,21 @@ class Gemma4(Architecture):
         # Gemma4 degenerates into repetition with fp16 activations.
         return {"precision": "normal"}
 
+    def end_of_turn_tokens(self) -> tuple[str, ...]:
+        return END_OF_TURN_TOKENS
+
     # --- reference --------------------------------------------------------------------------
-    def load_reference(self, stored: StoredWeights | None, trust_remote_code: bool = False) -> nn.Module:
+    def reference_loader(self):
         import transformers
 
-        cls = (transformers.Gemma4ForConditionalGeneration if self.checkpoint.model_type == "gemma4"
-               else transformers.Gemma4ForCausalLM)
-        model = self.checkpoint.from_pretrained(cls, dtype=torch.float32, attn_implementation="eager")
-        model.eval()
-        if stored:
-            self._apply_stored(model, stored)
-        return model
+        return (transformers.Gemma4ForConditionalGeneration if self.checkpoint.model_type == "gemma4"
+                else transformers.Gemma4ForCausalLM)
 
-    def _apply_stored(self, model: nn.Module, stored: StoredWeights) -> None:
-        params = dict(model.named_parameters())
-        a = self.args
-        targets: list[tuple[str, int | None, torch.Tensor]] = [
-            (*self._checkpoint_name(name), value) for name, value in stored.linears.items()]
-        if stored.embedding is not None and not a.tie_embeddings:
-            targets.append((a.prefix + "embed_tokens.weight", None, stored.embedding))
+    def stored_targets(self, stored: StoredWeights) -> list[tuple[str, int | None, torch.Tensor]]:
+        targets = super().stored_targets(stored)
         if stored.ple is not None:
-            targets.append((a.prefix + "embed_tokens_per_layer.weight", None, stored.ple))
-        with torch.no_grad():
-            for target, expert, value in targets:
-                param = params[target]
-                (param[expert] if expert is not None else param).copy_(value.float())
+            targets.append((self.args.prefix + "embed_tokens_per_layer.weight", None, stored.ple))
+        return targets
 
     def reference_logits(self, model: nn.Module, ids: torch.Tensor) -> torch.Tensor:
         """Logits of HF's text decoder + lm_head + softcapping for a text prompt.
@@ -309,11 +288,6 @@ class Gemma4(Architecture):
         return logits
 
     # --- MLX checkpoints (llmexport/mlx_import.py) ------------------------------------------------
-    def linear_source(self, name: str):
-        from llmexport.models.base import LinearSource
-
-        return LinearSource(*self._checkpoint_name(name))
-
     @classmethod
     def mlx_layout(cls, config: dict[str, Any]):
         """mlx-lm's port (mlx_lm/models/gemma4.py, gemma4_text.py ``sanitize``): the multimodal

@@ -17,29 +17,9 @@ from llmexport.errors import InputError
 from llmexport.models.config_values import flag_value as _flag
 from llmexport.models.config_values import float_value as _float
 from llmexport.models.config_values import int_value as _int
+from llmexport.models.rope import RopeSpec
 
 SLIDING, FULL = "sliding_attention", "full_attention"
-
-
-@dataclass(frozen=True)
-class RopeSpec:
-    """One RoPE table: rotate-half layout over ``head_dim`` with ``rotated_pairs`` live pairs.
-
-    HF's "proportional" RoPE (full layers) keeps the frequency of pair i (dims i and
-    i + head_dim/2) for i < rotated_pairs and zeroes the rest (transformers
-    modeling_rope_utils._compute_proportional_rope_parameters); "default" rotates every pair.
-    """
-
-    theta: float
-    head_dim: int
-    rotated_pairs: int
-    factor: float = 1.0
-
-    def inv_freq(self) -> torch.Tensor:
-        live = 1.0 / (self.theta ** (torch.arange(0, 2 * self.rotated_pairs, 2, dtype=torch.int64).float()
-                                     / self.head_dim))
-        dead = torch.zeros(self.head_dim // 2 - self.rotated_pairs)
-        return torch.cat([live, dead]) / self.factor
 
 
 @dataclass(frozen=True)

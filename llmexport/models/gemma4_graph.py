@@ -10,30 +10,17 @@ scaled; attention goes through ``FusedAttention`` which owns the KV cache. Big m
 from __future__ import annotations
 
 import math
-from typing import Callable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from llmexport.models.gemma4_args import FULL, SLIDING, Gemma4TextArgs, LayerSpec
+from llmexport.models.graph_parts import Norm, TensorLookup
+from llmexport.models.graph_parts import const as _const
+from llmexport.models.rope import rope_cos_sin
+from llmexport.models.rope import rotate as _rotate
 from llmexport.ops import FusedAttention, FusedMoE, GatedMlp, PlaceholderLinear, emitting_custom_ops, rms_norm
-
-TensorLookup = Callable[[str], torch.Tensor]
-
-
-def _const(lookup: TensorLookup, name: str) -> nn.Parameter:
-    return nn.Parameter(lookup(name).detach().float().clone(), requires_grad=False)
-
-
-class Norm(nn.Module):
-    def __init__(self, weight: torch.Tensor | None, eps: float):
-        super().__init__()
-        self.weight = None if weight is None else nn.Parameter(weight, requires_grad=False)
-        self.eps = eps
-
-    def forward(self, x):
-        return rms_norm(x, self.weight, self.eps)
 
 
 def _act(x: torch.Tensor) -> torch.Tensor:
@@ -75,12 +62,6 @@ class Attention(nn.Module):
             v = rms_norm(v, None, self.k_norm.eps)
             kv_store[layer.index] = (k, v)
         return self.o_proj(self.attn(q, k, v, mask))
-
-
-def _rotate(x, cos, sin):
-    half = x.shape[-1] // 2
-    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-    return x * cos + rotated * sin
 
 
 class Mlp(GatedMlp):
@@ -200,9 +181,7 @@ class Gemma4TextGraph(nn.Module):
                                                   args.eps)
 
     def _rope(self, position_ids, kind):
-        freqs = position_ids.float().view(1, -1, 1) * getattr(self, f"inv_freq_{kind}").view(1, 1, -1)
-        emb = torch.cat([freqs, freqs], dim=-1).unsqueeze(2)
-        return emb.cos(), emb.sin()
+        return rope_cos_sin(position_ids, getattr(self, f"inv_freq_{kind}"))
 
     def _per_layer_inputs(self, x, ple_embeddings):
         a = self.args

@@ -17,15 +17,11 @@ from torch import nn
 
 from llmexport.checkpoint import SafetensorsIndex
 from llmexport.models.base import LinearRole, LinearSource, LinearSpec, StoredWeights
+from llmexport.models.graph_parts import TensorLookup, const  # noqa: F401 (the towers' graphs import them here)
 from llmexport.models.tensor_checks import check_finite
 from llmexport.ops import PlaceholderLinear
 
-TensorLookup = Callable[[str], torch.Tensor]
 GREEDY_STEPS = 16
-
-
-def const(lookup: TensorLookup, name: str) -> nn.Parameter:
-    return nn.Parameter(lookup(name).detach().float().clone(), requires_grad=False)
 
 
 @dataclass(frozen=True)

@@ -13,6 +13,7 @@ from typing import Any
 
 from llmexport.errors import InputError
 from llmexport.models.config_values import FP32_MAX, flag_value, float_value, int_value, str_value
+from llmexport.models.decoder import AttentionShape
 from llmexport.reference.k2_horizon.configuration_k2_horizon import K2HorizonConfig
 
 # A key missing from config.json takes the reference configuration's default, exactly as the
@@ -43,7 +44,7 @@ class LayerSpec:
 
 
 @dataclass(frozen=True)
-class K2HorizonArgs:
+class K2HorizonArgs(AttentionShape):
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -62,14 +63,6 @@ class K2HorizonArgs:
     moe_width: int  # routed expert intermediate size
     shared_width: int  # num_shared_experts * moe_intermediate_size (0: no shared experts)
     mova: RouterSpec | None
-
-    @property
-    def num_layers(self) -> int:
-        return len(self.layers)
-
-    @property
-    def kv_width(self) -> int:
-        return self.kv_heads * self.head_dim
 
 
 def _get(cfg: dict[str, Any], key: str) -> Any:

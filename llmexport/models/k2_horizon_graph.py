@@ -14,20 +14,20 @@ main graph instead (the benchmark's baseline; same weights, same results).
 
 from __future__ import annotations
 
-from typing import Callable
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from llmexport.models import decoder_graph
+from llmexport.models.decoder_graph import DecoderStack, PreNormLayer
+from llmexport.models.decoder_graph import SwiGlu as Mlp
+from llmexport.models.graph_parts import TensorLookup
+from llmexport.models.graph_parts import const as _const
 from llmexport.models.k2_horizon_args import K2HorizonArgs, LayerSpec, RouterSpec
-from llmexport.ops import FusedAttention, FusedMoE, GatedMlp, PlaceholderLinear, dense_mixture, rms_norm
+from llmexport.models.rope import RopeSpec
+from llmexport.ops import FusedMoE, PlaceholderLinear, dense_mixture, rms_norm
 
-TensorLookup = Callable[[str], torch.Tensor]
-
-
-def _const(lookup: TensorLookup, name: str) -> nn.Parameter:
-    return nn.Parameter(lookup(name).detach().float().clone(), requires_grad=False)
+__all__ = ["K2HorizonGraph", "Mlp", "ValueExpert", "mova_layer_id"]
 
 
 def mova_layer_id(args: K2HorizonArgs, index: int) -> int:
@@ -96,13 +96,6 @@ class Router(nn.Module):
         return weights * self.spec.scale, chosen
 
 
-class Mlp(GatedMlp):
-    """SwiGLU; also the routed expert template (names relative to ``prefix``)."""
-
-    def __init__(self, prefix: str, hidden: int, width: int):
-        super().__init__(prefix, hidden, width, F.silu)
-
-
 class ValueExpert(nn.Module):
     """One MoVA value expert: SiLU(linear) [n, hidden] -> [n, kv_heads * head_dim]. SiLU sits
     inside the expert so MNN's MoE op applies the routing weights after it, as the reference."""
@@ -115,52 +108,39 @@ class ValueExpert(nn.Module):
         return F.silu(self.proj(x))
 
 
-class Attention(nn.Module):
+class Attention(decoder_graph.Attention):
+    """GQA attention with per-head GroupedRMSNorm of q/k; MoVA layers take their values from
+    routed value experts (v_router + v_experts) instead of v_proj."""
+
     def __init__(self, args: K2HorizonArgs, layer: LayerSpec, lookup: TensorLookup, dense_mova: bool):
-        super().__init__()
         p = f"model.layers.{layer.index}.self_attn."
-        h, d, bias = args.hidden_size, args.head_dim, args.attention_bias
-        self.args, self.layer = args, layer
-        self.q_proj = PlaceholderLinear(p + "q_proj", h, args.num_heads * d, bias)
-        self.k_proj = PlaceholderLinear(p + "k_proj", h, args.kv_width, bias)
-        self.o_proj = PlaceholderLinear(p + "o_proj", args.num_heads * d, h, bias)
-        if layer.mova:
-            spec = args.mova
-            self.v_router = Router(p + "v_router", h, spec, lookup(p + "v_router.e_score_correction_bias"))
-            experts = nn.ModuleList(ValueExpert(p + f"v_experts.{e}", h, args.kv_width)
-                                    for e in range(spec.num_experts))
-            self.dense_mova = dense_mova
-            self.v_experts = experts if dense_mova else FusedMoE(
-                experts, spec.top_k, mova_layer_id(args, layer.index), args.kv_width)
-        else:
-            self.v_proj = PlaceholderLinear(p + "v_proj", h, args.kv_width, bias)
+        norms = None
         if args.qk_norm:
-            self.q_norm = HeadNorm(_const(lookup, p + "q_norm.weight"), args.num_heads, args.eps)
-            self.k_norm = HeadNorm(_const(lookup, p + "k_norm.weight"), args.kv_heads, args.eps)
-        self.attn = FusedAttention(f"/layers.{layer.index}/self_attn/Attention", layer.index, -1,
-                                   args.head_dim ** -0.5)
+            norms = (HeadNorm(_const(lookup, p + "q_norm.weight"), args.num_heads, args.eps),
+                     HeadNorm(_const(lookup, p + "k_norm.weight"), args.kv_heads, args.eps))
+        super().__init__(p, layer.index, args.hidden_size, args.num_heads, args.kv_heads, args.head_dim,
+                         args.attention_bias, norms, args=args, layer=layer, lookup=lookup, dense_mova=dense_mova)
+
+    def init_values(self, prefix: str, hidden: int, width: int, bias: bool, *, args: K2HorizonArgs,
+                    layer: LayerSpec, lookup: TensorLookup, dense_mova: bool) -> None:
+        self.hidden, self.mova = hidden, layer.mova
+        if not layer.mova:
+            super().init_values(prefix, hidden, width, bias)
+            return
+        spec = args.mova
+        self.v_router = Router(prefix + "v_router", hidden, spec, lookup(prefix + "v_router.e_score_correction_bias"))
+        experts = nn.ModuleList(ValueExpert(prefix + f"v_experts.{e}", hidden, width) for e in range(spec.num_experts))
+        self.dense_mova = dense_mova
+        self.v_experts = experts if dense_mova else FusedMoE(experts, spec.top_k, mova_layer_id(args, layer.index),
+                                                             width)
 
     def values(self, x):
-        if not self.layer.mova:
+        if not self.mova:
             return self.v_proj(x)
         weights, chosen = self.v_router(x)
         if self.dense_mova:
             return dense_mixture(self.v_experts, x, weights, chosen)
-        return self.v_experts(x.view(-1, self.args.hidden_size), weights, chosen)
-
-    def forward(self, x, cos, sin, mask):
-        a = self.args
-        q = self.q_proj(x).view(1, -1, a.num_heads, a.head_dim)
-        k = self.k_proj(x).view(1, -1, a.kv_heads, a.head_dim)
-        v = self.values(x).view(1, -1, a.kv_heads, a.head_dim)
-        if a.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
-        return self.o_proj(self.attn(_rotate(q, cos, sin), _rotate(k, cos, sin), v, mask))
-
-
-def _rotate(x, cos, sin):
-    half = x.shape[-1] // 2
-    return x * cos + torch.cat([-x[..., half:], x[..., :half]], dim=-1) * sin
+        return self.v_experts(x.view(-1, self.hidden), weights, chosen)
 
 
 class SparseMoe(nn.Module):
@@ -185,44 +165,23 @@ class SparseMoe(nn.Module):
         return out
 
 
-class DecoderLayer(nn.Module):
+class DecoderLayer(PreNormLayer):
     def __init__(self, args: K2HorizonArgs, layer: LayerSpec, lookup: TensorLookup, dense_mova: bool):
-        super().__init__()
         p = f"model.layers.{layer.index}."
         norm = lambda name: GroupedNorm(_const(lookup, p + name + ".weight"), args.norm_groups, args.eps)  # noqa: E731
-        self.input_layernorm = norm("input_layernorm")
-        self.post_attention_layernorm = norm("post_attention_layernorm")
-        self.self_attn = Attention(args, layer, lookup, dense_mova)
-        self.mlp = SparseMoe(args, layer.index, lookup) if layer.sparse else \
+        mlp = SparseMoe(args, layer.index, lookup) if layer.sparse else \
             Mlp(p + "mlp.", args.hidden_size, args.intermediate_size)
-
-    def forward(self, x, cos, sin, mask):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        super().__init__(norm("input_layernorm"), norm("post_attention_layernorm"),
+                         Attention(args, layer, lookup, dense_mova), mlp)
 
 
-class K2HorizonGraph(nn.Module):
-    """Inputs (runtime layout): input_ids = embeddings [seq, 1, hidden], attention_mask
-    [1, 1, seq, kv] float, position_ids int32 [1, seq], logits_index int32 [1].
-    Outputs: logits [1, n, vocab], hidden_states [1, n, hidden] (final-normed, sliced)."""
+class K2HorizonGraph(DecoderStack):
+    """The pre-norm decoder stack (decoder_graph.DecoderStack) with K2-Horizon's layers and
+    GroupedRMSNorm, default RoPE."""
 
     def __init__(self, args: K2HorizonArgs, lookup: TensorLookup, dense_mova: bool = False):
-        super().__init__()
+        layers = [DecoderLayer(args, layer, lookup, dense_mova) for layer in args.layers]
+        norm = GroupedNorm(_const(lookup, "model.norm.weight"), args.norm_groups, args.eps)
+        rope = RopeSpec(args.rope_theta, args.head_dim, args.head_dim // 2)
+        super().__init__(layers, norm, args.hidden_size, args.vocab_size, rope.inv_freq())
         self.args = args
-        self.layers = nn.ModuleList(DecoderLayer(args, layer, lookup, dense_mova) for layer in args.layers)
-        self.norm = GroupedNorm(_const(lookup, "model.norm.weight"), args.norm_groups, args.eps)
-        self.lm_head = PlaceholderLinear("lm_head", args.hidden_size, args.vocab_size)
-        d = args.head_dim
-        inv_freq = 1.0 / (args.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
-        self.register_buffer("inv_freq", inv_freq, persistent=False)
-
-    def forward(self, input_ids, attention_mask, position_ids, logits_index):
-        x = input_ids.view(1, -1, self.args.hidden_size)
-        freqs = position_ids.float().view(1, -1, 1) * self.inv_freq.view(1, 1, -1)
-        emb = torch.cat([freqs, freqs], dim=-1).unsqueeze(2)  # [1, seq, 1, head_dim]
-        cos, sin = emb.cos(), emb.sin()
-        for layer in self.layers:
-            x = layer(x, cos, sin, attention_mask)
-        x = x[:, logits_index.to(torch.int64):, :]
-        hidden = self.norm(x)
-        return self.lm_head(hidden), hidden

@@ -10,7 +10,7 @@ tokens). Real K2-Horizon checkpoints think inside ``<ifm|think> ... </ifm|think>
 template takes ``reasoning_effort``; the tiny checkpoints use a plain turn template instead
 (``PLAIN_CHAT_TEMPLATE``), which is all verification needs (a chat-templated prompt).
 
-Weights: matrices N(0, WEIGHT_STD); one-dimensional weights (norm gammas) are randomised away from 1
+Weights (llmexport.tiny.weights): matrices N(0, 0.15); one-dimensional weights (norm gammas) are randomised away from 1
 so a forgotten gamma shows; router ``e_score_correction_bias`` values are random and large
 enough that the biased choice differs from the unbiased one for many tokens.
 """
@@ -25,12 +25,11 @@ from typing import Any
 
 import torch
 
+from llmexport.tiny.byte_level_tokenizer import write_checkpoint_tokenizer, write_generation_config
 from llmexport.tiny.tokenizer import SPECIAL_TOKENS, build_tiny_gemma_tokenizer
+from llmexport.tiny.weights import randomize
 
 TINY_VOCAB = 512
-# Matrices N(0, 0.15): large enough that greedy decoding of the tiny models does not settle on
-# one repeated token (0.05 does), so decode steps feed the KV cache different tokens.
-WEIGHT_STD = 0.15
 ROUTER_BIAS_RANGE = 0.25  # uniform in [-r, r]; the tiny routers' sigmoid scores spread about 0.2
 
 PLAIN_CHAT_TEMPLATE = (
@@ -105,37 +104,27 @@ def random_config(seed: int) -> dict[str, Any]:
     return config
 
 
-def _randomize(model: torch.nn.Module, generator: torch.Generator) -> None:
-    with torch.no_grad():
-        for name, tensor in list(model.named_parameters()) + list(model.named_buffers()):
-            if not tensor.is_floating_point() or name.endswith("inv_freq"):
-                continue
-            if tensor.dim() >= 2:
-                value = torch.randn(tensor.shape, generator=generator) * WEIGHT_STD
-            elif name.endswith("e_score_correction_bias"):
-                value = (torch.rand(tensor.shape, generator=generator) * 2 - 1) * ROUTER_BIAS_RANGE
-            elif name.endswith(".bias"):  # attention_bias
-                value = torch.randn(tensor.shape, generator=generator) * 0.05
-            else:  # norm gammas
-                value = torch.rand(tensor.shape, generator=generator) * 0.8 + 0.6
-            tensor.copy_(value.to(tensor.dtype))
-
-
 def build_k2_horizon_checkpoint(out_dir: Path | str, config_kwargs: dict[str, Any], *, seed: int = 0,
-                                dtype: torch.dtype = torch.bfloat16) -> Path:
+                                dtype: torch.dtype = torch.bfloat16, tokenizer: str = "gemma") -> Path:
     """Write a random-weight K2-Horizon checkpoint (remote code, weights, tokenizer) to ``out_dir``.
 
     bf16 by default, as the family ships: a ``--quant_bit 16`` export then stores the weights
     exactly (bf16 values are fp16 values at these magnitudes), so the runtime can be held to the
-    unmodified fp32 reference too, not only to the stored-weights oracle.
+    unmodified fp32 reference too, not only to the stored-weights oracle. ``tokenizer``: "gemma"
+    (the tiny Gemma-style one) or a byte-level style of ``llmexport.tiny.byte_level_tokenizer``
+    ("qwen": Qwen's ByteLevel BPE and ChatML template).
     """
     from llmexport.reference.k2_horizon import AUTO_MAP, REMOTE_CODE_FILES, K2HorizonConfig, K2HorizonForCausalLM
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
+    token_ids = None
+    if tokenizer != "gemma":
+        token_ids = write_checkpoint_tokenizer(out, tokenizer, config_kwargs["vocab_size"])
+        config_kwargs = {**config_kwargs, **token_ids}
     torch.manual_seed(seed)
     model = K2HorizonForCausalLM(K2HorizonConfig(**config_kwargs)).eval()
-    _randomize(model, torch.Generator().manual_seed(seed + 1))
+    randomize(model, torch.Generator().manual_seed(seed + 1), ROUTER_BIAS_RANGE)
     # the router bias stays fp32 whatever the checkpoint dtype (published numerics)
     biases = {n: b.clone() for n, b in model.named_buffers() if n.endswith("e_score_correction_bias")}
     model = model.to(dtype)
@@ -148,15 +137,20 @@ def build_k2_horizon_checkpoint(out_dir: Path | str, config_kwargs: dict[str, An
     config_path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
     for source in REMOTE_CODE_FILES:
         shutil.copyfile(source, out / source.name)
-    build_tiny_gemma_tokenizer(out, vocab_size=config["vocab_size"])
-    (out / "chat_template.jinja").write_text(PLAIN_CHAT_TEMPLATE, encoding="utf-8")
-    (out / "generation_config.json").write_text(json.dumps(dict(
-        bos_token_id=SPECIAL_TOKENS["bos"][1], eos_token_id=SPECIAL_TOKENS["eos"][1],
-        pad_token_id=SPECIAL_TOKENS["pad"][1], do_sample=False), indent=2))
+    if tokenizer == "gemma":
+        build_tiny_gemma_tokenizer(out, vocab_size=config["vocab_size"])
+        (out / "chat_template.jinja").write_text(PLAIN_CHAT_TEMPLATE, encoding="utf-8")
+        (out / "generation_config.json").write_text(json.dumps(dict(
+            bos_token_id=SPECIAL_TOKENS["bos"][1],
+            eos_token_id=[SPECIAL_TOKENS["eos"][1], SPECIAL_TOKENS["end_of_turn"][1]],
+            pad_token_id=SPECIAL_TOKENS["pad"][1], do_sample=False), indent=2))
+    else:
+        write_generation_config(out, token_ids)
     return out
 
 
 def build_tiny_k2_horizon(out_dir: Path | str, variant: str = "sparse", *, seed: int = 0,
-                          dtype: torch.dtype = torch.bfloat16) -> Path:
-    """Write one of ``VARIANTS`` as a tiny random checkpoint to ``out_dir``."""
-    return build_k2_horizon_checkpoint(out_dir, variant_config(variant), seed=seed, dtype=dtype)
+                          dtype: torch.dtype = torch.bfloat16, tokenizer: str = "gemma") -> Path:
+    """Write one of ``VARIANTS`` as a tiny random checkpoint to ``out_dir`` (``tokenizer``: see
+    ``build_k2_horizon_checkpoint``)."""
+    return build_k2_horizon_checkpoint(out_dir, variant_config(variant), seed=seed, dtype=dtype, tokenizer=tokenizer)

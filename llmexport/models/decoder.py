@@ -1,0 +1,212 @@
+"""What a decoder family shares when its placeholder linears map onto checkpoint tensors by name.
+
+``DecoderFamily`` implements the bookkeeping of ``Architecture`` from a few hooks: which tensor
+(and which row of a stacked expert tensor) feeds each linear, the graph constants and tables the
+config implies. From them come the expected-tensor check, the weights and MLX sources of the
+linears, the embedding table, the stored weights written into the HF reference, the reference
+itself and its logits, the standard graph inputs and the checkpoint's own chat template.
+A family overrides only what differs (Gemma4: its graph inputs, reference logits, template).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from llmexport.checkpoint import LazyTensor
+from llmexport.input_files import TOKENIZER_LIMIT, read_bytes, read_optional_json
+from llmexport.models.base import Architecture, GraphInputs, LinearRole, LinearSource, LinearSpec, StoredWeights
+from llmexport.models.tensor_checks import check_tensors
+
+Shapes = dict[str, "tuple[int, ...] | None"]
+
+
+class AttentionShape:
+    """Derived sizes of a decoder's arguments (``layers``, ``kv_heads``, ``head_dim`` fields)."""
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layers)
+
+    @property
+    def kv_width(self) -> int:
+        return self.kv_heads * self.head_dim
+
+
+def attention_specs(prefix: str, hidden: int, q_width: int, kv_width: int, bias: bool,
+                    values: list[LinearSpec] | None = None) -> list[LinearSpec]:
+    """``{prefix}{q,k}_proj``, the value projection(s) (default ``v_proj``), ``o_proj``."""
+    values = values if values is not None else [LinearSpec(prefix + "v_proj", hidden, kv_width, LinearRole.ATTENTION,
+                                                           bias)]
+    return [LinearSpec(prefix + "q_proj", hidden, q_width, LinearRole.ATTENTION, bias),
+            LinearSpec(prefix + "k_proj", hidden, kv_width, LinearRole.ATTENTION, bias), *values,
+            LinearSpec(prefix + "o_proj", q_width, hidden, LinearRole.ATTENTION, bias)]
+
+
+def mlp_specs(prefix: str, hidden: int, width: int, role: LinearRole) -> list[LinearSpec]:
+    """A gated MLP's ``{prefix}{gate,up,down}_proj``."""
+    return [LinearSpec(prefix + "gate_proj", hidden, width, role), LinearSpec(prefix + "up_proj", hidden, width, role),
+            LinearSpec(prefix + "down_proj", width, hidden, role)]
+
+
+def routed_specs(prefix: str, hidden: int, num_experts: int, width: int) -> list[LinearSpec]:
+    """A router ``{prefix}gate`` and its experts ``{prefix}experts.E.{gate,up,down}_proj``."""
+    specs = [LinearSpec(prefix + "gate", hidden, num_experts, LinearRole.ROUTER)]
+    for e in range(num_experts):
+        specs += mlp_specs(prefix + f"experts.{e}.", hidden, width, LinearRole.EXPERT)
+    return specs
+
+
+class DecoderFamily(Architecture):
+    """Base of the families here. Subclasses set ``family`` (the name in messages), build
+    ``self.args`` (with ``tie_embeddings`` and ``vocab_size``/``hidden_size``) and their linears,
+    then call ``check_weights``."""
+
+    family: str = ""
+    #: checkpoint tensors the export does not need and may ignore (e.g. ``rotary_emb.inv_freq``)
+    ignored_suffixes: tuple[str, ...] = ()
+
+    # --- hooks --------------------------------------------------------------------------------
+    @property
+    def embedding_name(self) -> str:
+        return "model.embed_tokens.weight"
+
+    def checkpoint_name(self, linear: str) -> tuple[str, int | None]:
+        """The tensor behind a linear, and its row when the tensor stacks experts."""
+        if linear == "lm_head":
+            return (self.embedding_name if self.tied_embedding else "lm_head.weight"), None
+        return linear + ".weight", None
+
+    def stacked_count(self, tensor: str) -> int:
+        """How many experts a stacked tensor holds (only asked for linears read by row)."""
+        raise NotImplementedError(f"{type(self).__name__} stacks no experts")
+
+    def constant_shapes(self) -> Shapes:
+        """Small tensors that become graph constants (norm gammas, scalars, router biases)."""
+        return {}
+
+    def table_shapes(self) -> Shapes:
+        """Tables read row by row (the token embedding, PLE)."""
+        return {self.embedding_name: (self.args.vocab_size, self.args.hidden_size)}
+
+    # --- weights ------------------------------------------------------------------------------
+    def expected_tensors(self) -> Shapes:
+        expected: Shapes = dict(self.table_shapes())
+        for spec in self.linears():
+            name, row = self.checkpoint_name(spec.name)
+            expected[name] = ((self.stacked_count(name),) if row is not None else ()) + (spec.out_features,
+                                                                                        spec.in_features)
+            if spec.bias:
+                expected[spec.name + ".bias"] = (spec.out_features,)
+        for name, shape in self.constant_shapes().items():
+            expected.setdefault(name, shape)
+        return expected
+
+    def check_weights(self) -> None:
+        check_tensors(self.checkpoint.weights, self.expected_tensors(), self.checkpoint.path, self.family,
+                      ignored=lambda name: name.endswith(self.ignored_suffixes))
+
+    def _bias_name(self, linear: str) -> str | None:
+        bias = linear + ".bias"
+        return bias if bias in self.checkpoint.weights else None
+
+    def linear_weight(self, name: str) -> tuple[torch.Tensor, torch.Tensor | None]:
+        tensor, row = self.checkpoint_name(name)
+        lazy = self.checkpoint.weights.lazy(tensor)
+        bias = self._bias_name(name)
+        return (lazy.read() if row is None else lazy.rows(row, row + 1)[0]), \
+            (self.checkpoint.weights.tensor(bias) if bias else None)
+
+    def linear_source(self, name: str) -> LinearSource:
+        return LinearSource(*self.checkpoint_name(name), self._bias_name(name))
+
+    @property
+    def tied_embedding(self) -> bool:
+        return self.args.tie_embeddings
+
+    def embedding_table(self) -> LazyTensor:
+        return self.checkpoint.weights.lazy(self.embedding_name)
+
+    # --- graph --------------------------------------------------------------------------------
+    def graph_inputs(self, seq_len: int) -> GraphInputs:
+        """The runtime's inputs for one full-attention mask."""
+        args = (torch.randn(seq_len, 1, self.args.hidden_size), torch.zeros(1, 1, seq_len, seq_len),
+                torch.arange(seq_len, dtype=torch.int32).view(1, -1), torch.tensor([-1], dtype=torch.int32))
+        axes = {"input_ids": {0: "seq_len"}, "attention_mask": {2: "seq_len", 3: "kv_len"},
+                "position_ids": {1: "seq_len"}}
+        return GraphInputs(args, ["input_ids", "attention_mask", "position_ids", "logits_index"], axes,
+                           ["logits", "hidden_states"])
+
+    # --- runtime files ------------------------------------------------------------------------
+    def full_attention_config(self, model_type: str) -> dict[str, Any]:
+        """llm_config.json of a full-attention decoder with the checkpoint's own chat template.
+        ``attn_scale`` is left to the runtime default 1/sqrt(head_dim), which is the family's
+        (the graph's Attention ops carry the same scale)."""
+        a = self.args
+        config: dict[str, Any] = {"model_type": model_type, "hidden_size": a.hidden_size,
+                                  "layer_nums": a.num_layers, "attention_type": "full",
+                                  "max_position_embeddings": a.max_position_embeddings}
+        jinja = self.checkpoint_chat_template()
+        if jinja:
+            config["jinja"] = jinja
+        return config
+
+    def checkpoint_chat_template(self) -> dict[str, str] | None:
+        """The checkpoint's own chat template (``chat_template.jinja`` over tokenizer_config.json's)
+        with its bos and eos strings, passed through unchanged."""
+        path = self.checkpoint.path
+        tok_config = read_optional_json(path / "tokenizer_config.json", TOKENIZER_LIMIT, "tokenizer config") or {}
+        template = tok_config.get("chat_template")
+        if (path / "chat_template.jinja").exists():
+            template = read_bytes(path / "chat_template.jinja", TOKENIZER_LIMIT, "chat template").decode("utf-8")
+        if not isinstance(template, str):
+            return None
+        out = {"chat_template": template}
+        for key in ("bos", "eos"):
+            token = tok_config.get(f"{key}_token")
+            token = token.get("content") if isinstance(token, dict) else token
+            if isinstance(token, str):
+                out[key] = token
+        return out
+
+    # --- reference ----------------------------------------------------------------------------
+    def reference_loader(self) -> Any:
+        """The transformers class (or Auto class) whose ``from_pretrained`` builds the reference."""
+        from transformers import AutoModelForCausalLM
+
+        return AutoModelForCausalLM
+
+    def reference_kwargs(self, trust_remote_code: bool) -> dict[str, Any]:
+        return {"attn_implementation": "eager"}
+
+    def load_reference(self, stored: StoredWeights | None, trust_remote_code: bool = False) -> nn.Module:
+        model = self.checkpoint.from_pretrained(self.reference_loader(), dtype=torch.float32,
+                                                **self.reference_kwargs(trust_remote_code))
+        model.eval()
+        if stored:
+            self.apply_stored(model, stored)
+        return model
+
+    def stored_targets(self, stored: StoredWeights) -> list[tuple[str, int | None, torch.Tensor]]:
+        """(checkpoint tensor, expert row, value) for everything the export stored."""
+        targets = [(*self.checkpoint_name(name), value) for name, value in stored.linears.items()]
+        if stored.embedding is not None and not self.tied_embedding:
+            targets.append((self.embedding_name, None, stored.embedding))
+        return targets
+
+    def reference_parameter(self, params: dict[str, nn.Parameter], tensor: str, row: int | None) -> torch.Tensor:
+        """The part of the reference's parameters that holds a checkpoint tensor (row)."""
+        param = params[tensor]
+        return param if row is None else param[row]
+
+    def apply_stored(self, model: nn.Module, stored: StoredWeights) -> None:
+        params = dict(model.named_parameters(remove_duplicate=False))
+        with torch.no_grad():
+            for tensor, row, value in self.stored_targets(stored):
+                self.reference_parameter(params, tensor, row).copy_(value.float())
+
+    def reference_logits(self, model: nn.Module, ids: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            return model(input_ids=ids.view(1, -1), use_cache=False).logits[0].float()

@@ -1,0 +1,140 @@
+"""Trace-friendly pre-norm decoder: the graph MNN runs for Llama, Qwen3, Qwen3-MoE and K2-Horizon.
+
+The runtime's interface: embeddings come in as ``[seq, 1, hidden]`` (the runtime does the
+lookup; these families have no embedding scale), attention goes through ``FusedAttention``
+(MNN's KV-cached Attention op, 1/sqrt(head_dim) scale), routed experts through ``FusedMoE``
+(MNN's MoE op, only the chosen experts run). The layer is HF's
+``h = x + attn(input_layernorm(x)); out = h + mlp(post_attention_layernorm(h))``
+(LlamaDecoderLayer, Qwen3DecoderLayer, Qwen3MoeDecoderLayer). Families pass in their own norms,
+attention values and MLPs; ``DenseDecoderGraph`` builds the Llama/Qwen3 variant from ``DecoderArgs``.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from llmexport.models.decoder_args import DecoderArgs, LayerSpec, MoeSpec
+from llmexport.models.graph_parts import Norm, TensorLookup, const
+from llmexport.models.rope import rope_cos_sin, rotate
+from llmexport.ops import FusedAttention, FusedMoE, GatedMlp, PlaceholderLinear
+
+
+class Attention(nn.Module):
+    """GQA attention on [1, seq, hidden]: q/k/v/o projections (``{prefix}{q,k,v,o}_proj``),
+    optional per-head q/k norms before RoPE (Qwen3, K2-Horizon), MNN's Attention op.
+    Subclasses replace ``init_values``/``values`` (K2-Horizon's MoVA)."""
+
+    def __init__(self, prefix: str, index: int, hidden: int, heads: int, kv_heads: int, head_dim: int, bias: bool,
+                 qk_norms: tuple[nn.Module, nn.Module] | None = None, **value_options):
+        super().__init__()
+        self.heads, self.kv_heads, self.head_dim = heads, kv_heads, head_dim
+        self.q_proj = PlaceholderLinear(prefix + "q_proj", hidden, heads * head_dim, bias)
+        self.k_proj = PlaceholderLinear(prefix + "k_proj", hidden, kv_heads * head_dim, bias)
+        self.o_proj = PlaceholderLinear(prefix + "o_proj", heads * head_dim, hidden, bias)
+        self.init_values(prefix, hidden, kv_heads * head_dim, bias, **value_options)
+        self.qk_norm = qk_norms is not None
+        if qk_norms is not None:
+            self.q_norm, self.k_norm = qk_norms
+        self.attn = FusedAttention(f"/layers.{index}/self_attn/Attention", index, -1, head_dim ** -0.5)
+
+    def init_values(self, prefix: str, hidden: int, width: int, bias: bool, **options) -> None:
+        self.v_proj = PlaceholderLinear(prefix + "v_proj", hidden, width, bias)
+
+    def values(self, x):
+        return self.v_proj(x)
+
+    def forward(self, x, cos, sin, mask):
+        q = self.q_proj(x).view(1, -1, self.heads, self.head_dim)
+        k = self.k_proj(x).view(1, -1, self.kv_heads, self.head_dim)
+        v = self.values(x).view(1, -1, self.kv_heads, self.head_dim)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        return self.o_proj(self.attn(rotate(q, cos, sin), rotate(k, cos, sin), v, mask))
+
+
+class PreNormLayer(nn.Module):
+    def __init__(self, input_layernorm: nn.Module, post_attention_layernorm: nn.Module, self_attn: nn.Module,
+                 mlp: nn.Module):
+        super().__init__()
+        self.input_layernorm = input_layernorm
+        self.post_attention_layernorm = post_attention_layernorm
+        self.self_attn = self_attn
+        self.mlp = mlp
+
+    def forward(self, x, cos, sin, mask):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class DecoderStack(nn.Module):
+    """Inputs (runtime layout): input_ids = embeddings [seq, 1, hidden], attention_mask
+    [1, 1, seq, kv] float, position_ids int32 [1, seq], logits_index int32 [1].
+    Outputs: logits [1, n, vocab], hidden_states [1, n, hidden] (final-normed, sliced)."""
+
+    def __init__(self, layers: list[nn.Module], norm: nn.Module, hidden: int, vocab: int, inv_freq: torch.Tensor):
+        super().__init__()
+        self.hidden = hidden
+        self.layers = nn.ModuleList(layers)
+        self.norm = norm
+        self.lm_head = PlaceholderLinear("lm_head", hidden, vocab)
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+
+    def forward(self, input_ids, attention_mask, position_ids, logits_index):
+        x = input_ids.view(1, -1, self.hidden)
+        cos, sin = rope_cos_sin(position_ids, self.inv_freq)  # [1, seq, 1, head_dim]
+        for layer in self.layers:
+            x = layer(x, cos, sin, attention_mask)
+        x = x[:, logits_index.to(torch.int64):, :]
+        hidden = self.norm(x)
+        return self.lm_head(hidden), hidden
+
+
+class SwiGlu(GatedMlp):
+    """SiLU-gated MLP; also the routed expert template (names relative to ``prefix``)."""
+
+    def __init__(self, prefix: str, hidden: int, width: int):
+        super().__init__(prefix, hidden, width, F.silu)
+
+
+class SoftmaxMoe(nn.Module):
+    """Qwen3-MoE's sparse block (Qwen3MoeTopKRouter + experts) on [1, seq, hidden]: softmax over
+    the router logits in fp32, top-k, optionally renormalised to sum 1; SwiGLU experts on MNN's
+    MoE op (layer_id = layer index)."""
+
+    def __init__(self, prefix: str, index: int, hidden: int, moe: MoeSpec):
+        super().__init__()
+        self.hidden, self.spec = hidden, moe
+        self.gate = PlaceholderLinear(prefix + "gate", hidden, moe.num_experts)
+        experts = nn.ModuleList(SwiGlu(prefix + f"experts.{e}.", hidden, moe.width) for e in range(moe.num_experts))
+        self.experts = FusedMoE(experts, moe.top_k, index, hidden)
+
+    def forward(self, x):
+        probs = torch.softmax(self.gate(x).float(), dim=-1)
+        weights, chosen = torch.topk(probs, self.spec.top_k, dim=-1)
+        if self.spec.normalize:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        out = self.experts(x.view(-1, self.hidden), weights.view(-1, self.spec.top_k),
+                           chosen.view(-1, self.spec.top_k))
+        return out.view(1, -1, self.hidden)
+
+
+def _layer(args: DecoderArgs, layer: LayerSpec, lookup: TensorLookup) -> PreNormLayer:
+    p = f"model.layers.{layer.index}."
+    norm = lambda name: Norm(const(lookup, p + name + ".weight"), args.eps)  # noqa: E731
+    qk = (norm("self_attn.q_norm"), norm("self_attn.k_norm")) if args.qk_norm else None
+    attn = Attention(p + "self_attn.", layer.index, args.hidden_size, args.num_heads, args.kv_heads, args.head_dim,
+                     args.attention_bias, qk)
+    mlp = SoftmaxMoe(p + "mlp.", layer.index, args.hidden_size, args.moe) if layer.sparse else \
+        SwiGlu(p + "mlp.", args.hidden_size, args.intermediate_size)
+    return PreNormLayer(norm("input_layernorm"), norm("post_attention_layernorm"), attn, mlp)
+
+
+class DenseDecoderGraph(DecoderStack):
+    """Llama / Qwen3 / Qwen3-MoE: RMSNorm everywhere, per-head q/k RMSNorm when ``qk_norm``."""
+
+    def __init__(self, args: DecoderArgs, lookup: TensorLookup):
+        layers = [_layer(args, layer, lookup) for layer in args.layers]
+        super().__init__(layers, Norm(const(lookup, "model.norm.weight"), args.eps), args.hidden_size,
+                         args.vocab_size, args.rope.inv_freq())

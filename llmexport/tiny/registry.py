@@ -1,0 +1,46 @@
+"""One tiny random checkpoint builder per registered ``model_type``.
+
+Every family the exporter registers must have one (tests/test_family_registry.py checks it), so
+that the demo, the tests and the benchmarks can build it locally: ``builder(out_dir, seed)``.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Callable
+
+Builder = Callable[[Path, int], Path]
+
+
+def _gemma4(text_only: bool) -> Builder:
+    def build(out: Path, seed: int) -> Path:
+        from llmexport.tiny.gemma4 import build_tiny_gemma4
+
+        return build_tiny_gemma4(out, "e2b", seed=seed, text_only=text_only)
+
+    return build
+
+
+def _k2_horizon(out: Path, seed: int) -> Path:
+    from llmexport.tiny.k2_horizon import build_tiny_k2_horizon
+
+    return build_tiny_k2_horizon(out, "sparse", seed=seed)
+
+
+def _decoder(variant: str) -> Builder:
+    def build(out: Path, seed: int) -> Path:
+        from llmexport.tiny.decoders import build_tiny_decoder
+
+        return build_tiny_decoder(out, variant, seed=seed)
+
+    return build
+
+
+TINY_BUILDERS: dict[str, Builder] = {
+    "gemma4": _gemma4(text_only=False),
+    "gemma4_text": _gemma4(text_only=True),
+    "k2_horizon": _k2_horizon,
+    "llama": _decoder("llama3"),
+    "qwen3": _decoder("qwen3"),
+    "qwen3_moe": _decoder("qwen3-moe"),
+}

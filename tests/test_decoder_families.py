@@ -1,0 +1,189 @@
+"""Llama, Qwen3 and Qwen3-MoE: the rewrite (eager) vs transformers, ONNX (onnxruntime) vs the
+rewrite, the MNN-flavoured trace, config reading and the checkpoint checks."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from families import parametrize
+from helpers import assert_reference_onnx_matches_eager, custom_nodes, edit_checkpoint
+from llmexport.checkpoint import Checkpoint
+from llmexport.eager import bind_weights, prompt_inputs
+from llmexport.errors import InputError, LlmExportError
+from llmexport.models import architecture_for
+from llmexport.models.base import LinearRole
+from llmexport.quant.recipes import recipe
+from llmexport.quant.scheme import QuantScheme
+from llmexport.tiny.decoders import FAMILIES, VARIANTS, build_decoder_checkpoint, random_config
+
+MODEL_TYPE = {variant: family for variant, (family, _) in VARIANTS.items()}
+RANDOM_POINTS = [(family, seed) for family in sorted(FAMILIES) for seed in range(300, 304)]
+
+
+def _logits(arch, graph, ids):
+    with torch.no_grad():
+        return graph(*prompt_inputs(arch, ids, arch.embedding_table(), None))[0][0]
+
+
+def _rewrite_and_reference(path, ids):
+    arch = architecture_for(Checkpoint.open(path))
+    graph = bind_weights(arch.build_graph(), arch.linear_weight)
+    return arch, graph, _logits(arch, graph, ids), arch.reference_logits(arch.load_reference(None), ids)
+
+
+@parametrize("rewrite", "variant", sorted(VARIANTS), MODEL_TYPE.get)
+def test_rewrite_matches_hf(tiny_decoder, variant):
+    torch.manual_seed(1)
+    ids = torch.randint(5, 440, (21,))
+    arch, _, ours, ref = _rewrite_and_reference(tiny_decoder(variant), ids)
+    assert arch.checkpoint.model_type == MODEL_TYPE[variant]
+    assert ours.shape == ref.shape == (21, 512)
+    assert ref.abs().max() > 1.0  # not degenerate
+    assert (ours - ref).abs().max().item() < 1e-4
+
+
+@pytest.mark.parametrize("variant, alter", [
+    ("qwen3", lambda g: g.layers[2].self_attn.k_norm.weight.mul_(1.05)),
+    ("llama3", lambda g: g.inv_freq.copy_(1.0 / 500000.0 ** (torch.arange(0, 16, 2).float() / 16))),  # no llama3 scaling
+    ("qwen3-moe", lambda g: g.layers[1].mlp.gate.weight.mul_(1.5)),
+])
+def test_parity_check_detects_a_change(tiny_decoder, variant, alter):
+    """Guards against a vacuous comparison: a q/k norm gamma, the Llama-3 frequency rescaling and
+    the router each change the logits."""
+    torch.manual_seed(1)
+    ids = torch.randint(5, 440, (21,))
+    arch, graph, ours, ref = _rewrite_and_reference(tiny_decoder(variant), ids)
+    with torch.no_grad():
+        alter(graph)
+    assert (_logits(arch, graph, ids) - ref).abs().max().item() > 1e-3
+
+
+@pytest.mark.parametrize("family, seed", RANDOM_POINTS)
+def test_random_configs_match_hf(tmp_path, family, seed):
+    config = random_config(family, seed)
+    path = build_decoder_checkpoint(tmp_path / "model", family, config, seed=seed,
+                                    dtype=torch.float32 if seed % 2 else torch.bfloat16)
+    torch.manual_seed(seed)
+    ids = torch.randint(5, 440, (13,))
+    arch, _, ours, ref = _rewrite_and_reference(path, ids)
+    reference = arch.load_reference(None)
+    sparse = [i for i, layer in enumerate(reference.model.layers) if type(layer.mlp).__name__.endswith("SparseMoeBlock")]
+    assert sparse == [layer.index for layer in arch.args.layers if layer.sparse]
+    assert (ours - ref).abs().max().item() < 1e-4, config
+
+
+@parametrize("onnx", "variant", ["llama3", "llama3-tied", "qwen3-tied", "qwen3-moe-mixed"], MODEL_TYPE.get)
+def test_reference_onnx_matches_eager(tiny_decoder, tmp_path, variant):  # between them, every feature
+    arch = architecture_for(Checkpoint.open(tiny_decoder(variant)))
+    graph = bind_weights(arch.build_graph(), arch.linear_weight)
+    assert_reference_onnx_matches_eager(arch, graph, tmp_path / "ref.onnx")
+
+
+@pytest.mark.parametrize("variant", ["qwen3", "qwen3-moe-mixed"])
+def test_mnn_flavour_has_placeholders_attention_and_moe_ops(tiny_decoder, tmp_path, variant):
+    arch = architecture_for(Checkpoint.open(tiny_decoder(variant)))
+    path = tmp_path / "llm.onnx"
+    nodes = custom_nodes(arch, path)
+    in_experts = {spec.name for spec in arch.linears() if ".experts." in spec.name}
+    assert {m["name"].decode() for m in nodes["Linear"]} == {spec.name for spec in arch.linears()} - in_experts
+    assert [(a["layer_index"], a["kv_shared_layer_index"]) for a in nodes["Attention"]] == [(i, -1) for i in range(4)]
+    assert all(a["scale"] == pytest.approx(16 ** -0.5) for a in nodes["Attention"])
+    sparse = [layer.index for layer in arch.args.layers if layer.sparse]
+    assert sorted((m["layer_id"], m["num_experts"], m["top_k"]) for m in nodes["MoE"]) == [
+        (i, arch.args.moe.num_experts, arch.args.moe.top_k) for i in sparse]
+    assert len(in_experts) == 3 * len(sparse) * (arch.args.moe.num_experts if sparse else 0)
+    assert path.stat().st_size < 200_000  # weights stay outside the graph
+
+
+def test_roles_and_recipes(tiny_decoder):
+    arch = architecture_for(Checkpoint.open(tiny_decoder("qwen3-moe-mixed")))
+    specs = {spec.name: spec for spec in arch.linears()}
+    plan = recipe("mlp4-attn8", QuantScheme(4, 64))
+    assert specs["model.layers.1.mlp.gate"].role is LinearRole.ROUTER and plan.scheme_for(specs["model.layers.1.mlp.gate"]).bits == 8
+    assert specs["model.layers.1.mlp.experts.7.down_proj"].role is LinearRole.EXPERT
+    assert plan.scheme_for(specs["model.layers.1.mlp.experts.7.down_proj"]).bits == 4
+    assert plan.scheme_for(specs["model.layers.0.mlp.up_proj"]).bits == 4
+    assert plan.scheme_for(specs["model.layers.0.self_attn.k_proj"]).bits == 8
+
+
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_runtime_files_describe_the_family(tiny_decoder, variant):
+    arch = architecture_for(Checkpoint.open(tiny_decoder(variant)))
+    config = arch.llm_config()
+    assert config["attention_type"] == "full" and config["layer_nums"] == 4 and "attn_scale" not in config
+    assert config["model_type"] == MODEL_TYPE[variant]
+    assert "<|im_start|>" in config["jinja"]["chat_template"] if variant.startswith("qwen") else \
+        "<|start_header_id|>" in config["jinja"]["chat_template"]
+    assert arch.runtime_config() == {"precision": "normal"}
+    assert arch.end_of_turn_tokens() == (("<|im_end|>",) if variant.startswith("qwen") else ("<|eot_id|>", "<|eom_id|>"))
+
+
+def test_transformers_4_config_keys_read_the_same(tiny_decoder, tmp_path):
+    """Hub configs spell RoPE as rope_theta + rope_scaling and the expert count num_experts."""
+    for variant, legacy in (("llama3", {"rope_theta": 500000.0, "rope_scaling": {
+            "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 8192}}), ("qwen3-moe", {"rope_theta": 1e6, "num_experts": 8})):
+        src = tiny_decoder(variant)
+        dst = shutil.copytree(src, tmp_path / variant)
+        config = json.loads((src / "config.json").read_text())
+        config.pop("rope_parameters")
+        config.pop("num_local_experts", None)
+        (dst / "config.json").write_text(json.dumps({**config, **legacy}))
+        assert architecture_for(Checkpoint.open(dst)).args == architecture_for(Checkpoint.open(src)).args
+
+
+@pytest.mark.parametrize("variant, edit, message", [
+    ("qwen3", dict(drop=["model.layers.1.self_attn.q_norm.weight"]), "q_norm.weight' missing"),
+    ("qwen3", dict(reshape={"model.layers.0.self_attn.k_norm.weight": (64,)}), r"has shape \[64\]"),
+    ("qwen3", dict(add={"model.layers.0.self_attn.q_proj.bias": torch.zeros(64)}), "not mapped by the Qwen3"),
+    ("qwen3-moe", dict(drop=["model.layers.2.mlp.experts.5.up_proj.weight"]), "experts.5.up_proj.weight' missing"),
+    ("qwen3", dict(config={"use_sliding_window": True}), "use_sliding_window"),
+    ("qwen3", dict(config={"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e6, "factor": 4.0,
+                                               "original_max_position_embeddings": 4096}}), "rope_type"),
+    ("llama3", dict(config={"mlp_bias": True}), "mlp_bias"),
+    ("llama3", dict(config={"hidden_act": "gelu"}), "hidden_act"),
+    ("llama3", dict(config={"num_key_value_heads": 3}), "multiple of num_key_value_heads"),
+    ("llama3", dict(config={"hidden_size": "64"}), "LlamaConfig rejects it"),
+    ("llama3", dict(config={"num_attention_heads": 0}), "LlamaConfig rejects it"),
+    ("qwen3-moe", dict(config={"num_experts_per_tok": 9}), "exceeds the 8 experts"),
+])
+def test_checkpoint_problems_are_input_errors(tiny_decoder, tmp_path, variant, edit, message):
+    path = edit_checkpoint(tiny_decoder(variant), tmp_path / "bad", **edit)
+    with pytest.raises(InputError, match=message):
+        architecture_for(Checkpoint.open(path))
+
+
+_JUNK = st.one_of(st.none(), st.booleans(), st.integers(-3, 10**6), st.floats(allow_nan=True), st.text(max_size=6),
+                  st.lists(st.integers(-1, 4), max_size=3), st.dictionaries(st.text(max_size=3), st.integers(), max_size=2))
+_KEYS = ["num_hidden_layers", "hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim",
+         "intermediate_size", "vocab_size", "rms_norm_eps", "rope_parameters", "rope_theta", "rope_scaling",
+         "tie_word_embeddings", "attention_bias", "mlp_bias", "hidden_act", "max_position_embeddings", "layer_types",
+         "use_sliding_window", "num_experts", "num_local_experts", "num_experts_per_tok", "moe_intermediate_size",
+         "norm_topk_prob", "decoder_sparse_step", "mlp_only_layers"]
+
+
+@settings(max_examples=int(os.environ.get("FUZZ_EXAMPLES", 80)), deadline=None,
+          derandomize=not os.environ.get("FUZZ_EXAMPLES"), suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(variant=st.sampled_from(["llama3", "qwen3", "qwen3-moe-mixed"]), key=st.sampled_from(_KEYS), value=_JUNK,
+       delete=st.booleans())
+def test_mutated_config_gives_typed_errors(tiny_decoder, tmp_path_factory, variant, key, value, delete):
+    """Whatever a config value is, a typed one-line error or a working architecture comes out."""
+    path = shutil.copytree(tiny_decoder(variant), tmp_path_factory.mktemp("fuzz"), dirs_exist_ok=True)
+    config = json.loads((path / "config.json").read_text())
+    if delete:
+        config.pop(key, None)
+    else:
+        config[key] = value
+    (path / "config.json").write_text(json.dumps(config))
+    try:
+        arch = architecture_for(Checkpoint.open(path))
+        arch.build_graph()
+    except LlmExportError as exc:
+        assert str(exc) and "\n" not in str(exc).strip()

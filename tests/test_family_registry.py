@@ -1,0 +1,55 @@
+"""Every registered family has a tiny builder and is run by every stage's parametrized tests.
+
+Adding a family to ``llmexport.models`` without a builder in ``llmexport.tiny.registry`` or
+without a place in the rewrite, ONNX and MNN parity tests (tests/families.py) fails here.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+import pytest
+
+import families
+from llmexport.checkpoint import Checkpoint
+from llmexport.models import architecture_for, registered_families
+from llmexport.models.base import Architecture
+from llmexport.tiny.registry import TINY_BUILDERS
+
+
+def _missing(registry: dict[str, type], builders, coverage: dict[str, set[str]]) -> list[str]:
+    """What the registry lacks: model types without a builder, families without stage tests."""
+    problems = [f"no tiny builder for {t!r}" for t in sorted(set(registry) - set(builders))]
+    for stage in families.STAGES:
+        covered = {registry[t] for t in coverage.get(stage, ()) if t in registry}
+        problems += [f"{cls.__name__} has no {stage} tests"
+                     for cls in sorted(set(registry.values()) - covered, key=lambda c: c.__name__)]
+    return problems
+
+
+def test_every_family_has_a_builder_and_every_stage_test():
+    for module in families.STAGE_MODULES:
+        importlib.import_module(module)
+    registry = registered_families()
+    assert set(TINY_BUILDERS) <= set(registry)  # no builder for a family that does not exist
+    assert _missing(registry, TINY_BUILDERS, families.COVERAGE) == []
+
+
+def test_the_check_sees_a_family_added_without_tests():
+    """Not vacuous: a newly registered family without builder and tests is reported."""
+    class Newcomer(Architecture):  # never instantiated
+        pass
+
+    for module in families.STAGE_MODULES:
+        importlib.import_module(module)
+    registry = {**registered_families(), "newcomer": Newcomer}
+    assert _missing(registry, TINY_BUILDERS, families.COVERAGE) == [
+        "no tiny builder for 'newcomer'", "Newcomer has no rewrite tests", "Newcomer has no onnx tests",
+        "Newcomer has no mnn tests"]
+
+
+@pytest.mark.parametrize("model_type", sorted(TINY_BUILDERS))
+def test_tiny_builders_build_their_model_type(tmp_path, model_type):
+    checkpoint = Checkpoint.open(TINY_BUILDERS[model_type](tmp_path / model_type, 0))
+    assert checkpoint.model_type == model_type
+    assert type(architecture_for(checkpoint)) is registered_families()[model_type]
