@@ -22,6 +22,7 @@ from llmexport.mlx_sources import compare_with_source
 from llmexport.mnn.readback import read_stored
 from llmexport.mnn.runtime import run_runtime
 from llmexport.models import architecture_for
+from llmexport.verify_media import prompt_summary
 
 log = logging.getLogger(__name__)
 
@@ -171,4 +172,5 @@ def summary_line(report: dict[str, Any]) -> str:
     return (f"{'PASS' if report['passed'] else 'FAIL'}: vs stored-weights HF: top-1 {o['top1_agreement']:.0%}, "
             f"greedy {'match' if o['greedy_match'] else 'differs'}, max |dlogit| {o['max_abs_err']:.2e} "
             f"(bound {report['bounds']['max_abs_err']}); vs fp32 HF: top-1 {f['top1_agreement']:.0%}, "
-            f"max |dlogit| {f['max_abs_err']:.2e}; tokenizer {'agrees' if report['tokenizer']['agree'] else 'DISAGREES'}")
+            f"max |dlogit| {f['max_abs_err']:.2e}; tokenizer {'agrees' if report['tokenizer']['agree'] else 'DISAGREES'}"
+            + "".join(f"; {prompt_summary(name, tower)}" for name, tower in report.get("towers", {}).items()))

@@ -1,5 +1,7 @@
-"""Stage 3 (audio): audio.mnn and audio+text prompts in MNN's runtime vs HF carrying the exported
-weights, on a checkpoint with both towers (as E2B/E4B have them), through ``--verify``."""
+"""Stage 3 (audio): audio.mnn and audio+text prompts in MNN's runtime vs HF's full model carrying
+the exported weights, on a checkpoint with both towers (as E2B/E4B have them), through ``--verify``.
+Clips reach the runtime through ``save_audio_for_runtime`` (191 zeros appended), which makes its
+filterbank compute HF's frames."""
 
 from __future__ import annotations
 
@@ -8,12 +10,22 @@ import json
 import pytest
 
 from llmexport import ExportOptions, export
-from llmexport.media.audio import hf_frame_count, runtime_frame_count
+from llmexport.checkpoint import Checkpoint
+from llmexport.media.audio import (HOP, RUNTIME_TAIL, audio_tokens, hf_frame_count, runtime_frame_count,
+                                   samples_for_tokens, synthetic_clip, write_wav)
+from llmexport.mnn.readback import read_stored
+from llmexport.mnn.runtime import run_media_prompt
+from llmexport.models import architecture_for
 from llmexport.quant.scheme import QuantScheme
 from llmexport.tiny.gemma4_towers import build_tiny_multimodal
-from llmexport.verification import verify_export
+from llmexport.tiny.tokenizer import SPECIAL_TOKENS
+from llmexport.verification import summary_line, verify_export
+from llmexport.verify_media import PROMPT_HEAD
 
 import PIL  # noqa: E402,F401  (pillow is a dependency)
+# frames = 1 mod 4 (the runtime's unpadded framing loses a token), samples % 160 in 1..31 (it loses
+# two frames), 1 s, and several attention chunks
+PROMPT_LENGTHS = (samples_for_tokens(3), 16017, 16000, samples_for_tokens(22) + 100)
 
 
 @pytest.fixture(scope="module")
@@ -38,23 +50,38 @@ def test_audio_tower_matches_hf_features_for_three_lengths(exported):
 
 
 @pytest.mark.slow
-def test_audio_prompt_agrees_with_hf_on_the_runtimes_framing(exported):
-    _, _, report = exported
-    prompt = report["towers"]["audio"]["prompt"]
-    runtime, hf = prompt["runtime_framing"], prompt["hf_framing"]
-    print(f"\naudio prompt, {prompt['samples']} samples: frames HF {prompt['frames']['hf']} / runtime "
-          f"{prompt['frames']['runtime']}, tokens HF {prompt['tokens']['hf']} / runtime {prompt['tokens']['runtime']}; "
-          f"runtime framing: greedy {'match' if runtime['greedy_match'] else 'DIFFERS'}, top-1 "
-          f"{runtime['forced']['top1_agreement']:.0%}, max |dlogit| {runtime['forced']['max_abs_err']:.2e}; "
-          f"HF framing: greedy {'match' if hf['greedy_match'] else 'differs'}")
-    # The known defect, separated: the runtime frames one mel frame fewer than HF's extractor.
-    assert prompt["frames"]["hf"] == hf_frame_count(prompt["samples"])
-    assert prompt["frames"]["runtime"] == runtime_frame_count(prompt["samples"]) == prompt["frames"]["hf"] - 1
-    # With that framing on the HF side, the runtime agrees.
-    assert runtime["ids_match"] and runtime["bos_count"] == 1
-    assert runtime["greedy_match"] and len(runtime["greedy_mnn"]) == 16
-    assert runtime["forced"]["top1_agreement"] == 1.0
-    assert "greedy_match" in hf  # reported, not bounded
+def test_padded_clips_give_hfs_answer(exported):
+    """For each length, the runtime on the padded clip agrees with HF's full model on the clip:
+    same ids (so the same token count), greedy tokens and top-1 at every teacher-forced step."""
+    path, out, _ = exported
+    assert [n % HOP for n in PROMPT_LENGTHS][1] in range(1, 32)
+    assert hf_frame_count(PROMPT_LENGTHS[0]) % 4 == 1
+    arch = architecture_for(Checkpoint.open(path))
+    tower = next(t for t in arch.towers() if t.name == "audio")
+    report = tower.verify(out, read_stored(out, arch), prompt_lengths=PROMPT_LENGTHS)
+    for prompt in report["prompts"]:
+        forced = prompt["forced"]
+        print(f"\naudio prompt {prompt['samples']} samples: frames HF {prompt['frames']['hf']}, runtime "
+              f"{prompt['frames']['runtime']} (unpadded {prompt['frames']['runtime_unpadded']}), {prompt['tokens']} "
+              f"tokens: greedy {'match' if prompt['greedy_match'] else 'DIFFERS'}, top-1 {forced['top1_agreement']:.0%}, "
+              f"max |dlogit| {forced['max_abs_err']:.2e}")
+        assert prompt["frames"]["hf"] == prompt["frames"]["runtime"] == hf_frame_count(prompt["samples"])
+        assert prompt["ids_match"] and prompt["bos_count"] == 1 and prompt["greedy_match"]
+        assert forced["top1_agreement"] == 1.0
+    assert report["passed"], report["failures"]
+
+
+@pytest.mark.slow
+def test_unpadded_clip_loses_a_token(exported, tmp_path):
+    """The defect the helper compensates: a clip given as is yields one frame fewer, and for
+    frames = 1 mod 4 one audio token fewer than HF's processor writes."""
+    _, out, _ = exported
+    n = PROMPT_LENGTHS[0]
+    write_wav(tmp_path / "clip.wav", synthetic_clip(n, seed=1))
+    run = run_media_prompt(out, f"{PROMPT_HEAD}<audio>{tmp_path / 'clip.wav'}</audio>", [], 1)
+    got = run.ids.count(SPECIAL_TOKENS["audio"][1])
+    assert got == audio_tokens(runtime_frame_count(n)) == audio_tokens(hf_frame_count(n)) - 1
+    assert runtime_frame_count(n + RUNTIME_TAIL) == hf_frame_count(n)
 
 
 @pytest.mark.slow
@@ -63,7 +90,27 @@ def test_verify_passes_with_both_towers(exported):
     assert report["passed"], report["failures"]
     assert report["towers"]["visual"]["passed"] and report["towers"]["audio"]["passed"]
     assert json.loads((out / "verify.json").read_text())["towers"]["audio"]["passed"]
+    line = summary_line(report)
+    assert "visual ok (prompt vs HF: top-1 100%" in line and "audio ok (prompt vs HF: top-1 100%" in line
     llm_config = json.loads((out / "llm_config.json").read_text())
     assert llm_config["is_audio"] and llm_config["is_visual"] and llm_config["audio_type"] == "usm"
     assert (llm_config["audio_start"], llm_config["audio_end"], llm_config["audio_pad"]) == (10, 11, 12)
     assert {"audio.mnn", "audio.mnn.weight", "visual.mnn", "visual.mnn.weight"} <= {p.name for p in out.iterdir()}
+
+
+def test_summary_line_reports_a_failed_audio_prompt():
+    """A disagreement on the audio prompt (HF's framing) makes the summary line FAIL and say so."""
+    from llmexport.verification import Bounds, _judge
+
+    step = {"top1_match": True, "ref_top2_margin": 1.0, "max_abs_err": 1e-5, "mean_abs_err": 1e-6,
+            "mnn_top1": 1, "ref_top1": 1}
+    text = {"top1_agreement": 1.0, "max_abs_err": 1e-5, "mean_abs_err": 1e-6, "per_step": [step],
+            "greedy_match": True}
+    prompt = {"ids_match": True, "greedy_match": False, "forced": {"top1_agreement": 0.5, "max_abs_err": 0.7},
+              "failures": ["greedy tokens differ"]}
+    report = {"oracle": dict(text), "fp32": dict(text), "tokenizer": {"agree": True, "mismatches": []},
+              "towers": {"audio": {"passed": False, "failures": ["audio prompt 16017 samples (HF framing): greedy "
+                                                                "tokens differ"], "prompts": [prompt]}}}
+    _judge(report, Bounds(0.005))
+    line = summary_line(report)
+    assert line.startswith("FAIL") and "audio FAILED (prompt vs HF: top-1 50%, ids/greedy DIFFER" in line

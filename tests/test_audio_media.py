@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from llmexport.media.audio import (FRAME, HOP, audio_tokens, hf_frame_count, log_mel, runtime_frame_count,
-                                   runtime_log_mel, samples_for_tokens, synthetic_clip, write_wav)
+from llmexport.media.audio import (FRAME, HOP, MAX_SAMPLES, RUNTIME_TAIL, audio_for_runtime, audio_tokens,
+                                   hf_frame_count, log_mel, read_wav, runtime_frame_count, runtime_log_mel,
+                                   samples_for_tokens, save_audio_for_runtime, synthetic_clip, write_wav)
 
 # shorter than a tiny chunk (3 tokens), not a multiple of it (9), several chunks (22), 1 s, and a
 # length with samples % 160 in [1, 31] (where the runtime loses two frames)
@@ -75,3 +78,49 @@ def test_wav_round_trip_is_exact(tmp_path):
         pcm = np.frombuffer(f.readframes(f.getnframes()), dtype="<i2")
         assert (f.getframerate(), f.getnchannels(), f.getsampwidth()) == (16000, 1, 2)
     np.testing.assert_array_equal(pcm.astype(np.float32) / 32768, clip)
+
+
+def test_191_zeros_give_hfs_frame_count_for_every_length():
+    """runtime_frame_count(n + 191) == hf_frame_count(n) for all n up to 30 s, including every
+    n with n % 160 in 1..31 (where the runtime loses two frames) and n below one frame."""
+    n = np.arange(0, MAX_SAMPLES + 1)
+    hf = np.maximum(0, (n + FRAME // 2 - (FRAME + 1)) // HOP + 1)
+    runtime = np.maximum(0, (n + RUNTIME_TAIL + FRAME // 2 - 512) // HOP + 1)
+    assert RUNTIME_TAIL == 191 and np.array_equal(hf, runtime)
+    assert all(runtime_frame_count(int(k) + RUNTIME_TAIL) == hf_frame_count(int(k)) for k in n[::997])
+    # one zero fewer loses a frame somewhere, one more adds one somewhere: 191 is the only tail
+    assert not np.array_equal(hf, np.maximum(0, (n + RUNTIME_TAIL - 1 + FRAME // 2 - 512) // HOP + 1))
+    assert not np.array_equal(hf, np.maximum(0, (n + RUNTIME_TAIL + 1 + FRAME // 2 - 512) // HOP + 1))
+
+
+@settings(max_examples=60, deadline=None)
+@given(frames=st.integers(1, 400), offset=st.integers(0, HOP - 1), seed=st.integers(0, 2 ** 16))
+def test_padded_clip_gives_hfs_features(frames, offset, seed):
+    """Every length (any frame count, any position within the hop): the runtime's filterbank on
+    ``audio_for_runtime(clip)`` yields exactly HF's valid frames."""
+    samples = (frames - 1) * HOP + (FRAME + 1) - FRAME // 2 + offset
+    clip = synthetic_clip(samples, seed=seed)
+    features, mask = log_mel(clip)
+    runtime = runtime_log_mel(audio_for_runtime(clip))
+    assert runtime.shape[0] == int(mask.sum()) == hf_frame_count(samples) >= frames
+    np.testing.assert_array_equal(runtime, features[:runtime.shape[0]])
+
+
+@pytest.mark.parametrize("samples", LENGTHS + [161 + 31, 480_000 + 5000])
+def test_padded_clip_gives_hf_extractors_features(extractor, samples):
+    clip = synthetic_clip(samples, seed=2)
+    ref = extractor([clip], return_tensors="np")
+    valid = ref["input_features"][0][ref["input_features_mask"][0]]
+    runtime = runtime_log_mel(audio_for_runtime(clip))
+    assert runtime.shape == valid.shape
+    assert float(np.abs(runtime - valid).max()) < 1e-4
+
+
+def test_saved_clip_is_the_padded_clip(tmp_path):
+    clip = synthetic_clip(4017, seed=4)
+    fragment = save_audio_for_runtime(clip, tmp_path / "c.wav")
+    assert fragment == f"<audio>{tmp_path / 'c.wav'}</audio>"
+    back = read_wav(tmp_path / "c.wav")
+    assert len(back) == len(clip) + RUNTIME_TAIL
+    np.testing.assert_array_equal(back[:len(clip)], clip)
+    assert not back[len(clip):].any()

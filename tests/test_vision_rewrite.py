@@ -14,10 +14,10 @@ from llmexport.eager import bind_weights
 from llmexport.errors import InputError
 from llmexport.media.image import preprocess, resize_to_processed, synthetic_image
 from llmexport.models import architecture_for
-from llmexport.models.gemma4_towers import multimodal_logits
 from llmexport.models.gemma4_vision import RUNTIME_IMAGE_SCALE, image_features, parse_vision_args
 from llmexport.tiny.gemma4_towers import build_tiny_multimodal
 from llmexport.tiny.tokenizer import SPECIAL_TOKENS
+from llmexport.verify_media import PROMPT_HEAD, FullModel, hf_processor, media_prompt
 
 import PIL  # noqa: E402,F401  (pillow is a dependency)
 CONFIGS = ("vision-64", "vision-1536")
@@ -113,18 +113,20 @@ def test_exported_scale_undoes_runtime_image_scale(tiny, name):
 
 
 @pytest.mark.parametrize("name", CONFIGS)
-def test_oracle_matches_hf_multimodal_forward(tiny, name):
-    """``multimodal_logits`` (the verification oracle) equals HF's own forward with pixel values."""
-    _, arch, _, _, hf = tiny(name)
-    patches, positions, n = _inputs((317, 451), 70)
-    ids = [2, 5, 300, 301, SPECIAL_TOKENS["boi"][1]] + [SPECIAL_TOKENS["image"][1]] * n + [SPECIAL_TOKENS["eoi"][1],
-                                                                                        302, 303, 6]
-    slots = torch.tensor([i for i, t in enumerate(ids) if t == SPECIAL_TOKENS["image"][1]])
-    ours = multimodal_logits(arch, hf, ids, slots, image_features(hf, patches, positions))
-    with torch.no_grad():
-        ref = hf(input_ids=torch.tensor([ids]), pixel_values=patches, image_position_ids=positions,
-                 use_cache=False, logits_to_keep=torch.arange(len(ids))).logits[0]
-    assert (ours - ref).abs().max().item() < 1e-4
+def test_full_model_reference_reuses_the_image_features_exactly(tiny, name):
+    """The verification reference (HF's full model on the processor's inputs) hands the image
+    tower's output of its first call back on later calls: the logits equal a fresh call's."""
+    path, _, _, _, hf = tiny(name)
+    processor = hf_processor(path)
+    prompt = media_prompt(processor, "x", PROMPT_HEAD + processor.image_token + "Say something.", "",
+                          images=[synthetic_image(200, 640, seed=5)])
+    reference = FullModel(hf, prompt)
+    first = reference(prompt.ids)
+    continued = reference(prompt.ids + [300, 301])
+    fresh = FullModel(hf, prompt)(prompt.ids + [300, 301])
+    assert reference.encoded is not None
+    assert torch.equal(continued, fresh) and torch.equal(first, fresh[:len(prompt.ids)])
+    assert prompt.inputs["mm_token_type_ids"][0].tolist().count(1) == prompt.ids.count(SPECIAL_TOKENS["image"][1])
 
 
 def test_ple_rule_maps_media_tokens_to_pad(tiny):
@@ -143,7 +145,9 @@ def test_poisoned_media_ple_row_would_show(tiny):
     ids = [2, 5, 300, SPECIAL_TOKENS["boi"][1]] + [image] * n + [SPECIAL_TOKENS["eoi"][1], 301, 6]
     slots = torch.tensor([i for i, t in enumerate(ids) if t == image])
     features = image_features(hf, patches, positions)
-    right = multimodal_logits(arch, hf, ids, slots, features)
+    with torch.no_grad():
+        right = hf(input_ids=torch.tensor([ids]), pixel_values=patches, image_position_ids=positions,
+                   use_cache=False, logits_to_keep=torch.arange(len(ids))).logits[0]
     lm = hf.model.language_model
     with torch.no_grad():
         wrong_ple = lm.get_per_layer_inputs(torch.tensor([ids]), None)  # image id reaches the lookup

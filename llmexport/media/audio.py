@@ -10,6 +10,11 @@ MNN 3.6.1 (tools/audio/source/audio.cpp ``usm_fbank``) frames the same padded si
 512-sample STFT frames (the 320-sample window zero-padded to 512) and keeps only frames that fit
 entirely: ``(n + 160 - 512) // 160 + 1`` instead of HF's ``(n + 160 - 321) // 160 + 1``. Each kept
 frame equals HF's; the runtime just has one (sometimes two) fewer at the end, and no mask.
+
+The difference is exactly 512 - 321 = 191 samples of frame reach, and only the first 320 samples
+of a frame are windowed: ``audio_for_runtime`` appends 191 zeros (after HF's 30 s cap), and the
+runtime then computes exactly HF's valid frames, hence HF's token count and soft tokens;
+``save_audio_for_runtime`` writes that as a WAV and returns the prompt fragment.
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ MELS = 128
 MEL_FLOOR = 1e-3
 PAD_MULTIPLE = 128
 MAX_SAMPLES = 480_000  # HF truncates at 30 s; the runtime does not
+RUNTIME_TAIL = FFT - (FRAME + 1)  # 191 zeros: the runtime's last whole 512-sample frame is HF's last valid one
 
 
 def _hz_to_mel(f: np.ndarray) -> np.ndarray:
@@ -100,6 +106,22 @@ def runtime_log_mel(waveform: np.ndarray) -> np.ndarray:
     return _log_mel_frames(signal, runtime_frame_count(len(wav)))
 
 
+def audio_for_runtime(waveform: np.ndarray) -> np.ndarray:
+    """The samples to give MNN 3.6.1's runtime so that it computes HF's features for ``waveform``:
+    HF's 30 s truncation, then ``RUNTIME_TAIL`` zeros (``runtime_frame_count(n + 191) ==
+    hf_frame_count(n)`` for every n, and the added zeros lie outside every valid frame's window)."""
+    wav = np.asarray(waveform, dtype=np.float32).reshape(-1)[:MAX_SAMPLES]
+    return np.concatenate([wav, np.zeros(RUNTIME_TAIL, np.float32)])
+
+
+def save_audio_for_runtime(waveform: np.ndarray, path: Path | str) -> str:
+    """Write ``audio_for_runtime(waveform)`` as a 16 kHz 16-bit WAV at ``path`` and return the
+    prompt fragment ``<audio>path</audio>``. The WAV holds 16-bit levels: give HF the same levels
+    (``read_wav(path)`` without its tail, or a clip already on them) for a bit-exact comparison."""
+    write_wav(Path(path), audio_for_runtime(waveform))
+    return f"<audio>{path}</audio>"
+
+
 def synthetic_clip(samples: int, seed: int = 0) -> np.ndarray:
     """A deterministic clip (chirps and noise) quantised to 16-bit PCM levels, so that a WAV file
     written with ``write_wav`` reads back bit-exactly (MNN reads int16 / 32768)."""
@@ -119,6 +141,15 @@ def write_wav(path: Path, waveform: np.ndarray) -> None:
         f.setsampwidth(2)
         f.setframerate(SAMPLE_RATE)
         f.writeframes(pcm.tobytes())
+
+
+def read_wav(path: Path | str) -> np.ndarray:
+    """A 16-bit mono WAV as float32 samples (int16 / 32768, as MNN's runtime reads it)."""
+    with wave.open(str(path), "rb") as f:
+        if (f.getsampwidth(), f.getnchannels()) != (2, 1):
+            raise ValueError(f"{path}: expected 16-bit mono PCM")
+        pcm = np.frombuffer(f.readframes(f.getnframes()), dtype="<i2")
+    return (pcm.astype(np.float32) / 32768).astype(np.float32)
 
 
 def samples_for_tokens(tokens: int, extra: int = 37) -> int:

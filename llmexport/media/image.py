@@ -9,13 +9,17 @@ patch order, positions are (x = column, y = row), and padding rows carry zeros a
 MNN's runtime (omni.cpp ``gemma4VisionProcess``, 3.6.1) resizes differently: it rounds each side
 of the requested size to a multiple of 48 and resizes bilinearly without antialiasing. Giving it
 an image that already has ``processed_size`` makes its resize the identity, so both sides see the
-same pixels: ``resize_to_processed`` does that with HF's filter.
+same pixels: ``resize_to_processed`` does that with HF's filter, and ``save_image_for_runtime``
+saves it losslessly and returns the prompt fragment ``<img><hw>H,W</hw>path</img>``. The size
+must be given: without ``<hw>`` the runtime uses ``image_size`` for the first image and, since it
+keeps the size of the last image it processed, that image's size for every later one.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -94,6 +98,15 @@ def resize_to_processed(image: "Image.Image", max_soft_tokens: int = MAX_SOFT_TO
     if (h, w) == (image.height, image.width):
         return image
     return image.resize((w, h), resample=Image.Resampling.BICUBIC)
+
+
+def save_image_for_runtime(image: "Image.Image", path: Path | str, max_soft_tokens: int = MAX_SOFT_TOKENS) -> str:
+    """Save ``resize_to_processed(image)`` at ``path`` (give it a lossless format such as .png) and
+    return the prompt fragment ``<img><hw>H,W</hw>path</img>`` that makes MNN 3.6.1's runtime
+    see exactly HF's pixels (and hence HF's soft-token count) for ``image``."""
+    resized = resize_to_processed(image, max_soft_tokens)
+    resized.save(path)
+    return f"<img><hw>{resized.height},{resized.width}</hw>{path}</img>"
 
 
 def patchify(pixels: np.ndarray, patch: int = PATCH) -> np.ndarray:

@@ -189,7 +189,15 @@ class Gemma4(DecoderFamily):
 
     # --- graph ------------------------------------------------------------------------------
     def build_graph(self) -> nn.Module:
-        return Gemma4TextGraph(self.args, finite_lookup(self.checkpoint.weights, self.checkpoint.path)).eval()
+        return Gemma4TextGraph(self.args, finite_lookup(self.checkpoint.weights, self.checkpoint.path),
+                               self.marks_images).eval()
+
+    @property
+    def marks_images(self) -> bool:
+        """Image spans attend both ways on sliding layers: visual.mnn marks its soft tokens for
+        the text graph (gemma4_media.py)."""
+        return (self.args.bidirectional_vision and len(self.args.rope) > 1
+                and any(tower.name == "visual" for tower in self._towers))
 
     def graph_inputs(self, seq_len: int) -> GraphInputs:
         a = self.args

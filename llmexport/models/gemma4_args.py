@@ -17,6 +17,7 @@ from llmexport.errors import InputError
 from llmexport.models.config_values import flag_value as _flag
 from llmexport.models.config_values import float_value as _float
 from llmexport.models.config_values import int_value as _int
+from llmexport.models.gemma4_media import bidirectional_vision
 from llmexport.models.rope import RopeSpec
 
 SLIDING, FULL = "sliding_attention", "full_attention"
@@ -63,6 +64,7 @@ class Gemma4TextArgs:
     moe: MoESpec | None
     max_position_embeddings: int
     pad_token_id: int
+    bidirectional_vision: bool = False  # image spans attend both ways on sliding layers (gemma4_media.py)
 
     @property
     def num_layers(self) -> int:
@@ -139,6 +141,7 @@ def parse_text_args(config: dict[str, Any], prefix: str, where: str, max_layers:
         activation=activation, moe=moe,
         max_position_embeddings=_int(cfg, "max_position_embeddings", where, 131072),
         pad_token_id=_int(cfg, "pad_token_id", where, 0, 0),
+        bidirectional_vision=bidirectional_vision(cfg, where),
     )
 
 

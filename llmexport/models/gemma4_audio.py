@@ -32,11 +32,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from llmexport.errors import InputError
-from llmexport.media.audio import MELS, runtime_log_mel, samples_for_tokens, synthetic_clip, write_wav
+from llmexport.media.audio import (MELS, RUNTIME_TAIL, hf_frame_count, runtime_frame_count, samples_for_tokens,
+                                   save_audio_for_runtime, synthetic_clip)
 from llmexport.models.base import GraphInputs, LinearRole, StoredWeights, Tower
-from llmexport.models.gemma4_towers import (GREEDY_STEPS, ClippedLinear, TowerLinear, TowerLinears,
-                                            compare_prompt, const, mllm_runtime_config, multimodal_logits,
-                                            reference_greedy, reference_passes, relative_error, tower_linear)
+from llmexport.models.gemma4_towers import (ClippedLinear, TowerLinear, TowerLinears, const, mllm_runtime_config,
+                                            relative_error, tower_linear)
 from llmexport.ops import rms_norm
 from llmexport.models.config_values import FP32_MAX, flag_value, float_value, int_value, str_value
 from llmexport.models.tensor_checks import count_limit, finite_lookup
@@ -46,7 +46,7 @@ log = logging.getLogger(__name__)
 PREFIX = "model.audio_tower."
 EMBEDDER = "model.embed_audio.embedding_projection"
 FEATURE_BOUND = 1e-3  # max relative error of audio.mnn vs HF audio features (stored weights)
-PROMPT_HEAD, PROMPT_TAIL = "<bos><|turn>user\n", "Transcribe this audio.<turn|>\n<|turn>model\n"
+PROMPT_TAIL = "Transcribe this audio.<turn|>\n<|turn>model\n"
 
 
 @dataclass(frozen=True)
@@ -392,92 +392,54 @@ class Gemma4AudioTower(TowerLinears, Tower):
         c = self.args.chunk
         return [samples_for_tokens(t) for t in (max(1, c - 1), 2 * c + 1, 5 * c + 2)]
 
-    def verify(self, export_dir: Path, stored_text: StoredWeights) -> dict[str, Any]:
+    def verify(self, export_dir: Path, stored_text: StoredWeights,
+               prompt_lengths: tuple[int, ...] | None = None) -> dict[str, Any]:
         """``audio.mnn`` on HF's features vs HF's audio features (stored weights: max relative error
-        < 1e-3; fp32: reported), and an audio+text prompt through the runtime, compared with HF on
-        HF's framing (reported) and on the runtime's framing (must agree)."""
+        < 1e-3; fp32: reported), and an audio+text prompt per clip length (default: the middle
+        verification length) through the runtime (clip given by ``save_audio_for_runtime``, so the
+        runtime computes HF's frames) vs HF's full model on the clip (llmexport/verify_media.py)."""
         import tempfile
 
-        from transformers import AutoTokenizer
-        from transformers.models.gemma4.feature_extraction_gemma4 import Gemma4AudioFeatureExtractor
-
         from llmexport.mnn.runtime import run_module
+        from llmexport.verify_media import PROMPT_HEAD, check_media_prompts, hf_processor, media_prompt
 
-        extractor = Gemma4AudioFeatureExtractor()
+        processor = hf_processor(self.checkpoint.path)
         clips = [synthetic_clip(n, seed=n) for n in self.verify_lengths()]
-        hf = [extractor([clip], return_tensors="pt") for clip in clips]
+        hf = [processor.feature_extractor([clip], return_tensors="pt") for clip in clips]
         hf = [(f["input_features"], f["input_features_mask"]) for f in hf]
         outputs = run_module(export_dir / f"{self.name}.mnn", [{"input_features": f[:, m[0]].numpy()} for f, m in hf],
                              ["audio_embeds"])
-        prompt_clip = synthetic_clip(self.verify_lengths()[1], seed=1)
-        framed = extractor([prompt_clip], return_tensors="pt")
-        runtime_features = torch.from_numpy(runtime_log_mel(prompt_clip)).unsqueeze(0)
-        framings = {"hf_framing": (framed["input_features"], framed["input_features_mask"]),
-                    "runtime_framing": (runtime_features, torch.ones(runtime_features.shape[:2], dtype=torch.bool))}
-        tokenizer = AutoTokenizer.from_pretrained(self.checkpoint.path)
 
-        def on_oracle(model):
-            prompts = {}
-            for name, framing in framings.items():
-                soft = audio_features(model, *framing)
-                ids, slots = self._prompt_ids(tokenizer, soft.shape[0])
-                prompts[name] = (ids, slots, *reference_greedy(
-                    lambda x: multimodal_logits(self.arch, model, x, slots, soft), ids, GREEDY_STEPS))
-            return [audio_features(model, *f) for f in hf], prompts
+        def features(model):
+            return [audio_features(model, *f) for f in hf]
 
-        def on_fp32(model, first):
-            ids, slots, greedy, _ = first[1]["runtime_framing"]
-            soft = audio_features(model, *framings["runtime_framing"])
-            logits = multimodal_logits(self.arch, model, ids + greedy[:-1], slots, soft)[len(ids) - 1:].numpy()
-            return [audio_features(model, *f) for f in hf], logits
-
-        (refs, prompts), (refs32, logits32) = reference_passes(
-            self.arch, stored_text, self._linears, export_dir, self.name, on_oracle, on_fp32)
-        reports = []
-        for clip, (features, mask), out, ref, ref32 in zip(clips, hf, outputs, refs, refs32):
+        lengths = prompt_lengths or (self.verify_lengths()[1],)
+        with tempfile.TemporaryDirectory(prefix="llmexport-audio-") as tmp:
+            prompts = []
+            for i, n in enumerate(lengths):
+                clip = synthetic_clip(n, seed=i + 1)
+                fragment = save_audio_for_runtime(clip, Path(tmp) / f"clip{i}.wav")
+                prompts.append(media_prompt(processor, f"{n} samples", PROMPT_HEAD + processor.audio_token + PROMPT_TAIL,
+                                            PROMPT_HEAD + fragment + PROMPT_TAIL, audio=[clip]))
+            refs, refs32, reports = check_media_prompts(self, export_dir, stored_text, prompts,
+                                                        processor.tokenizer.bos_token_id, features)
+        clip_reports = []
+        for clip, (_, mask), out, ref, ref32 in zip(clips, hf, outputs, refs, refs32):
             mnn = out["audio_embeds"][0]
             same = mnn.shape == tuple(ref.shape)
-            reports.append({"samples": len(clip), "frames": int(mask.sum()), "tokens": int(ref.shape[0]),
-                            "mnn_tokens": int(mnn.shape[0]), "rel_err": relative_error(mnn, ref) if same else math.inf,
-                            "rel_err_fp32": relative_error(mnn, ref32) if same else math.inf})
-        with tempfile.TemporaryDirectory(prefix="llmexport-audio-") as tmp:
-            prompt = self._check_prompt(export_dir, Path(tmp), tokenizer, prompt_clip, prompts, logits32)
-        prompt["frames"] = {"hf": int(framed["input_features_mask"].sum()), "runtime": int(runtime_features.shape[1])}
+            clip_reports.append({"samples": len(clip), "frames": int(mask.sum()), "tokens": int(ref.shape[0]),
+                                 "mnn_tokens": int(mnn.shape[0]),
+                                 "rel_err": relative_error(mnn, ref) if same else math.inf,
+                                 "rel_err_fp32": relative_error(mnn, ref32) if same else math.inf})
+        for n, prompt, report in zip(lengths, prompts, reports):
+            report.update(samples=n, tokens=prompt.ids.count(self.ids["audio"]),
+                          frames={"hf": hf_frame_count(n), "runtime": runtime_frame_count(n + RUNTIME_TAIL),
+                                  "runtime_unpadded": runtime_frame_count(n)})
         failures = [f"clip of {r['samples']} samples: relative error {r['rel_err']:.2e} >= {FEATURE_BOUND}"
-                    for r in reports if r["rel_err"] >= FEATURE_BOUND]
-        failures += [f"audio prompt (runtime framing): {f}" for f in prompt["runtime_framing"]["failures"]]
-        return {"passed": not failures, "failures": failures, "feature_bound": FEATURE_BOUND, "clips": reports,
-                "prompt": prompt}
-
-    def _prompt_ids(self, tokenizer, soft_tokens: int) -> tuple[list[int], torch.Tensor]:
-        """HF's ids of the verification prompt (as Gemma4Processor expands it) and its audio slots."""
-        token, i = tokenizer.convert_ids_to_tokens, self.ids
-        slots = token(i["boa"]) + token(i["audio"]) * soft_tokens + token(i["eoa"])
-        ids = tokenizer(PROMPT_HEAD + slots + PROMPT_TAIL, add_special_tokens=False)["input_ids"]
-        return ids, torch.tensor([k for k, t in enumerate(ids) if t == i["audio"]])
-
-    def _check_prompt(self, export_dir: Path, tmp: Path, tokenizer, clip: np.ndarray, prompts: dict[str, tuple],
-                      logits32: np.ndarray) -> dict[str, Any]:
-        """The prompt through MNN's runtime (clip as a 16-bit WAV): must agree with HF run on the
-        runtime's framing; HF on its own framing is reported beside it (the known framing defect)."""
-        from llmexport.mnn.runtime import run_media_prompt
-
-        write_wav(tmp / "clip.wav", clip)
-        ids, slots, greedy, logits = prompts["runtime_framing"]
-        run = run_media_prompt(export_dir, f"{PROMPT_HEAD}<audio>{tmp / 'clip.wav'}</audio>{PROMPT_TAIL}",
-                               greedy[:-1], GREEDY_STEPS)
-        runtime = compare_prompt(run, ids, greedy, logits, logits32)
-        runtime["bos_count"] = run.ids.count(tokenizer.bos_token_id)
-        if runtime["bos_count"] != 1:
-            runtime["failures"].append(f"{runtime['bos_count']} BOS tokens in the runtime's prompt")
-        hf_ids, hf_slots, hf_greedy, hf_logits = prompts["hf_framing"]
-        hf_report: dict[str, Any] = {"tokens": len(hf_slots), "greedy_ref": hf_greedy,
-                                     "greedy_match": hf_greedy == run.greedy_ids}
-        if len(hf_ids) == len(run.ids):  # same token count: the first step can be compared too
-            hf_report["first_step_top1_match"] = int(run.forced_logits[0].argmax()) == int(hf_logits[0].argmax())
-            hf_report["first_step_max_abs_err"] = float(np.abs(run.forced_logits[0] - hf_logits[0]).max())
-        return {"samples": len(clip), "tokens": {"hf": len(hf_slots), "runtime": len(slots)},
-                "runtime_framing": runtime, "hf_framing": hf_report}
+                    for r in clip_reports if r["rel_err"] >= FEATURE_BOUND]
+        failures += [f"audio prompt {r['label']} (HF framing): {f}" for r in reports for f in r["failures"]]
+        return {"passed": not failures, "failures": failures, "feature_bound": FEATURE_BOUND, "clips": clip_reports,
+                "prompts": reports}
 
 
 def audio_features(model, features: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

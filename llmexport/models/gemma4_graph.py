@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from llmexport.models.gemma4_args import FULL, SLIDING, Gemma4TextArgs, LayerSpec
+from llmexport.models.gemma4_media import open_media_spans, unmark_media
 from llmexport.models.graph_parts import Norm, TensorLookup
 from llmexport.models.graph_parts import const as _const
 from llmexport.models.rope import rope_cos_sin
@@ -162,9 +163,11 @@ class Gemma4TextGraph(nn.Module):
     """Inputs (runtime layout): input_ids = embeddings [seq, 1, hidden] (unscaled),
     attention_mask [2, 1, 1, seq, kv] (full, sliding) or [1, 1, seq, kv], position_ids int32
     [1, seq], logits_index int32 [1], ple_embeddings [1, seq, layers * ple_dim] (scaled).
-    Outputs: logits [1, n, vocab], hidden_states [1, n, hidden] (final-normed, sliced)."""
+    Outputs: logits [1, n, vocab], hidden_states [1, n, hidden] (final-normed, sliced).
+    With ``media_spans`` the input carries marked image soft tokens (gemma4_media.py): they are
+    unmarked, and each image run attends to itself both ways on sliding layers."""
 
-    def __init__(self, args: Gemma4TextArgs, lookup: TensorLookup):
+    def __init__(self, args: Gemma4TextArgs, lookup: TensorLookup, media_spans: bool = False):
         super().__init__()
         self.args = args
         self.layers = nn.ModuleList(DecoderLayer(args, layer, lookup) for layer in args.layers)
@@ -173,6 +176,7 @@ class Gemma4TextGraph(nn.Module):
         for kind, rope in args.rope.items():
             self.register_buffer(f"inv_freq_{kind}", rope.inv_freq(), persistent=False)
         self.mixed = len(args.rope) > 1
+        self.media_spans = media_spans
         if args.ple_dim:
             width = args.num_layers * args.ple_dim
             self.per_layer_model_projection = PlaceholderLinear(
@@ -191,10 +195,14 @@ class Gemma4TextGraph(nn.Module):
 
     def forward(self, input_ids, attention_mask, position_ids, logits_index, ple_embeddings=None):
         a = self.args
+        if self.media_spans:
+            input_ids, marked = unmark_media(input_ids)
         x = input_ids.view(1, -1, a.hidden_size) * math.sqrt(a.hidden_size)
         ple = self._per_layer_inputs(x, ple_embeddings) if a.ple_dim else None
         ropes = {kind: self._rope(position_ids, kind) for kind in a.rope}
         masks = {FULL: attention_mask[0], SLIDING: attention_mask[1]} if self.mixed else None
+        if self.media_spans and masks:  # without sliding layers HF's mask stays causal
+            masks[SLIDING] = open_media_spans(masks[SLIDING], marked)
         kv_store: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         for i, layer in enumerate(self.layers):
             kind = layer.layer.kind

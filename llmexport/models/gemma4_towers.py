@@ -1,6 +1,6 @@
 """What Gemma4's vision and audio towers share: clipped placeholder linears, the checkpoint names
-behind them, the stored tower weights read back from ``{stem}.mnn``, the HF oracle carrying
-those weights, and the comparison of a media prompt run by MNN's runtime with HF.
+behind them, the stored tower weights read back from ``{stem}.mnn`` and the HF oracle carrying
+those weights (media prompts are compared in llmexport/verify_media.py).
 """
 
 from __future__ import annotations
@@ -21,7 +21,6 @@ from llmexport.models.graph_parts import TensorLookup, const  # noqa: F401 (the 
 from llmexport.models.tensor_checks import check_finite
 from llmexport.ops import PlaceholderLinear
 
-GREEDY_STEPS = 16
 
 
 @dataclass(frozen=True)
@@ -78,6 +77,9 @@ class TowerLinears:
     def linear_source(self, name: str) -> LinearSource:
         linear = next(linear for linear in self._linears if linear.spec.name == name)
         return LinearSource(linear.weight, None, linear.bias)
+
+    def tower_linears(self) -> list[TowerLinear]:
+        return list(self._linears)
 
     def linear_weight(self, name: str) -> tuple[torch.Tensor, torch.Tensor | None]:
         linear = next(linear for linear in self._linears if linear.spec.name == name)
@@ -192,71 +194,3 @@ def reference_passes(arch, stored_text: StoredWeights | None, linears: list[Towe
     second = on_fp32(fp32, first)
     del fp32
     return first, second
-
-
-def multimodal_logits(arch, model: nn.Module, ids: list[int], slots: torch.Tensor,
-                      features: torch.Tensor) -> torch.Tensor:
-    """All-position logits [seq, vocab] of HF's Gemma4 with ``features`` at the prompt's media
-    slots (``slots``: positions), following ``Gemma4Model.forward``: the slots' token embedding and
-    PLE lookup use the pad id, the merged embeddings feed the decoder and the PLE projection.
-
-    Only the prompt's slots are media. A media-token id generated later stays text, as in MNN's
-    runtime (a single decoded token goes through the plain lookup); HF's wrapper would turn every
-    media-token id into pad, which is why the decoder is called directly.
-    """
-    lm = model.model.language_model
-    ids_t = torch.tensor([ids])
-    media = torch.zeros_like(ids_t, dtype=torch.bool)
-    media[0, slots] = True
-    lookup = torch.where(media, torch.full_like(ids_t, arch.args.pad_token_id), ids_t)
-    with torch.no_grad():
-        embeds = lm.embed_tokens(lookup)
-        embeds[0, slots] = features.to(embeds.dtype)
-        per_layer = lm.get_per_layer_inputs(lookup, None) if arch.args.ple_dim else None
-        hidden = lm(inputs_embeds=embeds, per_layer_inputs=per_layer, use_cache=False,
-                    logits_to_keep=torch.arange(len(ids))).last_hidden_state
-        logits = model.lm_head(hidden)[0].float()
-    cap = arch.args.final_softcap
-    return torch.tanh(logits / cap) * cap if cap else logits
-
-
-def reference_greedy(logits_fn: Callable[[list[int]], torch.Tensor], prompt: list[int],
-                     steps: int) -> tuple[list[int], np.ndarray]:
-    """Greedy continuation recomputing the whole sequence each step (no cache path), and the
-    last-position logits of each step: the teacher-forced logits of ``prompt + greedy[:-1]``."""
-    ids, logits = list(prompt), []
-    for _ in range(steps):
-        logits.append(logits_fn(ids)[-1].numpy())
-        ids.append(int(logits[-1].argmax()))
-    return ids[len(prompt):], np.stack(logits)
-
-
-def compare_prompt(run, prompt_ids: list[int], greedy_ref: list[int], ref_logits: np.ndarray,
-                   fp32_logits: np.ndarray | None = None) -> dict[str, Any]:
-    """Runtime media-prompt run vs HF: token ids, greedy tokens, teacher-forced logits.
-
-    Failures follow the text verification's rule: a teacher-forced top-1 disagreement counts
-    unless the oracle's own top-2 margin is below the error measured at that step (a near-tie).
-    """
-    from llmexport.verification import step_stats, summarize
-
-    report: dict[str, Any] = {"prompt_tokens": len(prompt_ids), "ids_match": run.ids == prompt_ids,
-                              "greedy_ref": greedy_ref, "greedy_mnn": run.greedy_ids,
-                              "greedy_match": greedy_ref == run.greedy_ids}
-    failures = []
-    if not report["ids_match"]:
-        failures.append(f"runtime prompt ids differ from HF's ({len(run.ids)} vs {len(prompt_ids)} tokens)")
-    if report["ids_match"]:
-        forced = summarize(step_stats(run.forced_logits, ref_logits))
-        report["forced"] = forced
-        for i, s in enumerate(forced["per_step"]):
-            if not s["top1_match"] and s["ref_top2_margin"] >= s["max_abs_err"]:
-                failures.append(f"step {i}: top-1 {s['mnn_top1']} != {s['ref_top1']} "
-                                f"(margin {s['ref_top2_margin']:.4f})")
-        if fp32_logits is not None:
-            report["fp32"] = {k: v for k, v in summarize(step_stats(run.forced_logits, fp32_logits)).items()
-                              if k != "per_step"}
-    if not report["greedy_match"]:
-        failures.append(f"greedy tokens differ: mnn {run.greedy_ids} vs hf {greedy_ref}")
-    report["failures"] = failures
-    return report

@@ -30,10 +30,9 @@ from torch import nn
 from llmexport.errors import InputError
 from llmexport.media.image import processed_size
 from llmexport.models.base import GraphInputs, LinearRole, StoredWeights, Tower
-from llmexport.models.gemma4_towers import (GREEDY_STEPS, ClippedLinear, TowerLinear, TowerLinears,
-                                            compare_prompt, const, encoder_attention, mllm_runtime_config,
-                                            multimodal_logits, reference_greedy, reference_passes, relative_error,
-                                            tower_linear)
+from llmexport.models.gemma4_media import MEDIA_MARK
+from llmexport.models.gemma4_towers import (ClippedLinear, TowerLinear, TowerLinears, const, encoder_attention,
+                                            mllm_runtime_config, relative_error, tower_linear)
 from llmexport.ops import gelu_tanh, rms_norm
 from llmexport.models.config_values import flag_value, float_value, int_value, str_value
 from llmexport.models.tensor_checks import count_limit, finite_lookup
@@ -45,7 +44,7 @@ EMBEDDER = "model.embed_vision.embedding_projection"
 RUNTIME_IMAGE_SCALE = 1.0 / 39.25  # omni.cpp gemma4VisionProcess: imageEmbedding * (1.0f / 39.25f)
 VERIFY_SIZES = ((300, 300), (200, 640), (317, 451))  # square, wide, sides not multiples of 48
 FEATURE_BOUND = 1e-3  # max relative error of visual.mnn vs HF image features (stored weights)
-PROMPT_HEAD, PROMPT_TAIL = "<bos><|turn>user\n", "Describe this picture in a few words.<turn|>\n<|turn>model\n"
+PROMPT_TAIL = "Describe this picture in a few words.<turn|>\n<|turn>model\n"
 
 
 @dataclass(frozen=True)
@@ -276,8 +275,9 @@ class Gemma4VisionTower(TowerLinears, Tower):
 
     # --- graph ------------------------------------------------------------------------------
     def build_graph(self, output_scale: float | None = None) -> nn.Module:
-        scale = self.args.output_scale if output_scale is None else output_scale
-        return VisionGraph(self.args, self._linears, finite_lookup(self.checkpoint.weights, self.checkpoint.path), scale).eval()
+        scale = self.output_scale if output_scale is None else output_scale
+        return VisionGraph(self.args, self._linears, finite_lookup(self.checkpoint.weights, self.checkpoint.path),
+                           scale).eval()
 
     def graph_inputs(self) -> GraphInputs:
         positions = trace_positions(6, 6, 9)  # 36 real patches + 9 padding, traced with dynamic N
@@ -300,80 +300,58 @@ class Gemma4VisionTower(TowerLinears, Tower):
         return mllm_runtime_config()
 
     # --- verification -----------------------------------------------------------------------
-    def verify(self, export_dir: Path, stored_text: StoredWeights) -> dict[str, Any]:
+    @property
+    def output_scale(self) -> float:
+        """What ``visual.mnn`` multiplies HF's image features by: the runtime-scale compensation,
+        times the media mark when image spans attend bidirectionally (gemma4_media.py)."""
+        return self.args.output_scale * (MEDIA_MARK if self.arch.marks_images else 1.0)
+
+    def verify(self, export_dir: Path, stored_text: StoredWeights,
+               prompt_sizes: tuple[tuple[int, int], ...] = (VERIFY_SIZES[-1],)) -> dict[str, Any]:
         """``visual.mnn`` on HF's exact patches vs HF's image features (stored weights: max relative
-        error < 1e-3; fp32 weights: reported), and an image+text prompt through the runtime vs HF."""
+        error < 1e-3; fp32 weights: reported), and an image+text prompt per ``prompt_sizes`` through
+        the runtime (image given by ``save_image_for_runtime``) vs HF's full model (llmexport/verify_media.py)."""
         import tempfile
 
-        from transformers import AutoTokenizer
-        from transformers.models.gemma4.image_processing_pil_gemma4 import Gemma4ImageProcessorPil
-
-        from llmexport.media.image import synthetic_image
+        from llmexport.media.image import save_image_for_runtime, synthetic_image
         from llmexport.mnn.runtime import run_module
+        from llmexport.verify_media import PROMPT_HEAD, check_media_prompts, hf_processor, media_prompt
 
-        processor = Gemma4ImageProcessorPil()
-        processed = [processor(images=[synthetic_image(h, w, seed=h + w)], return_tensors="pt")
+        processor = hf_processor(self.checkpoint.path)
+        processed = [processor.image_processor(images=[synthetic_image(h, w, seed=h + w)], return_tensors="pt")
                      for h, w in VERIFY_SIZES]
         outputs = run_module(export_dir / f"{self.name}.mnn",
                              [{"input_patches": p["pixel_values"].numpy(),
                                "image_position_ids": p["image_position_ids"].numpy().astype(np.int32)}
                               for p in processed], ["image_embeds"])
-        tokenizer = AutoTokenizer.from_pretrained(self.checkpoint.path)
-        # The prompt's image is the last one at HF's processed size: HF's patches are the same.
-        prompt_ids, slots = self._prompt_ids(tokenizer, int(processed[-1]["num_soft_tokens_per_image"][0]))
 
         def features(model):
             return [image_features(model, p["pixel_values"], p["image_position_ids"]) for p in processed]
 
-        def on_oracle(model):
-            refs = features(model)
-            return refs, reference_greedy(lambda ids: multimodal_logits(self.arch, model, ids, slots, refs[-1]),
-                                          prompt_ids, GREEDY_STEPS)
-
-        def on_fp32(model, first):
-            refs, forced = features(model), prompt_ids + first[1][0][:-1]
-            return refs, multimodal_logits(self.arch, model, forced, slots, refs[-1])[len(prompt_ids) - 1:].numpy()
-
-        (refs, (greedy, logits)), (refs32, logits32) = reference_passes(
-            self.arch, stored_text, self._linears, export_dir, self.name, on_oracle, on_fp32)
+        with tempfile.TemporaryDirectory(prefix="llmexport-image-") as tmp:
+            prompts = []
+            for i, (h, w) in enumerate(prompt_sizes):
+                image = synthetic_image(h, w, seed=h + w + 1)
+                fragment = save_image_for_runtime(image, Path(tmp) / f"image{i}.png")
+                prompts.append(media_prompt(processor, f"{h}x{w}", PROMPT_HEAD + processor.image_token + PROMPT_TAIL,
+                                            PROMPT_HEAD + fragment + PROMPT_TAIL, images=[image]))
+            refs, refs32, reports = check_media_prompts(self, export_dir, stored_text, prompts,
+                                                        processor.tokenizer.bos_token_id, features)
         images = []
-        for (h, w), p, out, ref, ref32 in zip(VERIFY_SIZES, processed, outputs, refs, refs32):
-            mnn = out["image_embeds"][0, :ref.shape[0]] / self.args.output_scale
+        for (h, w), out, ref, ref32 in zip(VERIFY_SIZES, outputs, refs, refs32):
+            mnn = out["image_embeds"][0, :ref.shape[0]] / self.output_scale
             images.append({"size": [h, w], "processed": list(processed_size(h, w)), "soft_tokens": int(ref.shape[0]),
                            "rel_err": relative_error(mnn, ref), "max_abs_err": float(np.abs(mnn - ref.numpy()).max()),
                            "rel_err_fp32": relative_error(mnn, ref32)})
-        with tempfile.TemporaryDirectory(prefix="llmexport-image-") as tmp:
-            prompt = self._check_prompt(export_dir, Path(tmp), tokenizer, prompt_ids, greedy, logits, logits32)
+        for (h, w), prompt, report in zip(prompt_sizes, prompts, reports):
+            report.update(image=[h, w], processed=list(processed_size(h, w)),
+                          soft_tokens=prompt.ids.count(self.ids["image_token_id"]))
         failures = [f"image {r['size']}: relative error {r['rel_err']:.2e} >= {FEATURE_BOUND}"
                     for r in images if r["rel_err"] >= FEATURE_BOUND]
-        failures += [f"image prompt: {f}" for f in prompt["failures"]]
-        return {"passed": not failures, "failures": failures, "output_scale": self.args.output_scale,
-                "feature_bound": FEATURE_BOUND, "images": images, "prompt": prompt}
-
-    def _prompt_ids(self, tokenizer, soft_tokens: int) -> tuple[list[int], torch.Tensor]:
-        """HF's ids of the verification prompt (as Gemma4Processor expands it) and its image slots."""
-        token, i = tokenizer.convert_ids_to_tokens, self.ids
-        slots = token(i["boi_token_id"]) + token(i["image_token_id"]) * soft_tokens + token(i["eoi_token_id"])
-        ids = tokenizer(PROMPT_HEAD + slots + PROMPT_TAIL, add_special_tokens=False)["input_ids"]
-        return ids, torch.tensor([k for k, t in enumerate(ids) if t == i["image_token_id"]])
-
-    def _check_prompt(self, export_dir: Path, tmp: Path, tokenizer, prompt_ids: list[int], greedy: list[int],
-                      logits: np.ndarray, logits32: np.ndarray) -> dict[str, Any]:
-        """The same prompt through MNN's runtime, the image given at HF's processed size."""
-        from llmexport.media.image import resize_to_processed, synthetic_image
-        from llmexport.mnn.runtime import run_media_prompt
-
-        h, w = VERIFY_SIZES[-1]
-        image = resize_to_processed(synthetic_image(h, w, seed=h + w))
-        image.save(tmp / "image.png")
-        text = f"{PROMPT_HEAD}<img><hw>{image.height},{image.width}</hw>{tmp / 'image.png'}</img>{PROMPT_TAIL}"
-        run = run_media_prompt(export_dir, text, greedy[:-1], GREEDY_STEPS)
-        report = compare_prompt(run, prompt_ids, greedy, logits, logits32)
-        report.update(image_size=[image.height, image.width], soft_tokens=prompt_ids.count(self.ids["image_token_id"]),
-                      bos_count=run.ids.count(tokenizer.bos_token_id))
-        if report["bos_count"] != 1:
-            report["failures"].append(f"{report['bos_count']} BOS tokens in the runtime's prompt")
-        return report
+        failures += [f"image prompt {r['label']}: {f}" for r in reports for f in r["failures"]]
+        return {"passed": not failures, "failures": failures, "output_scale": self.output_scale,
+                "marks_images": self.arch.marks_images, "feature_bound": FEATURE_BOUND, "images": images,
+                "prompts": reports}
 
 
 def image_features(model, pixel_values: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,177 @@
+"""What quantizing the multimodal towers costs: fp16 / int8 / int4 tower linears vs fp32.
+
+    python bench/tower_quant.py            # E2B tower dimensions, 280-token images, 4 s clips
+    python bench/tower_quant.py --quick    # 70-token images, 1 s clips (a few minutes)
+
+The towers are HF's own modules (``Gemma4Model.get_image_features`` / ``get_audio_features``) at
+transformers' default vision/audio configs, which have the E2B/E4B towers' dimensions (vision:
+16 layers, hidden 768; audio: 12 Conformer layers, hidden 1024), and a text hidden size of 1536.
+Weights, two ways (no real weights are downloaded):
+
+  hf-init  exactly as transformers' ``_init_weights`` leaves a new model (linears N(0, 0.02^2),
+           norms 1, clip bounds infinite, HF's audio timescales);
+  heavy    hf-init, with every tower linear replaced by a heavy-tailed matrix (Student-t, 3 to 5
+           degrees of freedom, and a few input channels 10-50x larger), the shape of trained
+           transformer weights that makes block quantization hardest (bench/quant.py's matrices).
+
+Every linear the export quantizes (the tower's ``tower_linears``) gets what MNN decodes from the
+export's record: fp16-rounded for 16 bits, ``dequantize(quantize_rtn(w, bits, block))`` (asymmetric,
+block 64 or its divisor) for 8 and 4 bits. The exported towers run in MNN within 2e-5 of HF with
+those weights (tests/test_vision_export.py, test_audio_export.py), so this is the cost of the
+bits in the runtime. Reported per tower, weights and bits: max |diff| / max |ref| over the soft
+tokens (the verification's metric), the RMS relative error ||diff|| / ||ref||, and the worst
+per-token cosine similarity.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from llmexport.quant.rtn import dequantize, quantize_rtn  # noqa: E402
+from llmexport.quant.scheme import QuantScheme  # noqa: E402
+
+BITS = (16, 8, 4)
+BLOCK = 64
+TEXT_HIDDEN = 1536  # E2B
+
+
+class _Weights(dict):
+    """The checkpoint-name lookup the tower classes read clip scalars through."""
+
+    def tensor(self, name):
+        return self[name]
+
+
+def build_model(seed: int):
+    """HF Gemma4 with the default (E2B-sized) towers and a one-layer text model."""
+    from transformers import Gemma4AudioConfig, Gemma4Config, Gemma4ForConditionalGeneration, Gemma4TextConfig
+    from transformers import Gemma4VisionConfig
+
+    text = Gemma4TextConfig(vocab_size=512, vocab_size_per_layer_input=512, hidden_size=TEXT_HIDDEN,
+                            intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
+                            head_dim=64, global_head_dim=64, hidden_size_per_layer_input=0,
+                            layer_types=["full_attention"], num_kv_shared_layers=0)
+    config = Gemma4Config(text_config=text.to_dict(), vision_config=Gemma4VisionConfig().to_dict(),
+                          audio_config=Gemma4AudioConfig().to_dict())
+    torch.manual_seed(seed)
+    return Gemma4ForConditionalGeneration(config).eval()
+
+
+def tower_linears(model, tower: str) -> list[str]:
+    """Checkpoint names of the weights the export quantizes for ``tower`` (its own list)."""
+    from llmexport.models.gemma4_audio import audio_linears, parse_audio_args
+    from llmexport.models.gemma4_vision import parse_vision_args, vision_linears
+
+    weights = _Weights(model.state_dict())
+    config = model.config.to_dict()
+    if tower == "visual":
+        linears = vision_linears(parse_vision_args(config["vision_config"], TEXT_HIDDEN, "bench"), weights)
+    else:
+        linears = audio_linears(parse_audio_args(config["audio_config"], TEXT_HIDDEN, "bench"), weights)
+    return [linear.weight for linear in linears]
+
+
+def heavy_tailed(shape: tuple[int, int], generator: torch.Generator) -> torch.Tensor:
+    oc, ic = shape
+    dof = float(3 + 2 * torch.rand((), generator=generator))
+    w = torch.distributions.StudentT(dof).sample((oc, ic)) * 0.02
+    outliers = torch.randperm(ic, generator=generator)[:max(1, ic // 256)]
+    w[:, outliers] *= 10 + 40 * torch.rand(len(outliers), generator=generator)
+    return w
+
+
+def stored(w: torch.Tensor, bits: int) -> torch.Tensor:
+    """What MNN decodes from the export's record of ``w``."""
+    if bits == 16:
+        return w.to(torch.float16).float()
+    return dequantize(quantize_rtn(w.float(), bits, QuantScheme(bits, BLOCK).block_for(w.shape[1])))
+
+
+def inputs(tower: str, quick: bool) -> list[tuple]:
+    from transformers.models.gemma4.feature_extraction_gemma4 import Gemma4AudioFeatureExtractor
+    from transformers.models.gemma4.image_processing_pil_gemma4 import Gemma4ImageProcessorPil
+
+    from llmexport.media.audio import synthetic_clip
+    from llmexport.media.image import synthetic_image
+
+    if tower == "visual":
+        processor = Gemma4ImageProcessorPil(max_soft_tokens=70 if quick else 280)
+        sizes = ((300, 300), (317, 451)) if quick else ((300, 300), (1080, 1920))
+        out = []
+        for h, w in sizes:
+            p = processor(images=[synthetic_image(h, w, seed=h + w)], return_tensors="pt")
+            out.append((p["pixel_values"], p["image_position_ids"]))
+        return out
+    extractor = Gemma4AudioFeatureExtractor()
+    lengths = (16_000,) if quick else (16_000, 64_000)
+    return [tuple(extractor([synthetic_clip(n, seed=n)], return_tensors="pt").values()) for n in lengths]
+
+
+def soft_tokens(model, tower: str, feed: tuple) -> torch.Tensor:
+    with torch.no_grad():
+        if tower == "visual":
+            return torch.cat(model.model.get_image_features(*feed).pooler_output).float()
+        features, mask = feed
+        out = model.model.get_audio_features(features, mask, return_dict=True)
+        return out.pooler_output[out.attention_mask].float()
+
+
+def errors(out: torch.Tensor, ref: torch.Tensor) -> dict[str, float]:
+    diff = (out - ref).double()
+    cos = torch.nn.functional.cosine_similarity(out.double(), ref.double(), dim=-1)
+    return {"max_rel": float(diff.abs().max() / ref.abs().max()), "rms_rel": float(diff.norm() / ref.double().norm()),
+            "min_cos": float(cos.min())}
+
+
+def measure(tower: str, init: str, quick: bool, seed: int = 0) -> list[dict]:
+    model = build_model(seed)
+    names = tower_linears(model, tower)
+    params = dict(model.named_parameters())
+    if init == "heavy":
+        generator = torch.Generator().manual_seed(seed + 1)
+        with torch.no_grad():
+            for name in names:
+                params[name].copy_(heavy_tailed(tuple(params[name].shape), generator))
+    original = {name: params[name].detach().clone() for name in names}
+    feeds = inputs(tower, quick)
+    refs = [soft_tokens(model, tower, feed) for feed in feeds]
+    rows = []
+    for bits in BITS:
+        with torch.no_grad():
+            for name in names:
+                params[name].copy_(stored(original[name], bits))
+        worst: dict[str, float] = {}
+        for feed, ref in zip(feeds, refs):
+            for key, value in errors(soft_tokens(model, tower, feed), ref).items():
+                worst[key] = min(worst.get(key, 1.0), value) if key == "min_cos" else max(worst.get(key, 0.0), value)
+        rows.append({"tower": tower, "init": init, "bits": bits, **worst,
+                     "params": sum(original[n].numel() for n in names)})
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--tower", choices=("visual", "audio", "both"), default="both")
+    args = parser.parse_args()
+    towers = ("visual", "audio") if args.tower == "both" else (args.tower,)
+    print(f"{'tower':7} {'weights':8} {'bits':>4} {'max rel':>9} {'rms rel':>9} {'min cos':>9} {'MB':>7}")
+    for tower in towers:
+        for init in ("hf-init", "heavy"):
+            start = time.perf_counter()
+            for row in measure(tower, init, args.quick):
+                mb = row["params"] * (2 if row["bits"] == 16 else row["bits"] / 8) / 1e6
+                print(f"{row['tower']:7} {row['init']:8} {row['bits']:>4} {row['max_rel']:>9.2e} "
+                      f"{row['rms_rel']:>9.2e} {row['min_cos']:>9.6f} {mb:>7.0f}", flush=True)
+            print(f"  ({time.perf_counter() - start:.0f} s)", flush=True)
+
+
+if __name__ == "__main__":
+    main()
