@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from llmexport.media.image import (MAX_SOFT_TOKENS, patchify, preprocess, processed_size, resize_to_processed,
-                                   runtime_size, synthetic_image)
+                                   runtime_size, save_image_for_runtime, synthetic_image)
 
 import PIL  # noqa: E402,F401  (pillow is a dependency)
 # square, wide, sides not multiples of 48, tall and thin, already at a processed size, tiny
@@ -61,3 +61,39 @@ def test_runtime_size_distorts_other_sizes():
     assert runtime_size(1080, 1920) == (768, 816)
     assert processed_size(1080, 1920) == (576, 1056)
     assert runtime_size(317, 451) == (336, 432)
+
+
+@pytest.mark.parametrize("size", SIZES + [(1080, 1920)])
+def test_saved_image_fragment(tmp_path, size):
+    original = synthetic_image(*size, seed=2)
+    fragment = save_image_for_runtime(original, tmp_path / "i.png")
+    h, w = processed_size(*size)
+    assert fragment == f"<img><hw>{h},{w}</hw>{tmp_path / 'i.png'}</img>"
+    from PIL import Image
+
+    saved = Image.open(tmp_path / "i.png")
+    assert (saved.height, saved.width) == (h, w)
+    np.testing.assert_array_equal(np.asarray(saved), np.asarray(resize_to_processed(original)))
+
+
+@pytest.mark.parametrize("size", [(300, 300), (200, 640), (1000, 40), (1080, 1920)])
+def test_runtime_resize_of_a_saved_image_gives_hfs_pixels(hf_processor, tmp_path, size):
+    """MNN's own ``cv.imread`` + ``cv.resize`` exactly as gemma4VisionProcess calls them (bilinear,
+    BGR -> RGB, x 1/255) on the helper's file at its <hw> size: HF's pixel values (float32 rounding).
+    Not at that size (a plain <img> of the original resized to 768x768), the pixels are other ones."""
+    import MNN.cv as cv
+
+    original = synthetic_image(*size, seed=3)
+    save_image_for_runtime(original, tmp_path / "i.png")
+    h, w = processed_size(*size)
+    image = cv.imread(str(tmp_path / "i.png"))
+    pixels = cv.resize(image, [w, h], 0.0, 0.0, cv.INTER_LINEAR, cv.COLOR_BGR2RGB, [0.0] * 3, [1 / 255] * 3)
+    runtime = np.array(pixels.read(), dtype=np.float32).reshape(h, w, 3)
+    ref = hf_processor(images=[original], return_tensors="np")
+    hf = ref["pixel_values"][0][:(h // 16) * (w // 16)]
+    assert float(np.abs(patchify(runtime) - hf).max()) < 1e-6
+    original.save(tmp_path / "o.png")
+    plain = cv.resize(cv.imread(str(tmp_path / "o.png")), [768, 768], 0.0, 0.0, cv.INTER_LINEAR, cv.COLOR_BGR2RGB,
+                      [0.0] * 3, [1 / 255] * 3)
+    assert (768 // 16) ** 2 != hf.shape[0] or float(np.abs(patchify(
+        np.array(plain.read(), dtype=np.float32).reshape(768, 768, 3)) - hf).max()) > 0.01
