@@ -2,6 +2,7 @@
 
     python bench/tower_quant.py            # E2B tower dimensions, 280-token images, 4 s clips
     python bench/tower_quant.py --quick    # 70-token images, 1 s clips (a few minutes)
+    python bench/tower_quant.py --runtime  # what the bits save: exported files, MNN memory and time
 
 The towers are HF's own modules (``Gemma4Model.get_image_features`` / ``get_audio_features``) at
 transformers' default vision/audio configs, which have the E2B/E4B towers' dimensions (vision:
@@ -21,6 +22,11 @@ those weights (tests/test_vision_export.py, test_audio_export.py), so this is th
 bits in the runtime. Reported per tower, weights and bits: max |diff| / max |ref| over the soft
 tokens (the verification's metric), the RMS relative error ||diff|| / ||ref||, and the worst
 per-token cosine similarity.
+
+``--runtime`` exports a checkpoint with E2B-sized towers (random weights, a tiny text model) at
+each bit width and runs ``visual.mnn`` / ``audio.mnn`` alone in MNN (fp32 activations, as the
+export's ``mllm`` block asks), side by side: the weight file's size, the process's peak RSS, and
+seconds per forward (a 280-token image, a 4 s clip), from one and from three forwards per load.
 """
 
 from __future__ import annotations
@@ -156,11 +162,68 @@ def measure(tower: str, init: str, quick: bool, seed: int = 0) -> list[dict]:
     return rows
 
 
+def runtime_costs(work: Path) -> None:
+    """Export E2B-sized towers at each bit width; size, peak RSS and time of each graph in MNN."""
+    import subprocess
+
+    from transformers import Gemma4AudioConfig, Gemma4VisionConfig
+
+    from llmexport import ExportOptions, export
+    from llmexport.tiny.gemma4 import SHAPES, build_gemma4_checkpoint, text_config_dict
+
+    text = dict(text_config_dict(SHAPES["e2b"]), hidden_size=TEXT_HIDDEN, intermediate_size=64, num_hidden_layers=2,
+                layer_types=["sliding_attention", "full_attention"], num_kv_shared_layers=0)
+    checkpoint = build_gemma4_checkpoint(work / "checkpoint", text, dtype=torch.bfloat16,
+                                         vision_config=Gemma4VisionConfig().to_dict(),
+                                         audio_config=Gemma4AudioConfig().to_dict())
+    print(f"{'tower':7} {'bits':>4} {'file MB':>8} {'peak RSS MB':>12} {'s/forward':>10} {'load+1st s':>11}")
+    for bits in BITS:
+        out = work / f"export-{bits}"
+        export(checkpoint, out, ExportOptions(quant=QuantScheme(4, BLOCK), visual_quant_bit=bits, audio_quant_bit=bits))
+        for tower in ("visual", "audio"):
+            timings = []
+            for runs in (1, 3):
+                start = time.perf_counter()
+                proc = subprocess.run([sys.executable, __file__, "--run-module", str(out / f"{tower}.mnn"), tower,
+                                       str(runs)], capture_output=True, text=True, check=True)
+                timings.append((time.perf_counter() - start, int(proc.stdout.split()[-1])))
+            (t1, rss), (t3, _) = timings
+            size = (out / f"{tower}.mnn.weight").stat().st_size / 1e6
+            print(f"{tower:7} {bits:>4} {size:>8.0f} {rss / 1024:>12.0f} {(t3 - t1) / 2:>10.2f} {t1 - (t3 - t1) / 2:>11.2f}",
+                  flush=True)
+
+
+def _run_module(model: str, tower: str, runs: int) -> None:
+    """Child of ``runtime_costs``: run the graph ``runs`` times in MNN; print the MNN process's peak RSS (KiB)."""
+    import resource
+
+    from llmexport.mnn.runtime import run_module
+
+    if tower == "visual":
+        pixels, positions = inputs("visual", False)[0]
+        feed = {"input_patches": pixels.numpy(), "image_position_ids": positions.numpy().astype("int32")}
+        names = ["image_embeds"]
+    else:
+        features, mask = inputs("audio", False)[1]  # 4 s
+        feed, names = {"input_features": features[:, mask[0]].numpy()}, ["audio_embeds"]
+    run_module(Path(model), [feed] * runs, names)
+    print(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--tower", choices=("visual", "audio", "both"), default="both")
+    parser.add_argument("--runtime", action="store_true")
+    parser.add_argument("--run-module", nargs=3, help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.run_module:
+        return _run_module(args.run_module[0], args.run_module[1], int(args.run_module[2]))
+    if args.runtime:
+        import tempfile
+
+        with tempfile.TemporaryDirectory(prefix="tower-quant-") as tmp:
+            return runtime_costs(Path(tmp))
     towers = ("visual", "audio") if args.tower == "both" else (args.tower,)
     print(f"{'tower':7} {'weights':8} {'bits':>4} {'max rel':>9} {'rms rel':>9} {'min cos':>9} {'MB':>7}")
     for tower in towers:

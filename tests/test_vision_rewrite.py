@@ -125,7 +125,8 @@ def test_full_model_reference_reuses_the_image_features_exactly(tiny, name):
     continued = reference(prompt.ids + [300, 301])
     fresh = FullModel(hf, prompt)(prompt.ids + [300, 301])
     assert reference.encoded is not None
-    assert torch.equal(continued, fresh) and torch.equal(first, fresh[:len(prompt.ids)])
+    assert torch.equal(continued, fresh)  # the reused features are the recomputed ones, bit for bit
+    assert (first - fresh[:len(prompt.ids)]).abs().max() < 1e-5  # causal: later tokens change nothing
     assert prompt.inputs["mm_token_type_ids"][0].tolist().count(1) == prompt.ids.count(SPECIAL_TOKENS["image"][1])
 
 
