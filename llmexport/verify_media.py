@@ -114,6 +114,26 @@ def reference_greedy(logits_fn: Callable[[list[int]], torch.Tensor], prompt: lis
     return ids[len(prompt):], np.stack(logits)
 
 
+def check_prompts(tower, export_dir: Path, stored_text, processor, kind: str, media: list[tuple[str, Any]],
+                  tail: str, features: Callable[[Any], list[torch.Tensor]]):
+    """One prompt ``PROMPT_HEAD + medium + tail`` per (label, image or clip) of ``media`` (``kind``
+    "images" or "audio"), the medium saved for the runtime into a temporary folder, through
+    ``check_media_prompts``; returns (prompts, features, fp32 features, reports)."""
+    import tempfile
+
+    from llmexport.media.audio import save_audio_for_runtime
+    from llmexport.media.image import save_image_for_runtime
+
+    save, placeholder, suffix = {"images": (save_image_for_runtime, processor.image_token, "png"),
+                                 "audio": (save_audio_for_runtime, processor.audio_token, "wav")}[kind]
+    with tempfile.TemporaryDirectory(prefix="llmexport-media-") as tmp:
+        prompts = [media_prompt(processor, label, PROMPT_HEAD + placeholder + tail,
+                                PROMPT_HEAD + save(item, Path(tmp) / f"{kind}{i}.{suffix}") + tail, **{kind: [item]})
+                   for i, (label, item) in enumerate(media)]
+        return (prompts, *check_media_prompts(tower, export_dir, stored_text, prompts,
+                                              processor.tokenizer.bos_token_id, features))
+
+
 def check_media_prompts(tower, export_dir: Path, stored_text, prompts: list[MediaPrompt], bos_id: int,
                         features: Callable[[Any], list[torch.Tensor]]) -> tuple[list, list, list[dict[str, Any]]]:
     """Run ``features`` (the tower-alone references) and each prompt on HF carrying the stored

@@ -26,14 +26,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from llmexport.errors import InputError
 from llmexport.media.audio import (MELS, RUNTIME_TAIL, hf_frame_count, runtime_frame_count, samples_for_tokens,
-                                   save_audio_for_runtime, synthetic_clip)
+                                   synthetic_clip)
 from llmexport.models.base import GraphInputs, LinearRole, StoredWeights, Tower
 from llmexport.models.gemma4_towers import (ClippedLinear, TowerLinear, TowerLinears, const, mllm_runtime_config,
                                             relative_error, tower_linear)
@@ -398,10 +397,8 @@ class Gemma4AudioTower(TowerLinears, Tower):
         < 1e-3; fp32: reported), and an audio+text prompt per clip length (default: the middle
         verification length) through the runtime (clip given by ``save_audio_for_runtime``, so the
         runtime computes HF's frames) vs HF's full model on the clip (llmexport/verify_media.py)."""
-        import tempfile
-
         from llmexport.mnn.runtime import run_module
-        from llmexport.verify_media import PROMPT_HEAD, check_media_prompts, hf_processor, media_prompt
+        from llmexport.verify_media import check_prompts, hf_processor
 
         processor = hf_processor(self.checkpoint.path)
         clips = [synthetic_clip(n, seed=n) for n in self.verify_lengths()]
@@ -414,15 +411,9 @@ class Gemma4AudioTower(TowerLinears, Tower):
             return [audio_features(model, *f) for f in hf]
 
         lengths = prompt_lengths or (self.verify_lengths()[1],)
-        with tempfile.TemporaryDirectory(prefix="llmexport-audio-") as tmp:
-            prompts = []
-            for i, n in enumerate(lengths):
-                clip = synthetic_clip(n, seed=i + 1)
-                fragment = save_audio_for_runtime(clip, Path(tmp) / f"clip{i}.wav")
-                prompts.append(media_prompt(processor, f"{n} samples", PROMPT_HEAD + processor.audio_token + PROMPT_TAIL,
-                                            PROMPT_HEAD + fragment + PROMPT_TAIL, audio=[clip]))
-            refs, refs32, reports = check_media_prompts(self, export_dir, stored_text, prompts,
-                                                        processor.tokenizer.bos_token_id, features)
+        media = [(f"{n} samples", synthetic_clip(n, seed=i + 1)) for i, n in enumerate(lengths)]
+        prompts, refs, refs32, reports = check_prompts(self, export_dir, stored_text, processor, "audio", media,
+                                                       PROMPT_TAIL, features)
         clip_reports = []
         for clip, (_, mask), out, ref, ref32 in zip(clips, hf, outputs, refs, refs32):
             mnn = out["audio_embeds"][0]

@@ -11,7 +11,9 @@ Runtime contract (MNN 3.6.1 omni.cpp ``gemma4VisionProcess``): inputs ``input_pa
 [1, N, 768] and ``image_position_ids`` int32 [1, N, 2] (x, y; -1 padding), N = 2520 padded;
 output ``image_embeds`` [1, N/9, text_hidden], of which the runtime keeps the first real rows and
 multiplies them by a hard-coded 1/39.25 before the text graph scales by sqrt(text_hidden). The
-exported graph multiplies its output by 39.25 / sqrt(text_hidden) so the product is exactly 1.
+exported graph multiplies its output by 39.25 / sqrt(text_hidden) so the product is exactly 1,
+and, when image spans attend bidirectionally, by the media mark the text graph looks for
+(gemma4_media.py).
 """
 
 from __future__ import annotations
@@ -311,11 +313,9 @@ class Gemma4VisionTower(TowerLinears, Tower):
         """``visual.mnn`` on HF's exact patches vs HF's image features (stored weights: max relative
         error < 1e-3; fp32 weights: reported), and an image+text prompt per ``prompt_sizes`` through
         the runtime (image given by ``save_image_for_runtime``) vs HF's full model (llmexport/verify_media.py)."""
-        import tempfile
-
-        from llmexport.media.image import save_image_for_runtime, synthetic_image
+        from llmexport.media.image import synthetic_image
         from llmexport.mnn.runtime import run_module
-        from llmexport.verify_media import PROMPT_HEAD, check_media_prompts, hf_processor, media_prompt
+        from llmexport.verify_media import check_prompts, hf_processor
 
         processor = hf_processor(self.checkpoint.path)
         processed = [processor.image_processor(images=[synthetic_image(h, w, seed=h + w)], return_tensors="pt")
@@ -328,15 +328,9 @@ class Gemma4VisionTower(TowerLinears, Tower):
         def features(model):
             return [image_features(model, p["pixel_values"], p["image_position_ids"]) for p in processed]
 
-        with tempfile.TemporaryDirectory(prefix="llmexport-image-") as tmp:
-            prompts = []
-            for i, (h, w) in enumerate(prompt_sizes):
-                image = synthetic_image(h, w, seed=h + w + 1)
-                fragment = save_image_for_runtime(image, Path(tmp) / f"image{i}.png")
-                prompts.append(media_prompt(processor, f"{h}x{w}", PROMPT_HEAD + processor.image_token + PROMPT_TAIL,
-                                            PROMPT_HEAD + fragment + PROMPT_TAIL, images=[image]))
-            refs, refs32, reports = check_media_prompts(self, export_dir, stored_text, prompts,
-                                                        processor.tokenizer.bos_token_id, features)
+        media = [(f"{h}x{w}", synthetic_image(h, w, seed=h + w + 1)) for h, w in prompt_sizes]
+        prompts, refs, refs32, reports = check_prompts(self, export_dir, stored_text, processor, "images", media,
+                                                       PROMPT_TAIL, features)
         images = []
         for (h, w), out, ref, ref32 in zip(VERIFY_SIZES, outputs, refs, refs32):
             mnn = out["image_embeds"][0, :ref.shape[0]] / self.output_scale
