@@ -22,7 +22,7 @@ from llmexport.mlx_sources import compare_with_source
 from llmexport.mnn.readback import read_stored
 from llmexport.mnn.runtime import run_runtime
 from llmexport.models import architecture_for
-from llmexport.verify_media import prompt_summary
+from llmexport.verification_media import prompt_summary
 
 log = logging.getLogger(__name__)
 

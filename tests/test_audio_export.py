@@ -20,7 +20,7 @@ from llmexport.quant.scheme import QuantScheme
 from llmexport.tiny.gemma4_towers import build_tiny_multimodal
 from llmexport.tiny.tokenizer import SPECIAL_TOKENS
 from llmexport.verification import summary_line, verify_export
-from llmexport.verify_media import PROMPT_HEAD
+from llmexport.verification_media import PROMPT_HEAD
 
 import PIL  # noqa: E402,F401  (pillow is a dependency)
 # frames = 1 mod 4 (the runtime's unpadded framing loses a token), samples % 160 in 1..31 (it loses

@@ -21,7 +21,7 @@ from llmexport.models import architecture_for
 from llmexport.models.gemma4_media import MARK_THRESHOLD, MEDIA_MARK, open_media_spans, unmark_media
 from llmexport.models.gemma4_vision import image_features
 from llmexport.tiny.gemma4_towers import build_tiny_multimodal
-from llmexport.verify_media import PROMPT_HEAD, FullModel, hf_processor, media_prompt
+from llmexport.verification_media import PROMPT_HEAD, FullModel, hf_processor, media_prompt
 
 import PIL  # noqa: E402,F401  (pillow is a dependency)
 BIDIRECTIONAL = {"use_bidirectional_attention": "vision"}

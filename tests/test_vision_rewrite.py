@@ -17,7 +17,7 @@ from llmexport.models import architecture_for
 from llmexport.models.gemma4_vision import RUNTIME_IMAGE_SCALE, image_features, parse_vision_args
 from llmexport.tiny.gemma4_towers import build_tiny_multimodal
 from llmexport.tiny.tokenizer import SPECIAL_TOKENS
-from llmexport.verify_media import PROMPT_HEAD, FullModel, hf_processor, media_prompt
+from llmexport.verification_media import PROMPT_HEAD, FullModel, hf_processor, media_prompt
 
 import PIL  # noqa: E402,F401  (pillow is a dependency)
 CONFIGS = ("vision-64", "vision-1536")

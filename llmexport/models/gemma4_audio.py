@@ -396,9 +396,9 @@ class Gemma4AudioTower(TowerLinears, Tower):
         """``audio.mnn`` on HF's features vs HF's audio features (stored weights: max relative error
         < 1e-3; fp32: reported), and an audio+text prompt per clip length (default: the middle
         verification length) through the runtime (clip given by ``save_audio_for_runtime``, so the
-        runtime computes HF's frames) vs HF's full model on the clip (llmexport/verify_media.py)."""
+        runtime computes HF's frames) vs HF's full model on the clip (llmexport/verification_media.py)."""
         from llmexport.mnn.runtime import run_module
-        from llmexport.verify_media import check_prompts, hf_processor
+        from llmexport.verification_media import check_prompts, hf_processor
 
         processor = hf_processor(self.checkpoint.path)
         clips = [synthetic_clip(n, seed=n) for n in self.verify_lengths()]

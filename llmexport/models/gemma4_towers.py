@@ -1,6 +1,6 @@
 """What Gemma4's vision and audio towers share: clipped placeholder linears, the checkpoint names
 behind them, the stored tower weights read back from ``{stem}.mnn`` and the HF oracle carrying
-those weights (media prompts are compared in llmexport/verify_media.py).
+those weights (media prompts are compared in llmexport/verification_media.py).
 """
 
 from __future__ import annotations

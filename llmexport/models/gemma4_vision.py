@@ -312,10 +312,10 @@ class Gemma4VisionTower(TowerLinears, Tower):
                prompt_sizes: tuple[tuple[int, int], ...] = (VERIFY_SIZES[-1],)) -> dict[str, Any]:
         """``visual.mnn`` on HF's exact patches vs HF's image features (stored weights: max relative
         error < 1e-3; fp32 weights: reported), and an image+text prompt per ``prompt_sizes`` through
-        the runtime (image given by ``save_image_for_runtime``) vs HF's full model (llmexport/verify_media.py)."""
+        the runtime (image given by ``save_image_for_runtime``) vs HF's full model (llmexport/verification_media.py)."""
         from llmexport.media.image import synthetic_image
         from llmexport.mnn.runtime import run_module
-        from llmexport.verify_media import check_prompts, hf_processor
+        from llmexport.verification_media import check_prompts, hf_processor
 
         processor = hf_processor(self.checkpoint.path)
         processed = [processor.image_processor(images=[synthetic_image(h, w, seed=h + w)], return_tensors="pt")
