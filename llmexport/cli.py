@@ -43,9 +43,9 @@ def _configure_logging(quiet: bool) -> None:
 @click.option("--lm_quant_block", type=int, default=None, help="lm_head block (default: --quant_block).")
 @click.option("--embed_bit", type=int, default=None,
               help="Token/PLE embedding tables read from their own files: 16 (bf16, default), 8 or 4.")
-@click.option("--visual_quant_bit", type=int, default=8, show_default=True,
+@click.option("--visual_quant_bit", type=int, default=16, show_default=True,
               help="Vision tower (visual.mnn) linear weights: 4 or 8 (block RTN), 16 = fp16.")
-@click.option("--audio_quant_bit", type=int, default=8, show_default=True,
+@click.option("--audio_quant_bit", type=int, default=16, show_default=True,
               help="Audio tower (audio.mnn) linear weights: 4 or 8 (block RTN), 16 = fp16.")
 @click.option("--requantize", is_flag=True,
               help="Pre-quantized (MLX) checkpoints: dequantize and quantize every weight with this command's "
@@ -127,7 +127,7 @@ def _termination_as_interrupt():
 
 
 def _options(export_format, quant_bit, quant_block, sym, hqq, quant_config, lm_quant_bit, lm_quant_block,
-             embed_bit, verify, quiet, thread_num, visual_quant_bit=8, audio_quant_bit=8, requantize=False,
+             embed_bit, verify, quiet, thread_num, visual_quant_bit=16, audio_quant_bit=16, requantize=False,
              trust_remote_code=False):
     from pathlib import Path
 

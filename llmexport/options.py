@@ -42,8 +42,8 @@ class ExportOptions:
     embed_bit: int | None = None
     recipe_embed_bit: int | None = None
     use_gpu: bool = True
-    visual_quant_bit: int = 8
-    audio_quant_bit: int = 8
+    visual_quant_bit: int = 16
+    audio_quant_bit: int = 16
     verify: bool = False
     quiet: bool = False
     thread_num: int = 4

@@ -113,4 +113,4 @@ def test_summary_line_reports_a_failed_audio_prompt():
                                                                 "tokens differ"], "prompts": [prompt]}}}
     _judge(report, Bounds(0.005))
     line = summary_line(report)
-    assert line.startswith("FAIL") and "audio FAILED (prompt vs HF: top-1 50%, ids/greedy DIFFER" in line
+    assert line.startswith("FAIL") and "audio FAILED (prompt vs HF: top-1 50%, greedy DIFFERS" in line
