@@ -1,8 +1,8 @@
-"""What quantizing the multimodal towers costs: fp16 / int8 / int4 tower linears vs fp32.
+"""What storing the multimodal towers costs: fp16 / int8 / int4 tower linears vs the bf16 checkpoint.
 
     python bench/tower_quant.py            # E2B tower dimensions, 280-token images, 4 s clips
     python bench/tower_quant.py --quick    # 70-token images, 1 s clips (a few minutes)
-    python bench/tower_quant.py --runtime  # what the bits save: exported files, MNN memory and time
+    python bench/tower_quant.py --runtime  # what the bits save: exported file sizes, MNN peak memory
 
 The towers are HF's own modules (``Gemma4Model.get_image_features`` / ``get_audio_features``) at
 transformers' default vision/audio configs, which have the E2B/E4B towers' dimensions (vision:
@@ -15,14 +15,17 @@ Weights, two ways (no real weights are downloaded):
            degrees of freedom, and a few input channels 10-50x larger), the shape of trained
            transformer weights that makes block quantization hardest (bench/quant.py's matrices).
 
-Every linear the export quantizes (the tower's ``tower_linears``) gets what MNN decodes from the
-export's record (and, as a yardstick, bf16 rounding: the precision the released checkpoints are
-stored and run in, which the trained towers therefore tolerate): fp16-rounded for 16 bits, ``dequantize(quantize_rtn(w, bits, block))`` (asymmetric,
-block 64 or its divisor) for 8 and 4 bits. The exported towers run in MNN within 2e-5 of HF with
-those weights (tests/test_vision_export.py, test_audio_export.py), so this is the cost of the
-bits in the runtime. Reported per tower, weights and bits: max |diff| / max |ref| over the soft
-tokens (the verification's metric), the RMS relative error ||diff|| / ||ref||, and the worst
-per-token cosine similarity.
+The checkpoint's weights are rounded to bf16 first, as the released checkpoints are; the
+reference is the tower carrying them (fp32 compute). Every linear the export quantizes (the
+tower's ``tower_linears``) then gets what MNN decodes from the export's record of it: fp16
+(exact for bf16 values in fp16's normal range), ``dequantize(quantize_rtn(w, bits, block))``
+(asymmetric, block 64 or its divisor) for 8 and 4 bits. The row ``bf16`` is a yardstick: what
+that rounding of fp32 weights moves the soft tokens by, i.e. noise the released (bf16) towers
+live with. The exported towers run in MNN within 2e-5 of HF with the stored weights
+(tests/test_vision_export.py, test_audio_export.py), so this is the cost of the bits in the
+runtime. Reported per tower, weights and bits: max |diff| / max |ref| over the soft tokens (the
+verification's metric), the RMS relative error ||diff|| / ||ref||, and the worst per-token cosine
+similarity, each the worst over the inputs.
 
 ``--runtime`` exports a checkpoint with E2B-sized towers (random weights, a tiny text model) at
 each bit width and runs ``visual.mnn`` / ``audio.mnn`` alone in MNN (fp32 activations and memory
@@ -46,7 +49,7 @@ from llmexport.quant.rtn import dequantize, quantize_rtn  # noqa: E402
 from llmexport.quant.scheme import QuantScheme  # noqa: E402
 
 BITS = (16, 8, 4)
-BF16 = "bf16"  # a yardstick, not an export choice: the precision the real checkpoints are stored in
+BF16 = "bf16"  # the precision the released checkpoints are stored in (not an export choice)
 BLOCK = 64
 TEXT_HIDDEN = 1536  # E2B
 
@@ -142,6 +145,8 @@ def errors(out: torch.Tensor, ref: torch.Tensor) -> dict[str, float]:
 
 
 def measure(tower: str, init: str, quick: bool, seed: int = 0) -> list[dict]:
+    """Errors of the soft tokens vs the tower carrying the checkpoint's weights (rounded to bf16,
+    as released checkpoints are), per bit width, and (row ``BF16``) that rounding vs fp32 weights."""
     model = build_model(seed)
     names = tower_linears(model, tower)
     params = dict(model.named_parameters())
@@ -150,20 +155,26 @@ def measure(tower: str, init: str, quick: bool, seed: int = 0) -> list[dict]:
         with torch.no_grad():
             for name in names:
                 params[name].copy_(heavy_tailed(tuple(params[name].shape), generator))
-    original = {name: params[name].detach().clone() for name in names}
     feeds = inputs(tower, quick)
-    refs = [soft_tokens(model, tower, feed) for feed in feeds]
+    refs32 = [soft_tokens(model, tower, feed) for feed in feeds]
+    checkpoint = {name: stored(params[name].detach(), BF16) for name in names}
     rows = []
     for bits in (BF16, *BITS):
         with torch.no_grad():
             for name in names:
-                params[name].copy_(stored(original[name], bits))
+                params[name].copy_(checkpoint[name] if bits == BF16 else stored(checkpoint[name], bits))
+        outs = [soft_tokens(model, tower, feed) for feed in feeds]
+        if bits == BF16:
+            refs = outs
+            pairs = zip(outs, refs32)
+        else:
+            pairs = zip(outs, refs)
         worst: dict[str, float] = {}
-        for feed, ref in zip(feeds, refs):
-            for key, value in errors(soft_tokens(model, tower, feed), ref).items():
+        for out, ref in pairs:
+            for key, value in errors(out, ref).items():
                 worst[key] = min(worst.get(key, 1.0), value) if key == "min_cos" else max(worst.get(key, 0.0), value)
         rows.append({"tower": tower, "init": init, "bits": bits, **worst,
-                     "params": sum(original[n].numel() for n in names)})
+                     "params": sum(checkpoint[n].numel() for n in names)})
     return rows
 
 
