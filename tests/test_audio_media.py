@@ -124,3 +124,15 @@ def test_saved_clip_is_the_padded_clip(tmp_path):
     assert len(back) == len(clip) + RUNTIME_TAIL
     np.testing.assert_array_equal(back[:len(clip)], clip)
     assert not back[len(clip):].any()
+
+
+def test_read_wav_refuses_other_formats(tmp_path):
+    import wave
+
+    with wave.open(str(tmp_path / "s.wav"), "wb") as f:
+        f.setnchannels(2)
+        f.setsampwidth(2)
+        f.setframerate(16000)
+        f.writeframes(b"\0" * 8)
+    with pytest.raises(ValueError, match="16-bit mono PCM at 16000 Hz"):
+        read_wav(tmp_path / "s.wav")

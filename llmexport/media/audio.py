@@ -144,10 +144,10 @@ def write_wav(path: Path, waveform: np.ndarray) -> None:
 
 
 def read_wav(path: Path | str) -> np.ndarray:
-    """A 16-bit mono WAV as float32 samples (int16 / 32768, as MNN's runtime reads it)."""
+    """A 16 kHz 16-bit mono WAV as float32 samples (int16 / 32768, as MNN's runtime reads it)."""
     with wave.open(str(path), "rb") as f:
-        if (f.getsampwidth(), f.getnchannels()) != (2, 1):
-            raise ValueError(f"{path}: expected 16-bit mono PCM")
+        if (f.getsampwidth(), f.getnchannels(), f.getframerate()) != (2, 1, SAMPLE_RATE):
+            raise ValueError(f"{path}: expected 16-bit mono PCM at {SAMPLE_RATE} Hz")
         pcm = np.frombuffer(f.readframes(f.getnframes()), dtype="<i2")
     return (pcm.astype(np.float32) / 32768).astype(np.float32)
 
