@@ -57,6 +57,8 @@ TEXT_HIDDEN = 1536  # E2B
 class _Weights(dict):
     """The checkpoint-name lookup the tower classes read clip scalars through."""
 
+    folder = Path("bench-model")  # named in the tower code's error messages
+
     def tensor(self, name):
         return self[name]
 
