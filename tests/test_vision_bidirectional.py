@@ -148,6 +148,10 @@ def test_unexportable_settings_are_refused(bidirectional, tmp_path, value, match
 def test_only_a_vision_checkpoint_with_sliding_layers_marks_images(tmp_path):
     audio = build_tiny_multimodal(tmp_path / "audio", "audio-64", text_overrides=BIDIRECTIONAL)
     assert not architecture_for(Checkpoint.open(audio)).marks_images
+    full = build_tiny_multimodal(tmp_path / "full", "vision-64",
+                                 text_overrides=dict(BIDIRECTIONAL, layer_types=["full_attention"] * 8))
+    arch = architecture_for(Checkpoint.open(full))
+    assert arch.args.bidirectional_vision and not arch.marks_images  # HF: full layers stay causal
     plain = build_tiny_multimodal(tmp_path / "plain", "vision-64")
     arch = architecture_for(Checkpoint.open(plain))
     assert not arch.marks_images and not arch.build_graph().media_spans
