@@ -36,6 +36,7 @@ import torch
 
 from llmexport.quant.pack import pack_bits
 from llmexport.quant.rtn import NonFiniteError, QuantizedTensor, quantize_rtn
+from llmexport.quant.workers import map_ordered
 
 TableSource = Union[torch.Tensor, Iterable[torch.Tensor]]
 Quantizer = Callable[[torch.Tensor, int, int, bool], QuantizedTensor]
@@ -43,6 +44,7 @@ Quantizer = Callable[[torch.Tensor, int, int, bool], QuantizedTensor]
 EMBEDDING_BITS = (16, 8, 4)
 _STANDARD_BLOCKS = (0, 32, 64, 128, 256)
 _CHUNK_ELEMENTS = 1 << 22  # rows per chunk are chosen to keep about this many values in flight
+_SLICE_ELEMENTS = 1 << 20  # values one quantization worker takes at a time
 _SPOOL_BYTES = 64 << 20
 
 _fp32_rtn: Quantizer = functools.partial(quantize_rtn, scale_dtype=torch.float32)
@@ -105,12 +107,21 @@ def _bf16_bytes(chunk: torch.Tensor) -> bytes:
     return raw.astype("<i2").tobytes()
 
 
-def _quantized_chunk(chunk: torch.Tensor, bits: int, block: int, quantizer: Quantizer) -> tuple[bytes, bytes]:
+def _quantized_rows(chunk: torch.Tensor, bits: int, block: int, quantizer: Quantizer) -> tuple[bytes, bytes]:
     qt = quantizer(chunk, bits, block, False)
     if qt.zero is None:
         raise ValueError("embedding quantizer must be asymmetric (zero and scale)")
     alpha = torch.stack([qt.zero, qt.scale], dim=-1).reshape(-1).to(torch.float32).cpu()
     return pack_bits(qt.stored(), bits), alpha.numpy().astype("<f4").tobytes()
+
+
+def _quantized_chunk(chunk: torch.Tensor, bits: int, block: int, quantizer: Quantizer) -> tuple[bytes, bytes]:
+    """Packed levels and alpha of a row chunk, its row slices quantized on the workers (rows are
+    whole bytes at 4 and 8 bits, so the slices' bytes simply follow each other)."""
+    step = max(1, _SLICE_ELEMENTS // max(1, int(chunk.shape[1])))
+    parts = list(map_ordered(lambda start: _quantized_rows(chunk[start: start + step], bits, block, quantizer),
+                             range(0, int(chunk.shape[0]), step)))
+    return b"".join(p for p, _ in parts), b"".join(a for _, a in parts)
 
 
 def write_embedding_table(
@@ -163,33 +174,43 @@ def read_embedding_table(
     offset: int = 0,
     alpha_dtype: torch.dtype = torch.float32,
     alpha_bytes: Optional[int] = None,
+    row_range: Optional[tuple[int, int]] = None,
 ) -> torch.Tensor:
-    """Decode a whole table to fp32 ``[rows, dim]`` exactly as DiskEmbedding does.
+    """Decode a table (or the rows ``row_range = (start, stop)`` of it) to fp32 exactly as
+    DiskEmbedding does.
 
     ``alpha_dtype`` fp16 and ``offset`` past a record header read a tied lm_head record;
     ``alpha_bytes`` (default: the asymmetric size) lets the runtime's symmetric branch be used.
     """
+    start, stop = row_range if row_range is not None else (0, rows)
+    if not 0 <= start <= stop <= rows:
+        raise ValueError(f"row range {start}..{stop} is outside a table of {rows} rows")
+    count = stop - start
     if bits == 16:
-        raw = np.fromfile(path, dtype="<u2", count=rows * dim, offset=offset).astype(np.uint32)
-        return torch.from_numpy((raw << 16).view(np.float32).reshape(rows, dim))
+        raw = np.fromfile(path, dtype="<u2", count=count * dim, offset=offset + start * dim * 2).astype(np.uint32)
+        if raw.size != count * dim:
+            raise ValueError("embedding file is shorter than rows/dim imply")
+        return torch.from_numpy((raw << 16).view(np.float32).reshape(count, dim))
     used = resolve_block(dim, bits, block)
     nblocks = dim // used
     weight_len = rows * dim * bits // 8
-    raw = np.fromfile(path, dtype=np.uint8, count=weight_len, offset=offset)
     elem = 2 if alpha_dtype == torch.float16 else 4
     alpha_len = alpha_bytes if alpha_bytes is not None else rows * nblocks * 2 * elem
-    alpha = np.fromfile(path, dtype="<f2" if elem == 2 else "<f4", count=alpha_len // elem,
-                        offset=offset + weight_len).astype(np.float32)
-    if raw.size != weight_len or alpha.size != alpha_len // elem:
+    per_row = alpha_len // elem // rows  # alpha values per row: nblocks (symmetric) or 2 * nblocks
+    if per_row not in (nblocks, 2 * nblocks) or alpha_len != rows * per_row * elem:
+        raise ValueError(f"{alpha_len // elem} alpha values fit neither layout for {rows}x{nblocks} blocks")
+    row_bytes = dim * bits // 8
+    raw = np.fromfile(path, dtype=np.uint8, count=count * row_bytes, offset=offset + start * row_bytes)
+    alpha = np.fromfile(path, dtype="<f2" if elem == 2 else "<f4", count=count * per_row,
+                        offset=offset + weight_len + start * per_row * elem).astype(np.float32)
+    if raw.size != count * row_bytes or alpha.size != count * per_row:
         raise ValueError("embedding file is shorter than rows/dim/bits/block imply")
-    stored = _decode_levels(raw, bits, rows, dim).reshape(rows * nblocks, used)
+    stored = _decode_levels(raw, bits, count, dim).reshape(count * nblocks, used)
     shift = np.float32(-(1 << (bits - 1)))
-    if alpha.size == rows * nblocks:
+    if per_row == nblocks:
         scale, zero = alpha, shift * alpha
-    elif alpha.size == 2 * rows * nblocks:
+    else:
         scale = alpha[1::2]
         zero = alpha[0::2] + scale * shift
-    else:
-        raise ValueError(f"{alpha.size} alpha values fit neither layout for {rows}x{nblocks} blocks")
     values = stored * scale[:, None] + zero[:, None]
-    return torch.from_numpy(values.reshape(rows, dim))
+    return torch.from_numpy(values.reshape(count, dim))

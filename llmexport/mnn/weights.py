@@ -38,13 +38,14 @@ from llmexport.mlx_import import Prequantized, transcode
 from llmexport.quant.pack import pack_bits
 from llmexport.quant.rtn import NonFiniteError, QuantizedTensor, quantize_rtn
 from llmexport.quant.scheme import FP16_BITS, QuantMethod, QuantScheme
+from llmexport.quant.workers import map_ordered
 
 log = logging.getLogger(__name__)
 
 Quantizer = Callable[[torch.Tensor, int, int, bool], QuantizedTensor]
 
 _UINT16_MAX = 65535
-_CHUNK_ELEMENTS = 1 << 24  # weight values quantized at a time
+_CHUNK_ELEMENTS = 1 << 20  # weight values one quantization worker takes at a time
 
 
 @dataclass(frozen=True)
@@ -153,8 +154,16 @@ def finite_fp16(values: np.ndarray) -> bool:
 
 
 def _row_slices(oc: int, ic: int) -> Iterator[slice]:
+    """Slices of about ``_CHUNK_ELEMENTS`` values, a multiple of 8 rows each (whole bytes at any width)."""
     step = max(8, (_CHUNK_ELEMENTS // max(ic, 1)) // 8 * 8)
     return (slice(i, min(i + step, oc)) for i in range(0, oc, step))
+
+
+def _quantized_slice(weight, rows: slice, scheme: QuantScheme, block: int, quantize: Quantizer) -> tuple[bytes, bytes]:
+    """Packed levels and alpha bytes of rows ``rows`` (run on a quantization worker)."""
+    qt = quantize(weight[rows], scheme.bits, block, scheme.sym)
+    _check_quantized(qt, rows.stop - rows.start, int(weight.shape[1]), scheme.bits, block, scheme.sym)
+    return pack_bits(qt.stored(), scheme.bits), _alpha_bytes(qt, fp32=scheme.method is QuantMethod.STORED)
 
 
 class WeightFileWriter:
@@ -218,8 +227,9 @@ class WeightFileWriter:
     ) -> tuple[int, int, int, int]:
         """Header, packed levels and alpha; returns (header, header+levels, alpha, block) sizes.
 
-        Rows are quantized in chunks to bound memory on large matrices (a 262144-row lm_head);
-        chunks hold a multiple of 8 rows so each one ends on a byte boundary of the bit stream.
+        Rows are quantized in slices, in parallel on the quantization workers, which bounds memory
+        on large matrices (a 262144-row lm_head); slices hold a multiple of 8 rows so each one ends
+        on a byte boundary of the bit stream, and they are written in order.
         """
         oc, ic = (int(d) for d in weight.shape)
         block = scheme.block_for(ic)
@@ -229,11 +239,10 @@ class WeightFileWriter:
         quantize = quantizer or quantize_rtn
         header_bytes = self._write(record_header(oc, ic, scheme.bits))
         packed_bytes, alphas = 0, []
-        for rows in _row_slices(oc, ic):
-            qt = quantize(weight[rows], scheme.bits, block, scheme.sym)
-            _check_quantized(qt, rows.stop - rows.start, ic, scheme.bits, block, scheme.sym)
-            packed_bytes += self._write(pack_bits(qt.stored(), scheme.bits))
-            alphas.append(_alpha_bytes(qt, fp32=scheme.method is QuantMethod.STORED))
+        for packed, alpha in map_ordered(lambda rows: _quantized_slice(weight, rows, scheme, block, quantize),
+                                         _row_slices(oc, ic)):
+            packed_bytes += self._write(packed)
+            alphas.append(alpha)
         alpha_bytes = self._write(b"".join(alphas))
         return header_bytes, header_bytes + packed_bytes, alpha_bytes, block
 

@@ -48,7 +48,10 @@ def pack_bits(values: ArrayLike, bits: int) -> bytes:
     if bits == 4:  # the common case, without the general word assembly: high nibble first
         if flat.size % 2:
             flat = np.append(flat, np.uint8(0))
-        return ((flat[0::2] << 4) | flat[1::2]).tobytes()
+        # Each pair read as one little-endian uint16 is first | second << 8; the low byte of
+        # (pair << 4) | (pair >> 8) is first << 4 | second. Contiguous passes, no strided views.
+        pairs = flat.view("<u2")
+        return ((pairs << 4) | (pairs >> 8)).astype(np.uint8).tobytes()
     per_group, group_bytes = _group(bits)
     n = flat.size
     padded = np.zeros(-(-n // per_group) * per_group, dtype=np.uint32)
