@@ -8,7 +8,7 @@
 from __future__ import annotations
 
 __version__ = "0.1.0"
-__all__ = ["export", "plan", "verify", "ExportOptions", "__version__"]
+__all__ = ["export", "plan", "verify", "ExportOptions", "RuntimeProfile", "__version__"]
 
 
 def __getattr__(name: str):
@@ -17,8 +17,8 @@ def __getattr__(name: str):
         from llmexport import api
 
         return getattr(api, name)
-    if name == "ExportOptions":
-        from llmexport.options import ExportOptions
+    if name in ("ExportOptions", "RuntimeProfile"):
+        from llmexport import options
 
-        return ExportOptions
+        return getattr(options, name)
     raise AttributeError(name)

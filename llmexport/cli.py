@@ -51,6 +51,9 @@ def _configure_logging(quiet: bool) -> None:
               help="Pre-quantized (MLX) checkpoints: dequantize and quantize every weight with this command's "
                    "scheme instead of keeping the stored integers (docs/mlx-import.md).")
 @click.option("--thread_num", type=int, default=4, show_default=True, help="Runtime threads written to config.json.")
+@click.option("--runtime_profile", type=click.Choice(["fast", "exact"]), default="fast", show_default=True,
+              help="fast: MNN's low-memory int4/int8 kernels (activations quantized to 8 bits on the fly); "
+                   "exact: weights dequantized to float at load (slower, the stored weights' logits).")
 @click.option("--dry-run", "dry_run", is_flag=True, help="Print the plan (layers, schemes, size) and write nothing.")
 @click.option("--verify", is_flag=True, help="Run the export in MNN's runtime next to HF; fail on disagreement.")
 @click.option("--trust_remote_code", is_flag=True,
@@ -60,8 +63,8 @@ def _configure_logging(quiet: bool) -> None:
 @click.version_option(__version__, "--version", prog_name="llmexport")
 def main(path: str, export_format: str, dst_path: str, quant_bit: int, quant_block: int, sym: bool, hqq: bool,
          quant_config: str | None, lm_quant_bit: int | None, lm_quant_block: int | None, embed_bit: int | None,
-         visual_quant_bit: int, audio_quant_bit: int, requantize: bool, thread_num: int, dry_run: bool, verify: bool,
-         trust_remote_code: bool, quiet: bool) -> None:
+         visual_quant_bit: int, audio_quant_bit: int, requantize: bool, thread_num: int, runtime_profile: str,
+         dry_run: bool, verify: bool, trust_remote_code: bool, quiet: bool) -> None:
     """Export a HuggingFace LLM checkpoint to MNN (or ONNX), optionally verified."""
     _configure_logging(quiet)
     from llmexport.errors import LlmExportError
@@ -70,7 +73,7 @@ def main(path: str, export_format: str, dst_path: str, quant_bit: int, quant_blo
         with _termination_as_interrupt():
             result = _run(path, dst_path, dry_run, export_format, quant_bit, quant_block, sym, hqq, quant_config,
                           lm_quant_bit, lm_quant_block, embed_bit, verify, quiet, thread_num, visual_quant_bit,
-                          audio_quant_bit, requantize, trust_remote_code)
+                          audio_quant_bit, requantize, trust_remote_code, runtime_profile)
     except LlmExportError as exc:
         click.echo(f"llmexport: error: {exc}", err=True)
         sys.exit(exc.exit_code)
@@ -128,11 +131,11 @@ def _termination_as_interrupt():
 
 def _options(export_format, quant_bit, quant_block, sym, hqq, quant_config, lm_quant_bit, lm_quant_block,
              embed_bit, verify, quiet, thread_num, visual_quant_bit=16, audio_quant_bit=16, requantize=False,
-             trust_remote_code=False):
+             trust_remote_code=False, runtime_profile="fast"):
     from pathlib import Path
 
     from llmexport.errors import UsageError
-    from llmexport.options import ExportFormat, ExportOptions
+    from llmexport.options import ExportFormat, ExportOptions, RuntimeProfile
     from llmexport.quant.recipes import RECIPES, load_quant_config, recipe
     from llmexport.quant.scheme import QuantMethod, QuantScheme
 
@@ -145,7 +148,7 @@ def _options(export_format, quant_bit, quant_block, sym, hqq, quant_config, lm_q
     options = ExportOptions(export=ExportFormat(export_format), quant=default, lm_quant=lm, embed_bit=embed_bit,
                             verify=verify, quiet=quiet, thread_num=thread_num, visual_quant_bit=visual_quant_bit,
                             audio_quant_bit=audio_quant_bit, requantize=requantize,
-                            trust_remote_code=trust_remote_code)
+                            trust_remote_code=trust_remote_code, runtime_profile=RuntimeProfile(runtime_profile))
     if quant_config is None:
         return options
     try:

@@ -18,6 +18,19 @@ class ExportFormat(str, Enum):
     ONNX = "onnx"
 
 
+class RuntimeProfile(str, Enum):
+    """How MNN's runtime executes the quantized linears (``config.json``; see llmexport.mnn.config).
+
+    ``FAST``: MNN's low-memory kernels, which keep the 4/8-bit weights packed and quantize each
+    linear's input to 8 bits on the fly (``memory: low``); several times faster to decode, at a
+    measured logit cost (docs/benchmarks.md). ``EXACT``: weights dequantized to float at load and
+    float matmuls (``memory: normal``): the logits of the stored weights, slower and larger in memory.
+    """
+
+    FAST = "fast"
+    EXACT = "exact"
+
+
 @dataclass(frozen=True)
 class ExportOptions:
     """Everything that decides what an export writes.
@@ -26,6 +39,8 @@ class ExportOptions:
     recipe) override it per module, first match wins; ``lm_quant`` (when given) is lm_head's,
     which a tied model's runtime also reads as its token embedding. ``embed_bit`` is the width
     of the embedding/PLE tables read from their own files (None: the recipe's, else 16).
+
+    ``runtime_profile`` picks the runtime's kernels for quantized linears (written to config.json).
 
     An already-quantized (MLX) checkpoint keeps its stored integers per module by default (see
     llmexport.mlx_sources): explicit rules, ``lm_quant`` and ``embed_bit`` override that for
@@ -49,6 +64,7 @@ class ExportOptions:
     thread_num: int = 4
     requantize: bool = False
     trust_remote_code: bool = False
+    runtime_profile: RuntimeProfile = RuntimeProfile.FAST
 
     #: fields that change how the export talks, never what it writes (left out of manifest.json)
     PRESENTATION = ("quiet",)
@@ -69,6 +85,9 @@ class ExportOptions:
                 raise UsageError(f"{flag}: {bits} is not one of 4, 8, 16")
         if self.thread_num < 1:
             raise UsageError(f"--thread_num: must be >= 1, got {self.thread_num}")
+        if not isinstance(self.runtime_profile, RuntimeProfile):
+            raise UsageError(f"--runtime_profile: {self.runtime_profile!r} is not one of "
+                             f"{', '.join(p.value for p in RuntimeProfile)}")
         return self
 
     @property

@@ -119,7 +119,7 @@ def _export_mnn(arch: Architecture, graph, tokenizer: bytes, out: Path, options:
     with _stage(timings, "configs"):
         mnn_config.write_json(out / "llm_config.json", mnn_config.llm_config(family_llm, files))
         mnn_config.write_json(out / "config.json", mnn_config.runtime_config(
-            family_runtime, options.thread_num, embedding_file))
+            family_runtime, options.thread_num, embedding_file, options.runtime_profile))
     with _stage(timings, "tokenizer"):
         (out / mnn_config.TOKENIZER_FILE).write_bytes(tokenizer)
     shutil.rmtree(work, ignore_errors=True)

@@ -6,6 +6,8 @@ import json
 from pathlib import Path
 from typing import Any
 
+from llmexport.options import RuntimeProfile
+
 LLM_MODEL = "llm.mnn"
 LLM_WEIGHT = "llm.mnn.weight"
 TOKENIZER_FILE = "tokenizer.mtok"
@@ -19,8 +21,29 @@ def ple_file_name(bits: int) -> str:
     return "ple_embeddings_bf16.bin" if bits == 16 else f"ple_embeddings_int{bits}.bin"
 
 
-def runtime_config(overrides: dict[str, Any], thread_num: int, embedding_file: str | None) -> dict[str, Any]:
-    """config.json: where the files are and how to run them (greedy sampling by default)."""
+# What each runtime profile sets in config.json. MNN 3.6.1's CPU backend with ``memory: low``
+# keeps quantized weights packed and runs int8 x int4/int8 kernels on inputs it quantizes per
+# call; ``memory: normal`` dequantizes every weight to float when the model loads.
+PROFILE_KEYS: dict[RuntimeProfile, dict[str, str]] = {
+    RuntimeProfile.FAST: {"memory": "low"},
+    RuntimeProfile.EXACT: {"memory": "normal"},
+}
+
+
+def profile_of(config: dict[str, Any]) -> RuntimeProfile:
+    """The profile an exported config.json runs with (what verification must judge)."""
+    for profile, keys in PROFILE_KEYS.items():
+        if all(config.get(key) == value for key, value in keys.items()):
+            return profile
+    return RuntimeProfile.EXACT  # any other memory mode dequantizes at load, as "exact" does
+
+
+def runtime_config(overrides: dict[str, Any], thread_num: int, embedding_file: str | None,
+                   profile: RuntimeProfile = RuntimeProfile.FAST) -> dict[str, Any]:
+    """config.json: where the files are and how to run them (greedy sampling by default).
+
+    ``overrides`` are the family's keys (e.g. Gemma4's fp32 activations); the profile's keys
+    are applied last, since the profile is the user's choice."""
     config: dict[str, Any] = {
         "llm_model": LLM_MODEL,
         "llm_weight": LLM_WEIGHT,
@@ -28,8 +51,6 @@ def runtime_config(overrides: dict[str, Any], thread_num: int, embedding_file: s
         "backend_type": "cpu",
         "thread_num": thread_num,
         "precision": "low",
-        # memory "low" takes a cheaper dequantization path with visibly larger error.
-        "memory": "normal",
         "sampler_type": "greedy",
         "max_new_tokens": 512,
         "use_mmap": False,
@@ -37,6 +58,7 @@ def runtime_config(overrides: dict[str, Any], thread_num: int, embedding_file: s
     if embedding_file:
         config["embedding_file"] = embedding_file
     config.update(overrides)
+    config.update(PROFILE_KEYS[profile])
     return config
 
 
