@@ -9,7 +9,11 @@ from __future__ import annotations
 
 import json
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
+
+import torch
 
 from llmexport.mnn.config import LLM_MODEL, LLM_WEIGHT
 from llmexport.mnn.convert import mnn_to_json
@@ -32,27 +36,43 @@ def linear_records(export_dir: Path) -> dict[str, dict]:
     return records
 
 
-def read_stored(export_dir: Path, arch: Architecture) -> StoredWeights:
+@dataclass(frozen=True)
+class StoredTable:
+    """An embedding or PLE table as the export stored it: ``read(start, stop)`` decodes rows the
+    way the runtime's DiskEmbedding does."""
+
+    rows: int
+    dim: int
+    read: Callable[[int, int], torch.Tensor]
+
+
+def stored_tables(export_dir: Path, arch: Architecture) -> dict[str, StoredTable]:
+    """The tables the runtime reads from their own files: "embedding" (untied models), "ple"."""
     llm_config = json.loads((export_dir / "llm_config.json").read_text())
     config = json.loads((export_dir / "config.json").read_text())
+    tables = {}
+    if not arch.tied_embedding:
+        tie = llm_config.get("tie_embeddings")
+        layout = (16, 0, None) if tie is None else (tie["quant_bit"], tie["quant_block"], tie["alpha_size"])
+        tables["embedding"] = _table(export_dir / config["embedding_file"], arch.embedding_table().shape, layout)
+    if arch.ple_table() is not None:
+        quant = llm_config.get("ple_quant")
+        layout = (16, 0, None) if not quant else (quant[3], quant[4], quant[2])
+        tables["ple"] = _table(export_dir / llm_config["ple_embed_file"], arch.ple_table().shape, layout)
+    return tables
+
+
+def _table(path: Path, shape, layout: tuple[int, int, int | None]) -> StoredTable:
+    rows, dim = (int(d) for d in shape)
+    bits, block, alpha_bytes = layout
+    return StoredTable(rows, dim, lambda start, stop: read_embedding_table(
+        path, rows, dim, bits, block, alpha_bytes=alpha_bytes, row_range=(start, stop)))
+
+
+def read_stored(export_dir: Path, arch: Architecture) -> StoredWeights:
     weight_file = export_dir / LLM_WEIGHT
     linears = {}
     for name, rec in linear_records(export_dir).items():
         linears[name], _ = read_linear(weight_file, rec["external"], rec["quanParameter"], rec["oc"], rec["ic"])
-    embedding = None
-    if not arch.tied_embedding:
-        rows, dim = arch.embedding_table().shape
-        tie = llm_config.get("tie_embeddings")
-        path = export_dir / config["embedding_file"]
-        embedding = (read_embedding_table(path, rows, dim, 16, 0) if tie is None else
-                     read_embedding_table(path, rows, dim, tie["quant_bit"], tie["quant_block"],
-                                          alpha_bytes=tie["alpha_size"]))
-    ple = None
-    table = arch.ple_table()
-    if table is not None:
-        rows, dim = table.shape
-        path = export_dir / llm_config["ple_embed_file"]
-        quant = llm_config.get("ple_quant")
-        ple = (read_embedding_table(path, rows, dim, 16, 0) if not quant else
-               read_embedding_table(path, rows, dim, quant[3], quant[4], alpha_bytes=quant[2]))
-    return StoredWeights(linears, embedding, ple)
+    tables = {name: table.read(0, table.rows) for name, table in stored_tables(export_dir, arch).items()}
+    return StoredWeights(linears, tables.get("embedding"), tables.get("ple"))
