@@ -39,7 +39,8 @@ def test_cli_exports_and_verifies(tiny_gemma4, tmp_path):
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "verify: PASS" in proc.stdout
     report = json.loads((dst / "verify.json").read_text())
-    assert report["passed"] and report["oracle"]["top1_agreement"] == 1.0
+    assert report["passed"] and report["runtime_profile"] == "fast"
+    assert report["exact_kernels"]["top1_agreement"] == 1.0
 
 
 def test_cli_onnx_export_runs_in_onnxruntime(tiny_gemma4, tmp_path):

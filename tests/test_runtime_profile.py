@@ -1,0 +1,166 @@
+"""Runtime profiles: what config.json holds for each, how verification judges each, and that a
+wrong graph still fails under the fast profile, whose own kernel noise would hide it."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from llmexport import ExportOptions, export
+from llmexport.errors import UsageError
+from llmexport.mnn.config import PROFILE_KEYS, profile_of, runtime_config
+from llmexport.options import RuntimeProfile
+from llmexport.quant.scheme import QuantScheme
+from llmexport.verify import (FAST_MAX_ABS_ERR, FAST_MEAN_ABS_ERR, FP16_MAX_ABS_ERR, QUANT_MAX_ABS_ERR, Bounds,
+                              _judge, summary_line, verify_export)
+
+FAST, EXACT = RuntimeProfile.FAST, RuntimeProfile.EXACT
+
+
+@pytest.mark.parametrize("profile, memory", [(FAST, "low"), (EXACT, "normal")])
+@pytest.mark.parametrize("family", [{}, {"precision": "normal"}, {"precision": "normal", "memory": "high"}])
+def test_config_json_holds_the_profile_and_the_family_precision(profile, memory, family):
+    config = runtime_config(family, 4, None, profile)
+    assert config["memory"] == memory  # the profile is the user's choice: it wins over the family
+    assert config["precision"] == family.get("precision", "low")
+    assert profile_of(config) is profile
+
+
+@pytest.mark.parametrize("memory", ["normal", "high", None])
+def test_any_memory_mode_but_low_dequantizes_at_load(memory):
+    assert profile_of({} if memory is None else {"memory": memory}) is EXACT
+    assert profile_of(dict(PROFILE_KEYS[FAST])) is FAST
+
+
+def test_profile_option_default_cli_value_and_validation():
+    from llmexport.cli import _options
+
+    assert ExportOptions().runtime_profile is FAST
+    args = ("mnn", 4, 64, False, False, None, None, None, None, False, True, 4)
+    assert _options(*args).runtime_profile is FAST
+    assert _options(*args, runtime_profile="exact").runtime_profile is EXACT
+    with pytest.raises(UsageError, match="--runtime_profile"):
+        ExportOptions(runtime_profile="fast").validate()  # a plain string, not the enum
+
+
+def test_cli_rejects_an_unknown_profile(tiny_gemma4, tmp_path):
+    from click.testing import CliRunner
+
+    from llmexport.cli import main
+
+    result = CliRunner().invoke(main, ["--path", str(tiny_gemma4("31b")), "--dst_path", str(tmp_path / "o"),
+                                       "--runtime_profile", "turbo"])
+    assert result.exit_code == 2 and "--runtime_profile" in result.output and not (tmp_path / "o").exists()
+
+
+@pytest.mark.parametrize("bits, profile, expected", [
+    ({16}, FAST, Bounds("fast", FP16_MAX_ABS_ERR)),
+    ({16}, EXACT, Bounds("exact", FP16_MAX_ABS_ERR)),
+    ({4, 16}, EXACT, Bounds("exact", QUANT_MAX_ABS_ERR)),
+    ({4, 8}, FAST, Bounds("fast", FAST_MAX_ABS_ERR, FAST_MEAN_ABS_ERR, QUANT_MAX_ABS_ERR)),
+])
+def test_bounds_per_profile(bits, profile, expected):
+    assert Bounds.for_export(bits, profile) == expected
+
+
+def _run(max_abs: float, mean_abs: float, flips: int = 0, margin: float = 1.0) -> dict:
+    steps = [{"max_abs_err": max_abs, "mean_abs_err": mean_abs, "ref_top2_margin": margin,
+              "top1_match": i >= flips, "mnn_top1": 1, "ref_top1": 2} for i in range(4)]
+    return {"max_abs_err": max_abs, "mean_abs_err": mean_abs, "per_step": steps}
+
+
+@pytest.mark.parametrize("oracle, kernels, failing", [
+    (_run(1.5, 0.2), _run(1e-4, 1e-5), []),                       # fast noise, exact graph: pass
+    (_run(1.5, 0.2, flips=2, margin=0.1), _run(1e-4, 1e-5), []),  # near-ties flipped by the noise
+    (_run(0.5, 0.05), _run(0.3, 0.01), ["exact kernels: max abs"]),  # a wrong graph hiding in the noise
+    (_run(0.5, 0.05), _run(0.01, 0.001, flips=1, margin=0.5), ["exact kernels: step 0"]),
+    (_run(FAST_MAX_ABS_ERR, 0.1), _run(1e-4, 1e-5), ["max abs"]),
+    (_run(2.0, FAST_MEAN_ABS_ERR), _run(1e-4, 1e-5), ["mean abs"]),
+    (_run(2.0, 0.2, flips=1, margin=3.0), _run(1e-4, 1e-5), ["step 0"]),
+])
+def test_judge_bounds_both_runs_of_a_fast_export(oracle, kernels, failing):
+    report = {"oracle": oracle, "exact_kernels": kernels, "tokenizer": {"agree": True, "mismatches": []}}
+    _judge(report, Bounds.for_export({4}, FAST))
+    assert report["passed"] == (not failing)
+    assert len(report["failures"]) == len(failing)
+    assert all(f.startswith(prefix) for f, prefix in zip(report["failures"], failing))
+    assert report["bounds"] == {"profile": "fast", "max_abs_err": FAST_MAX_ABS_ERR,
+                                "mean_abs_err": FAST_MEAN_ABS_ERR, "kernels_max_abs_err": QUANT_MAX_ABS_ERR}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("profile", [FAST, EXACT])
+def test_each_profile_ships_and_verifies(tiny_gemma4, tmp_path, profile):
+    out = tmp_path / "out"
+    export(tiny_gemma4("e2b"), out, ExportOptions(quant=QuantScheme(4, 64), runtime_profile=profile))
+    config = json.loads((out / "config.json").read_text())
+    assert config["memory"] == PROFILE_KEYS[profile]["memory"] and config["precision"] == "normal"
+    report = verify_export(out, tiny_gemma4("e2b"), steps=16)
+    print(f"\n{profile.value}: {summary_line(report)}")
+    assert report["passed"], report["failures"]
+    assert report["runtime_profile"] == profile.value and report["bounds"]["profile"] == profile.value
+    assert ("exact_kernels" in report) == (profile is FAST)
+    graph_check = report["exact_kernels" if profile is FAST else "oracle"]
+    assert graph_check["max_abs_err"] < 0.01 and graph_check["greedy_match"]
+    assert json.loads((out / "verify.json").read_text())["bounds"] == report["bounds"]
+
+
+def _norm_epsilon(g):
+    return "forward", g.Norm, lambda self, x: g.rms_norm(x, self.weight, self.eps * 100)
+
+
+def _rope_direction(g):
+    original = g._rotate
+    return "_rotate", g, lambda x, cos, sin, head_dim: original(x, cos, -sin, head_dim)
+
+
+def _layer_scalar(g):
+    original = g.DecoderLayer.forward
+    return "forward", g.DecoderLayer, lambda self, *args: original(self, *args) / self.layer_scalar
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("breakage", [_norm_epsilon, _rope_direction, _layer_scalar], ids=lambda f: f.__name__[1:])
+def test_a_wrong_graph_fails_fast_verification(tiny_gemma4, tmp_path, monkeypatch, breakage):
+    """Deliberately broken exports (the graph, not the weights, is wrong) shipped with the fast
+    profile: verification fails. RMSNorm epsilons 100x too large move the logits by less than the
+    fast kernels' own noise (measured 0.88 max, 0.11 mean), so only the exact-kernels run catches it."""
+    from llmexport.models import gemma4_graph
+
+    attr, owner, broken = breakage(gemma4_graph)
+    with monkeypatch.context() as patch:
+        patch.setattr(owner, attr, broken)
+        export(tiny_gemma4("e2b"), tmp_path / "out", ExportOptions(quant=QuantScheme(4, 64)))
+    report = verify_export(tmp_path / "out", tiny_gemma4("e2b"), steps=16)
+    print(f"\n{breakage.__name__}: {summary_line(report)}")
+    assert not report["passed"]
+    assert any(f.startswith("exact kernels:") for f in report["failures"])
+    if breakage is _norm_epsilon:
+        assert report["oracle"]["max_abs_err"] < FAST_MAX_ABS_ERR
+        assert report["oracle"]["mean_abs_err"] < FAST_MEAN_ABS_ERR
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("shape, options", [
+    ("e2b", dict(quant=QuantScheme(4, 64), embed_bit=4)),   # tied lm_head, quantized PLE table
+    ("31b", dict(quant=QuantScheme(8, 32), embed_bit=8)),   # untied embedding file
+    ("26b-a4b", dict(quant=QuantScheme(4, 64))),            # stacked experts
+])
+def test_stored_checkpoint_is_the_same_oracle(tiny_gemma4, tmp_path, shape, options):
+    """The stored weights written as an fp32 HF folder give the oracle read_stored builds in memory."""
+    from llmexport.checkpoint import Checkpoint
+    from llmexport.mnn.readback import read_stored
+    from llmexport.mnn.stored_checkpoint import write_stored_checkpoint
+    from llmexport.models import architecture_for
+
+    out = tmp_path / "out"
+    export(tiny_gemma4(shape), out, ExportOptions(**options))
+    arch = architecture_for(Checkpoint.open(tiny_gemma4(shape)))
+    ids = torch.arange(3, 60)
+    expected = arch.reference_logits(arch.load_reference(read_stored(out, arch)), ids)
+    folder = write_stored_checkpoint(out, arch, tmp_path / "oracle")
+    oracle = architecture_for(Checkpoint.open(folder))
+    got = oracle.reference_logits(oracle.load_reference(None), ids)
+    assert (got - expected).abs().max() < 1e-5
