@@ -145,17 +145,26 @@ def attention_reference(q, k, v, mask, scale: float) -> torch.Tensor:
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
-    """RMSNorm in fp32 written as pow/mean so MNN's converter can fuse it."""
-    xf = x.float()
-    out = xf * torch.pow(xf.pow(2).mean(-1, keepdim=True) + eps, -0.5)
+    """RMSNorm in fp32, ``x * (1 / sqrt(mean(x^2) + eps)) * weight``.
+
+    Spelled so that MNN's converter folds it into one ``LayerNorm`` op (useRMSNorm, the weight
+    as its gamma; tools/converter/source/optimizer/merge/FuseLayerNormRMS*.cpp match exactly
+    this pattern, not ``pow(., -0.5)``), and without casts of tensors that are already fp32:
+    traced, each would be a Cast op that blocks the match and costs a dispatch per call.
+    The weight must have the normalised width (the fold takes it as the per-element gamma).
+    """
+    xf = x if x.dtype == torch.float32 else x.float()
+    out = xf * (1.0 / torch.sqrt(xf.pow(2).mean(-1, keepdim=True) + eps))
     if weight is not None:
-        out = out * weight.float()
-    return out.to(x.dtype)
+        out = out * (weight if weight.dtype == torch.float32 else weight.float())
+    return out if out.dtype == x.dtype else out.to(x.dtype)
 
 
 def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
-    """gelu with the tanh approximation, spelled out (ONNX opsets before 20 lack it)."""
-    return 0.5 * x * (1.0 + torch.tanh(math.sqrt(2.0 / math.pi) * (x + 0.044715 * torch.pow(x, 3.0))))
+    """gelu with the tanh approximation, spelled out (ONNX opsets before 20 lack it) in the
+    order MNN's converter folds into its GELU op (tools/converter/source/optimizer/merge/
+    FuseGeLu.cpp: ``x * ((tanh((x + pow(x, 3) * c) * k) + 1) * 0.5)``)."""
+    return x * (0.5 * (1.0 + torch.tanh(math.sqrt(2.0 / math.pi) * (x + 0.044715 * torch.pow(x, 3.0)))))
 
 
 class GatedMlp(nn.Module):

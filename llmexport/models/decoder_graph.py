@@ -51,7 +51,8 @@ class Attention(nn.Module):
         v = self.values(x).view(1, -1, self.kv_heads, self.head_dim)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        return self.o_proj(self.attn(rotate(q, cos, sin), rotate(k, cos, sin), v, mask))
+        d = self.head_dim
+        return self.o_proj(self.attn(rotate(q, cos, sin, d), rotate(k, cos, sin, d), v, mask))
 
 
 class PreNormLayer(nn.Module):

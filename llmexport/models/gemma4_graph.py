@@ -21,11 +21,13 @@ from llmexport.models.graph_parts import Norm, TensorLookup
 from llmexport.models.graph_parts import const as _const
 from llmexport.models.rope import rope_cos_sin
 from llmexport.models.rope import rotate as _rotate
-from llmexport.ops import FusedAttention, FusedMoE, GatedMlp, PlaceholderLinear, emitting_custom_ops, rms_norm
+from llmexport.ops import (FusedAttention, FusedMoE, GatedMlp, PlaceholderLinear, emitting_custom_ops, gelu_tanh,
+                           rms_norm)
 
 
 def _act(x: torch.Tensor) -> torch.Tensor:
-    return F.gelu(x, approximate="tanh")
+    # HF's gelu_pytorch_tanh, written out so that MNN's converter folds it into one GELU op.
+    return gelu_tanh(x)
 
 
 class Attention(nn.Module):
@@ -49,17 +51,18 @@ class Attention(nn.Module):
     def forward(self, x, cos, sin, mask, kv_store: dict[int, tuple[torch.Tensor, torch.Tensor]]):
         layer = self.layer
         q = self.q_proj(x).view(1, -1, self.heads, layer.head_dim)
-        q = _rotate(self.q_norm(q), cos, sin)
+        q = _rotate(self.q_norm(q), cos, sin, layer.head_dim)
         if layer.shares_kv:
             k, v = kv_store[layer.kv_source]
             if emitting_custom_ops():
-                # The runtime reads the source layer's cache; k/v only carry their shape.
-                k = v = x.new_zeros(1, x.shape[1], layer.kv_heads, layer.head_dim)
+                # The runtime reads the source layer's cache; k/v only carry their shape, which a
+                # static slice of q gives in one op (zeros of a traced shape cost ~6).
+                k = v = q[:, :, : layer.kv_heads, :]
         else:
             k = self.k_proj(x).view(1, -1, layer.kv_heads, layer.head_dim)
             # K=V: values are the raw k_proj output (v_norm, no k_norm, no RoPE).
             v = k if self.v_proj is None else self.v_proj(x).view(1, -1, layer.kv_heads, layer.head_dim)
-            k = _rotate(self.k_norm(k), cos, sin)
+            k = _rotate(self.k_norm(k), cos, sin, layer.head_dim)
             v = rms_norm(v, None, self.k_norm.eps)
             kv_store[layer.index] = (k, v)
         return self.o_proj(self.attn(q, k, v, mask))
@@ -200,15 +203,17 @@ class Gemma4TextGraph(nn.Module):
         x = input_ids.view(1, -1, a.hidden_size) * math.sqrt(a.hidden_size)
         ple = self._per_layer_inputs(x, ple_embeddings) if a.ple_dim else None
         ropes = {kind: self._rope(position_ids, kind) for kind in a.rope}
-        masks = {FULL: attention_mask[0], SLIDING: attention_mask[1]} if self.mixed else None
+        # unbind (one Split op) rather than indexing: traced, each index costs a Gather and ~10 shape ops
+        masks = dict(zip((FULL, SLIDING), attention_mask.unbind(0))) if self.mixed else None
         if self.media_spans and masks:  # without sliding layers HF's mask stays causal
             masks[SLIDING] = open_media_spans(masks[SLIDING], marked)
+        ples = ple.unbind(2) if ple is not None else None
         kv_store: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         for i, layer in enumerate(self.layers):
             kind = layer.layer.kind
             cos, sin = ropes[kind]
             mask = masks[kind] if masks else attention_mask
-            layer_ple = ple[:, :, i, :] if ple is not None else None
+            layer_ple = ples[i] if ples is not None else None
             x = layer(x, cos, sin, mask, layer_ple, kv_store)
         x = x[:, logits_index.to(torch.int64):, :]
         hidden = self.norm(x)

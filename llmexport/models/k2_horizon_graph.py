@@ -48,25 +48,29 @@ class GroupedNorm(nn.Module):
     def forward(self, x):
         if self.groups == 1:
             return rms_norm(x, self.weight, self.eps)
-        xf = x.float()
-        shape = xf.shape
-        # static group width, dynamic leading dims: traces as Reshape [.., groups, width]
-        parts = xf.reshape(*shape[:-1], self.groups, shape[-1] // self.groups)
-        parts = parts * torch.pow(parts.pow(2).mean(-1, keepdim=True) + self.eps, -0.5)
-        return (parts.reshape(shape) * self.weight.float()).to(x.dtype)
+        shape = x.shape
+        # static group width, dynamic leading dims: traces as Reshape [.., groups, width]; each
+        # group's normalisation folds into one MNN LayerNorm op, the full-width weight stays a Mul
+        parts = rms_norm(x.reshape(*shape[:-1], self.groups, shape[-1] // self.groups), None, self.eps)
+        return (parts.reshape(shape) * self.weight).to(x.dtype)
 
 
 class HeadNorm(nn.Module):
     """Per-head q/k GroupedRMSNorm (one group per head) on [1, seq, heads, head_dim]: plain
-    RMSNorm over head_dim with the full-width weight viewed as [heads, head_dim]."""
+    RMSNorm over head_dim, then the full-width weight on the flattened heads. (Multiplied
+    straight onto the normalised [.., heads, head_dim], MNN's converter would fold the
+    [heads, head_dim] weight into the LayerNorm op as a head_dim-wide gamma: wrong for every
+    head after the first.)"""
 
     def __init__(self, weight: torch.Tensor, heads: int, eps: float):
         super().__init__()
-        self.weight = nn.Parameter(weight.view(heads, -1), requires_grad=False)
-        self.eps = eps
+        self.weight = nn.Parameter(weight.reshape(-1), requires_grad=False)
+        self.heads, self.eps = heads, eps
 
     def forward(self, x):
-        return rms_norm(x, self.weight, self.eps)
+        normed = rms_norm(x, None, self.eps)
+        width = self.weight.numel()
+        return (normed.reshape(1, -1, width) * self.weight).reshape(1, -1, self.heads, width // self.heads)
 
 
 class Router(nn.Module):

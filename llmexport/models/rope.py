@@ -67,7 +67,8 @@ def rope_cos_sin(position_ids: torch.Tensor, inv_freq: torch.Tensor) -> tuple[to
     return emb.cos(), emb.sin()
 
 
-def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Apply rotate-half RoPE to [1, seq, heads, head_dim]."""
-    half = x.shape[-1] // 2
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, head_dim: int) -> torch.Tensor:
+    """Apply rotate-half RoPE to [1, seq, heads, head_dim]. ``head_dim`` is passed as a Python
+    int: ``x.shape[-1]`` would trace as a dozen shape ops (Shape, Gather, Div, ...) per call."""
+    half = head_dim // 2
     return x * cos + torch.cat([-x[..., half:], x[..., :half]], dim=-1) * sin
