@@ -134,7 +134,7 @@ def _fidelity(checkpoint: Path, exports: dict[str, Path], work: Path, steps: int
     from llmexport.mnn.runtime import run_runtime
     from llmexport.mnn.stored_checkpoint import write_stored_checkpoint
     from llmexport.models import architecture_for
-    from llmexport.verify import _reference_greedy, default_prompt, step_stats, summarize
+    from llmexport.verification import _reference_greedy, default_prompt, step_stats, summarize
 
     arch = architecture_for(Checkpoint.open(checkpoint))
     prompt = default_prompt(AutoTokenizer.from_pretrained(checkpoint), PROMPT_TOKENS)

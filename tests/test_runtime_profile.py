@@ -13,8 +13,8 @@ from llmexport.errors import UsageError
 from llmexport.mnn.config import PROFILE_KEYS, profile_of, runtime_config
 from llmexport.options import RuntimeProfile
 from llmexport.quant.scheme import QuantScheme
-from llmexport.verify import (FAST_MAX_ABS_ERR, FAST_MEAN_ABS_ERR, FP16_MAX_ABS_ERR, QUANT_MAX_ABS_ERR, Bounds,
-                              _judge, summary_line, verify_export)
+from llmexport.verification import (FAST_MAX_ABS_ERR, FAST_MEAN_ABS_ERR, FP16_MAX_ABS_ERR, QUANT_MAX_ABS_ERR,
+                                    Bounds, _judge, summary_line, verify_export)
 
 FAST, EXACT = RuntimeProfile.FAST, RuntimeProfile.EXACT
 
