@@ -1,14 +1,22 @@
-"""Export benchmark: wall time per stage against the I/O + kernel floor, peak RSS, size, runtime speed.
+"""Export benchmark: wall time per stage against the read and kernel floors, peak RSS, size, runtime speed.
 
-    python bench/export.py CHECKPOINT [--out DIR] [--quant_bit 4] [--embed_bit 4] [--no-runtime]
+    python bench/export.py CHECKPOINT [--out DIR] [--quant_bit 4] [--embed_bit 4] [--cache cold warm]
+                           [--no-runtime]
 
-Everything is measured in this one run, side by side:
-- the export, run as ``llmexport`` in a child process; its peak RSS (the largest of it and the
-  converter processes it starts) and the wall time of each stage it reports;
-- the floor: reading every byte of the checkpoint once, plus the bare quantization kernels on
-  the same tensors (what no exporter can avoid), and the ratio wall / floor;
-- the export size; ``llmexport --help`` start-up time;
-- MNN's runtime on the export: load time, prefill and decode tokens/s (2 threads).
+Everything is measured in this one run, side by side, per page-cache state (``--cache``):
+- ``cold``: the checkpoint's pages are dropped from the page cache (``posix_fadvise DONTNEED`` on
+  its files: nothing else is evicted) before the read floor and again before the export;
+  ``warm``: the checkpoint is read once before each. The resident share of the checkpoint is
+  printed before each measurement (``fincore``), so the state both ran in is visible;
+- the read floor: every byte of the checkpoint read once into one reused buffer;
+- the export, run as ``llmexport`` in a child process: wall time, the wall time of each stage it
+  reports and its peak RSS (the largest of it and the converter processes it starts);
+- the kernel floor: the bare quantization kernels on every linear and table, run as the export
+  runs them (row slices on the quantization workers), the tensors already in memory;
+- wall / read floor and wall / (read + kernel floor); the export size; ``llmexport --help``
+  start-up time; MNN's runtime on the export (bench/runtime.py: load, prefill, decode at 2 threads).
+Where ``chrt`` may, the floors and the export run under SCHED_RR, so that other processes on a
+shared machine do not stretch them (the same for all, so the ratios compare like with like).
 """
 
 from __future__ import annotations
@@ -23,46 +31,87 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from runtime import realtime_prefix, runtime_speed  # noqa: E402
+
+_READ_FLOOR = r"""
+import sys, time
+from pathlib import Path
+buf, total = bytearray(64 << 20), 0
+start = time.perf_counter()
+for file in sorted(Path(sys.argv[1]).glob("*.safetensors")):
+    with open(file, "rb", buffering=0) as f:
+        while (n := f.readinto(buf)) > 0:
+            total += n
+print(time.perf_counter() - start, total)
+"""
 
 
-def _read_floor(checkpoint: Path) -> tuple[float, int]:
-    start, total = time.perf_counter(), 0
-    buf = bytearray(64 << 20)
-    for file in sorted(checkpoint.glob("*.safetensors")):
-        with open(file, "rb", buffering=0) as f:
-            while (n := f.readinto(buf)) > 0:
-                total += n
-    return time.perf_counter() - start, total
+def _files(checkpoint: Path) -> list[Path]:
+    return sorted(checkpoint.glob("*.safetensors"))
 
 
-def _kernel_floor(checkpoint: Path, bits: int, block: int, embed_bit: int) -> float:
-    """Bare quantization time of every linear and table, reading excluded."""
+def set_cache(checkpoint: Path, state: str) -> None:
+    """Drop the checkpoint from the page cache (cold) or read it once (warm)."""
+    for file in _files(checkpoint):
+        fd = os.open(file, os.O_RDONLY)
+        try:
+            if state == "cold":
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            else:
+                while os.read(fd, 64 << 20):
+                    pass
+        finally:
+            os.close(fd)
+
+
+def resident_share(checkpoint: Path) -> float | None:
+    """Fraction of the checkpoint's bytes in the page cache (util-linux ``fincore``), if known."""
+    files = _files(checkpoint)
+    try:
+        out = subprocess.run(["fincore", "--bytes", "--noheadings", "--output", "RES", *map(str, files)],
+                             capture_output=True, text=True, check=True).stdout.split()
+    except (OSError, subprocess.CalledProcessError):
+        return None
+    return sum(int(v) for v in out) / max(1, sum(f.stat().st_size for f in files))
+
+
+def read_floor(checkpoint: Path, prefix: list[str]) -> tuple[float, int]:
+    out = subprocess.run(prefix + [sys.executable, "-c", _READ_FLOOR, str(checkpoint)], capture_output=True,
+                         text=True, check=True).stdout.split()
+    return float(out[0]), int(out[1])
+
+
+def kernel_floor(checkpoint: Path, bits: int, block: int, embed_bit: int) -> float:
+    """Bare quantization of every linear and table as the writers run it, reading excluded."""
     import torch
 
     from llmexport.checkpoint import Checkpoint
+    from llmexport.mnn.weights import _row_slices
     from llmexport.models import architecture_for
     from llmexport.quant.rtn import quantize_rtn
     from llmexport.quant.scheme import QuantScheme
+    from llmexport.quant.workers import map_ordered
+
+    def timed(weight, bits: int, block: int, scale_dtype) -> float:
+        start = time.perf_counter()
+        if bits == 16:
+            weight.to(torch.float16)
+        else:
+            for _ in map_ordered(lambda rows: quantize_rtn(weight[rows], bits, block, False, scale_dtype),
+                                 _row_slices(*weight.shape)):
+                pass
+        return time.perf_counter() - start
 
     arch = architecture_for(Checkpoint.open(checkpoint))
     scheme, elapsed = QuantScheme(bits, block), 0.0
     for spec in arch.linears():
-        weight, _ = arch.linear_weight(spec.name)
-        start = time.perf_counter()
-        if bits != 16:
-            quantize_rtn(weight, bits, scheme.block_for(spec.in_features), False)
-        else:
-            weight.to(torch.float16)
-        elapsed += time.perf_counter() - start
+        elapsed += timed(arch.linear_weight(spec.name)[0], bits, scheme.block_for(spec.in_features), torch.float16)
     tables = [t for t in ([] if arch.tied_embedding else [arch.embedding_table()]) + [arch.ple_table()] if t is not None]
     for table in tables:
         for chunk in table.row_chunks():
-            start = time.perf_counter()
-            if embed_bit != 16:
-                quantize_rtn(chunk, embed_bit, block, False, scale_dtype=torch.float32)
-            else:
-                chunk.to(torch.bfloat16)
-            elapsed += time.perf_counter() - start
+            elapsed += timed(chunk, embed_bit, block, torch.float32)
     return elapsed
 
 
@@ -82,11 +131,11 @@ def _tree_rss(pid: int) -> int:
     return total
 
 
-def _run_export(checkpoint: Path, out: Path, args: argparse.Namespace) -> tuple[float, float, dict]:
+def run_export(checkpoint: Path, out: Path, args: argparse.Namespace, prefix: list[str]) -> tuple[float, float, dict]:
     """Run the export CLI, sampling the RSS of its process tree every 50 ms."""
-    cmd = [sys.executable, "-c", "from llmexport.cli import main; main()", "--path", str(checkpoint),
-           "--dst_path", str(out), "--quant_bit", str(args.quant_bit), "--quant_block", str(args.quant_block),
-           "--embed_bit", str(args.embed_bit)]
+    cmd = prefix + [sys.executable, "-c", "from llmexport.cli import main; main()", "--path", str(checkpoint),
+                    "--dst_path", str(out), "--quant_bit", str(args.quant_bit), "--quant_block",
+                    str(args.quant_block), "--embed_bit", str(args.embed_bit)]
     start = time.perf_counter()
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     peak = 0
@@ -108,30 +157,19 @@ def _help_time() -> float:
     return time.perf_counter() - start
 
 
-_RUNTIME = r"""
-import json, os, sys, time
-import numpy as np
-import MNN.llm as llm
-start = time.perf_counter()
-m = llm.create(sys.argv[1]); m.set_config({"thread_num": 2}); m.load()
-load = time.perf_counter() - start
-prompt = list(range(1000, 1000 + int(sys.argv[2])))
-start = time.perf_counter(); logits = m.forward(prompt); np.array(logits.read()); prefill = time.perf_counter() - start
-token = int(np.argmax(np.array(logits.read()))); steps = int(sys.argv[3])
-start = time.perf_counter()
-for _ in range(steps):
-    token = int(np.argmax(np.array(m.forward([token]).read())))
-decode = time.perf_counter() - start
-print(json.dumps({"load_s": load, "prefill_tok_s": len(prompt) / prefill, "decode_tok_s": steps / decode}))
-sys.stdout.flush(); os._exit(0)
-"""
+def _share(value: float | None) -> str:
+    return "unknown" if value is None else f"{value:.0%}"
 
 
-def _runtime_speed(out: Path, prompt: int = 64, steps: int = 32) -> dict:
-    proc = subprocess.run([sys.executable, "-c", _RUNTIME, str(out / "config.json"), str(prompt), str(steps)],
-                          capture_output=True, text=True)
-    line = next((l for l in proc.stdout.splitlines() if l.startswith("{")), None)
-    return json.loads(line) if line else {"error": proc.stderr[-500:]}
+def _measure(state: str, args: argparse.Namespace, out: Path, prefix: list[str]) -> dict:
+    set_cache(args.checkpoint, state)
+    before_read = resident_share(args.checkpoint)
+    read_s, nbytes = read_floor(args.checkpoint, prefix)
+    set_cache(args.checkpoint, state)
+    before_export = resident_share(args.checkpoint)
+    wall, peak_gib, stages = run_export(args.checkpoint, out, args, prefix)
+    return {"cache": state, "resident_before_read": before_read, "resident_before_export": before_export,
+            "read_s": read_s, "bytes": nbytes, "wall_s": wall, "peak_rss_gib": peak_gib, "stages": stages}
 
 
 def main() -> None:
@@ -141,24 +179,36 @@ def main() -> None:
     parser.add_argument("--quant_bit", type=int, default=4)
     parser.add_argument("--quant_block", type=int, default=64)
     parser.add_argument("--embed_bit", type=int, default=4)
+    parser.add_argument("--cache", nargs="+", choices=["cold", "warm"], default=["cold", "warm"])
     parser.add_argument("--no-runtime", action="store_true")
+    parser.add_argument("--kernel-floor-only", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     out = args.out or Path(tempfile.mkdtemp(prefix="llmexport-bench-")) / "out"
-
-    wall, peak_gib, stages = _run_export(args.checkpoint, out, args)
-    read_s, nbytes = _read_floor(args.checkpoint)
-    kernel_s = _kernel_floor(args.checkpoint, args.quant_bit, args.quant_block, args.embed_bit)
+    if args.kernel_floor_only:
+        print(kernel_floor(args.checkpoint, args.quant_bit, args.quant_block, args.embed_bit))
+        return
+    prefix = realtime_prefix()
+    runs = [_measure(state, args, out, prefix) for state in args.cache]
+    set_cache(args.checkpoint, "warm")  # the kernel floor excludes reading: a child under the same scheduling
+    kernel_s = float(subprocess.run(prefix + [sys.executable, __file__, str(args.checkpoint), "--kernel-floor-only",
+                                              "--quant_bit", str(args.quant_bit), "--quant_block",
+                                              str(args.quant_block), "--embed_bit", str(args.embed_bit)],
+                                    capture_output=True, text=True, check=True).stdout.split()[-1])
     size = sum(p.stat().st_size for p in out.iterdir())
-    floor = read_s + kernel_s
-    print(f"checkpoint: {args.checkpoint} ({nbytes / 2**30:.2f} GiB)")
-    print(f"export --quant_bit {args.quant_bit} --embed_bit {args.embed_bit}: wall {wall:.1f} s, "
-          f"peak RSS {peak_gib:.2f} GiB, output {size / 2**30:.2f} GiB")
-    print("stages (s): " + ", ".join(f"{k} {v:.1f}" for k, v in stages.items()))
-    print(f"floor: read {read_s:.1f} s ({nbytes / 2**20 / read_s:.0f} MiB/s) + kernels {kernel_s:.1f} s "
-          f"= {floor:.1f} s; wall/floor = {wall / floor:.2f}")
+    print(f"checkpoint: {args.checkpoint} ({runs[0]['bytes'] / 2**30:.2f} GiB); realtime scheduling: {bool(prefix)}")
+    print(f"export --quant_bit {args.quant_bit} --embed_bit {args.embed_bit}: output {size / 2**30:.2f} GiB; "
+          f"kernel floor {kernel_s:.1f} s")
+    for r in runs:
+        floor = r["read_s"] + kernel_s
+        print(f"[{r['cache']}] resident before read {_share(r['resident_before_read'])}, before export "
+              f"{_share(r['resident_before_export'])}: read floor {r['read_s']:.1f} s "
+              f"({r['bytes'] / 2**20 / r['read_s']:.0f} MiB/s); export wall {r['wall_s']:.1f} s, peak RSS "
+              f"{r['peak_rss_gib']:.2f} GiB; wall/read = {r['wall_s'] / r['read_s']:.2f}, "
+              f"wall/(read+kernels) = {r['wall_s'] / floor:.2f}")
+        print(f"[{r['cache']}] stages (s): " + ", ".join(f"{k} {v:.1f}" for k, v in r["stages"].items()))
     print(f"llmexport --help: {_help_time():.2f} s")
     if not args.no_runtime:
-        speed = _runtime_speed(out)
+        speed = runtime_speed(out, 2, prefix=prefix)
         print("runtime (2 threads): " + json.dumps({k: round(v, 2) if isinstance(v, float) else v
                                                    for k, v in speed.items()}))
 

@@ -1,6 +1,6 @@
 """Write a random-weight Gemma4 checkpoint with real E2B or E4B dimensions, tensor by tensor.
 
-    python bench/make_checkpoint.py OUT [--model e2b|e4b] [--layers N] [--shard-gb 2]
+    python bench/make_checkpoint.py OUT [--model e2b|e4b] [--layers N] [--shard-gb 2] [--vocab 262144]
 
 The model is never held in memory: tensor names and shapes come from the HF model built on the
 meta device, and each tensor is generated in row chunks straight into sharded safetensors files
@@ -35,13 +35,13 @@ MODELS = {
 _CHUNK = 1 << 24  # values generated at once
 
 
-def text_config(model: str, layers: int | None) -> dict:
+def text_config(model: str, layers: int | None, vocab: int = 262144) -> dict:
     cfg = dict(MODELS[model])
     n = layers or cfg["num_hidden_layers"]
     shared = round(cfg["num_kv_shared_layers"] * n / cfg["num_hidden_layers"])
     cfg.update(num_hidden_layers=n, num_kv_shared_layers=min(shared, n - 5) if n > 5 else 0,
                layer_types=[F if (i + 1) % 5 == 0 or i == n - 1 else S for i in range(n)],
-               vocab_size=262144, vocab_size_per_layer_input=262144, sliding_window=512,
+               vocab_size=vocab, vocab_size_per_layer_input=vocab, sliding_window=512,
                final_logit_softcapping=30.0, max_position_embeddings=131072, tie_word_embeddings=True,
                pad_token_id=0, bos_token_id=2, eos_token_id=1,
                rope_parameters={S: {"rope_type": "default", "rope_theta": 10000.0},
@@ -79,9 +79,9 @@ def _generate(name: str, shape: tuple[int, ...], out, generator: torch.Generator
         out.write(values.view(torch.uint8).numpy().tobytes())
 
 
-def write_checkpoint(out: Path, model: str, layers: int | None, shard_bytes: int) -> Path:
+def write_checkpoint(out: Path, model: str, layers: int | None, shard_bytes: int, vocab: int = 262144) -> Path:
     out.mkdir(parents=True, exist_ok=True)
-    cfg = text_config(model, layers)
+    cfg = text_config(model, layers, vocab)
     specs, config = _tensor_specs(cfg)
     shards: list[list[tuple[str, tuple[int, ...]]]] = [[]]
     size = 0
@@ -114,7 +114,7 @@ def write_checkpoint(out: Path, model: str, layers: int | None, shard_bytes: int
     data["architectures"] = ["Gemma4ForConditionalGeneration"]
     data["dtype"] = "bfloat16"
     (out / "config.json").write_text(json.dumps(data, indent=2))
-    build_tiny_gemma_tokenizer(out, vocab_size=262144)
+    build_tiny_gemma_tokenizer(out, vocab_size=vocab)
     return out
 
 
@@ -124,8 +124,10 @@ def main() -> None:
     parser.add_argument("--model", choices=sorted(MODELS), default="e2b")
     parser.add_argument("--layers", type=int, default=None)
     parser.add_argument("--shard-gb", type=float, default=2.0)
+    parser.add_argument("--vocab", type=int, default=262144,
+                        help="vocabulary (the real one by default; smaller keeps other exporters' memory in reach)")
     args = parser.parse_args()
-    write_checkpoint(args.out, args.model, args.layers, int(args.shard_gb * 2**30))
+    write_checkpoint(args.out, args.model, args.layers, int(args.shard_gb * 2**30), args.vocab)
     total = sum(p.stat().st_size for p in args.out.glob("*.safetensors"))
     print(f"checkpoint: {args.out} ({total / 2**30:.2f} GiB)")
 
