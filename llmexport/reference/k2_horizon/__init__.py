@@ -9,12 +9,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from llmexport.reference.k2_horizon.configuration_k2_horizon import K2HorizonConfig
-from llmexport.reference.k2_horizon.modeling_k2_horizon import (
-    GroupedRMSNorm,
-    K2HorizonForCausalLM,
-    K2HorizonRouter,
-    routed_sum,
-)
+
+_MODELING = ("GroupedRMSNorm", "K2HorizonForCausalLM", "K2HorizonRouter", "routed_sum")
 
 _HERE = Path(__file__).resolve().parent
 REMOTE_CODE_FILES = (_HERE / "configuration_k2_horizon.py", _HERE / "modeling_k2_horizon.py")
@@ -25,3 +21,13 @@ AUTO_MAP = {
 
 __all__ = ["AUTO_MAP", "REMOTE_CODE_FILES", "GroupedRMSNorm", "K2HorizonConfig", "K2HorizonForCausalLM",
            "K2HorizonRouter", "routed_sum"]
+
+
+def __getattr__(name: str):
+    # The modeling module pulls in transformers' model machinery (~2.6 s): imported when first
+    # asked for, not whenever the registry loads the family (every export, any family).
+    if name in _MODELING:
+        from llmexport.reference.k2_horizon import modeling_k2_horizon
+
+        return getattr(modeling_k2_horizon, name)
+    raise AttributeError(name)
