@@ -1,13 +1,15 @@
 """MNN runtime speed and fidelity of an export under each runtime profile, beside MNN's own exporter.
 
     python bench/runtime.py [CHECKPOINT] [--out DIR] [--quant_bit 4] [--embed_bit 4] [--threads 2 4]
-                            [--reps 3] [--steps 16] [--mnn-exporter DIR [--mnn-python PY]] [--no-fidelity]
+                            [--reps 3] [--steps 16] [--variant NAME=FLAGS ...]
+                            [--mnn-exporter DIR [--mnn-python PY]] [--no-fidelity]
 
 Everything is measured in this one run, side by side, and printed as ratios:
 - the checkpoint (default /work/ckpt/e2b-12: E2B dimensions, 12 layers, random weights) is
   exported once per runtime profile (``--runtime_profile fast`` and ``exact``: the same weights,
   only config.json differs) and, with ``--mnn-exporter`` (a checkout's transformers/llm/export
-  folder; optional, never a dependency), once by MNN's own exporter;
+  folder; optional, never a dependency), once by MNN's own exporter, and once per ``--variant``
+  (the fast profile plus more flags, e.g. ``lm128="--lm_quant_block 128"``: layout choices);
 - speed, per export and thread count, ``--reps`` times interleaved (medians reported), each in a
   fresh process: load time, prefill tokens/s of a 64-token prompt and decode tokens/s of 128 greedy
   steps, as the runtime's own counters report them (``Llm.generate`` + ``get_context``). Where the
@@ -18,12 +20,14 @@ Everything is measured in this one run, side by side, and printed as ratios:
   top-1 agreement), and against the fp32 HF model. Both HF models are written as fp32 safetensors
   folders first (llmexport.mnn.stored_checkpoint), which transformers maps from the file: table rows
   the prompt never looks up are never read, so a 12-layer E2B-shaped model fits in a few GB.
-  MNN's exporter names its records its own way, so its export is compared with fp32 HF only.
+  MNN's exporter names its records its own way, and a variant stores other weights, so those are
+  compared with fp32 HF only.
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import hashlib
 import json
 import os
@@ -73,10 +77,10 @@ def runtime_speed(export_dir: Path, threads: int, prompt: int = PROMPT_TOKENS, s
     return json.loads(line) if line else {"error": (proc.stdout + proc.stderr)[-800:]}
 
 
-def _export(checkpoint: Path, out: Path, args: argparse.Namespace, profile: str) -> float:
+def _export(checkpoint: Path, out: Path, args: argparse.Namespace, profile: str, extra: list[str] = ()) -> float:
     cmd = [sys.executable, "-c", "from llmexport.cli import main; main()", "--path", str(checkpoint), "--dst_path",
            str(out), "--quant_bit", str(args.quant_bit), "--quant_block", str(args.quant_block), "--embed_bit",
-           str(args.embed_bit), "--runtime_profile", profile, "--quiet"]
+           str(args.embed_bit), "--runtime_profile", profile, "--quiet", *extra]
     start = time.perf_counter()
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode != 0:
@@ -138,7 +142,7 @@ def _fidelity(checkpoint: Path, exports: dict[str, Path], work: Path, steps: int
 
     arch = architecture_for(Checkpoint.open(checkpoint))
     prompt = default_prompt(AutoTokenizer.from_pretrained(checkpoint), PROMPT_TOKENS)
-    references = {}
+    references, memory = {}, {}
     for label, source in (("stored", exports["fast"]), ("fp32", None)):
         folder = write_stored_checkpoint(source, arch, work / f"oracle-{label}")
         oracle_arch = architecture_for(Checkpoint.open(folder))
@@ -147,9 +151,11 @@ def _fidelity(checkpoint: Path, exports: dict[str, Path], work: Path, steps: int
             greedy = _reference_greedy(model, oracle_arch, prompt, steps)
         forced = prompt + greedy[:-1]
         references[label] = oracle_arch.reference_logits(model, torch.tensor(forced))[len(prompt) - 1:].numpy()
-        del model
+        memory[label] = _rss()
+        del model, oracle_arch
+        gc.collect()  # unmaps the folder's tensors before the next reference maps its own
         shutil.rmtree(folder)
-    out = {"prompt_tokens": len(prompt), "steps": steps}
+    out = {"prompt_tokens": len(prompt), "steps": steps, "reference_rss_gib": memory}
     for name, path in exports.items():
         run = run_runtime(path, prompt, greedy[:-1], steps, config={"thread_num": 2})
         versus = ("stored", "fp32") if name in PROFILES else ("fp32",)
@@ -157,6 +163,12 @@ def _fidelity(checkpoint: Path, exports: dict[str, Path], work: Path, steps: int
                              if k != "per_step"} for label in versus}
         out[name]["greedy_match"] = run.greedy_ids == greedy
     return out
+
+
+def _rss() -> dict[str, float]:
+    """This process's resident memory (GiB): anonymous, and file-backed (the mapped reference)."""
+    fields = dict(line.split(":", 1) for line in open("/proc/self/status") if line.startswith(("RssAnon", "RssFile")))
+    return {k: round(int(v.split()[0]) / 2**20, 2) for k, v in fields.items()}
 
 
 def _sha256(path: Path) -> str:
@@ -178,16 +190,14 @@ def _report(result: dict) -> None:
               f"decode {r['decode_tok_s']:6.2f} tok/s")
     for key in speed:
         name, t = key.split("@")
-        base = speed.get(f"exact@{t}")
-        if name != "exact" and base and "error" not in base and "error" not in speed[key]:
-            ratio = {k: speed[key][k] / base[k] for k in ("load_s", "prefill_tok_s", "decode_tok_s")}
-            print(f"  {key} / exact@{t}: " + ", ".join(f"{k} x{v:.2f}" for k, v in ratio.items()))
-        mnn = speed.get(f"mnn-exporter@{t}")
-        if name == "fast" and mnn and "error" not in mnn:
-            ratio = {k: speed[key][k] / mnn[k] for k in ("load_s", "prefill_tok_s", "decode_tok_s")}
-            print(f"  {key} / mnn-exporter@{t}: " + ", ".join(f"{k} x{v:.2f}" for k, v in ratio.items()))
+        # the fast profile against the exact one and MNN's exporter; every other export against fast
+        for base_name in (("exact", "mnn-exporter") if name == "fast" else ("fast",) if name != "exact" else ()):
+            base, mine = speed.get(f"{base_name}@{t}"), speed[key]
+            if base and "error" not in base and "error" not in mine:
+                print(f"  {key} / {base_name}@{t}: " + ", ".join(
+                    f"{k} x{mine[k] / base[k]:.2f}" for k in ("load_s", "prefill_tok_s", "decode_tok_s")))
     for name, fid in result.get("fidelity", {}).items():
-        if isinstance(fid, dict):
+        if isinstance(fid, dict) and "greedy_match" in fid:
             print(f"fidelity {name}: " + "; ".join(
                 f"vs {label} HF: max |dlogit| {s['max_abs_err']:.4f}, mean {s['mean_abs_err']:.5f}, "
                 f"top-1 {s['top1_agreement']:.0%}" for label, s in fid.items() if isinstance(s, dict))
@@ -204,6 +214,8 @@ def main() -> None:
     parser.add_argument("--threads", type=int, nargs="+", default=[2, 4])
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--steps", type=int, default=16, help="fidelity: greedy steps after the prompt")
+    parser.add_argument("--variant", action="append", default=[], metavar="NAME=FLAGS",
+                        help="also export with the fast profile and these extra llmexport flags")
     parser.add_argument("--mnn-exporter", type=Path, default=None,
                         help="folder of MNN's transformers/llm/export (llmexport.py) to compare with")
     parser.add_argument("--mnn-python", default=sys.executable, help="interpreter that runs MNN's exporter")
@@ -216,6 +228,10 @@ def main() -> None:
     for profile, path in exports.items():
         result["export_wall_s"][profile] = _export(args.checkpoint, path, args, profile)
     assert _sha256(exports["fast"] / "llm.mnn.weight") == _sha256(exports["exact"] / "llm.mnn.weight")
+    for variant in args.variant:
+        name, _, flags = variant.partition("=")
+        exports[name] = work / f"export-{name}"
+        result["export_wall_s"][name] = _export(args.checkpoint, exports[name], args, "fast", flags.split())
     if args.mnn_exporter:
         result["mnn_exporter"] = _mnn_export(args.checkpoint, work / "export-mnn-exporter", args, work)
         if "error" not in result["mnn_exporter"]:
@@ -223,12 +239,19 @@ def main() -> None:
     result["speed"] = _speeds(exports, args.threads, args.reps)
     if not args.no_fidelity:
         result["fidelity"] = _fidelity(args.checkpoint, exports, work, args.steps)
+    import resource
+
+    # this process (the HF references of the fidelity step), file-backed mapped pages included
+    result["bench_peak_rss_gib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
     (work / "runtime.json").write_text(json.dumps(result, indent=2))
     print(f"checkpoint {args.checkpoint}; exports in {work}; export wall (s): "
           + json.dumps({k: round(v, 1) for k, v in result["export_wall_s"].items()}))
     if "mnn_exporter" in result:
         print("MNN's exporter: " + json.dumps(result["mnn_exporter"])[:600])
     _report(result)
+    print(f"peak RSS of this process (fidelity references, mapped file pages included): "
+          f"{result['bench_peak_rss_gib']:.2f} GiB; after each reference: "
+          + json.dumps(result.get("fidelity", {}).get("reference_rss_gib")))
 
 
 if __name__ == "__main__":
