@@ -45,8 +45,8 @@ class Bounds:
     """Pass criteria against the stored-weights oracle, for the runtime profile an export ships.
 
     ``max_abs_err`` / ``mean_abs_err`` bound the run with the shipped config.json. The fast
-    profile's kernels quantize activations to 8 bits, which moves tiny random models' logits by up
-    to ~3 and flips near-ties; that noise would hide a wrong graph (measured: RMSNorm epsilons 100x
+    profile's kernels quantize activations to 8 bits, which moves random models' logits by up to
+    ~4 and flips near-ties; that noise would hide a wrong graph (measured: RMSNorm epsilons 100x
     too large move the exact kernels' logits by 0.82 and the fast kernels' by 0.88, within their
     noise). So a fast export with quantized linears is also run on MNN's exact kernels, bounded by
     ``kernels_max_abs_err``: that run proves the graph and the records. Calibration: docs/verification.md.
@@ -67,11 +67,13 @@ class Bounds:
         return Bounds(profile.value, QUANT_MAX_ABS_ERR)
 
 
-#: bounds per profile, calibrated on correct exports (docs/verification.md has the measurements)
+#: bounds per profile, from correct exports (docs/verification.md): fp16 records reach 7e-4; exact
+#: kernels on quantized records 3.7e-3 on the tiny test models and 0.07 on a 12-layer E2B-shaped one;
+#: the fast kernels up to 2.9 max / 0.27 mean on the tiny models and 4.1 / 0.61 on the E2B-shaped one
 FP16_MAX_ABS_ERR = 0.005
 QUANT_MAX_ABS_ERR = 0.2
-FAST_MAX_ABS_ERR = 6.0
-FAST_MEAN_ABS_ERR = 0.6
+FAST_MAX_ABS_ERR = 8.0
+FAST_MEAN_ABS_ERR = 1.0
 #: set_config of the exact-kernels run of a fast export
 EXACT_KERNELS = {"thread_num": 2, **PROFILE_KEYS[RuntimeProfile.EXACT]}
 
