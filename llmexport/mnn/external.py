@@ -7,6 +7,9 @@ convolution's weights, and LayerNorm/Scale parameters into ``{model}.mnn.weight`
 graph gets a new weight file holding the linear records, so those payloads must be copied into
 it and their offsets moved, or the runtime reads linear records as, e.g., a norm's gamma (any
 hidden size above 1024, a vision tower's position table, an audio tower's convolutions).
+The converter folds RMSNorms into ``LayerNorm`` ops (gamma plus a zero beta) and moves their
+parameters out at any size; those of up to 1024 elements go back into the op instead, where the
+unfolded norm kept its gamma, so the weight file holds what the export plan counts.
 """
 
 from __future__ import annotations
@@ -14,7 +17,11 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, BinaryIO, Iterable
 
+import numpy as np
+
 _CHUNK = 1 << 24
+# Blob constants up to this many elements stay inside the graph (RemoveParams' own threshold).
+_INLINE_ELEMENTS = 1024
 
 
 def rehome_external(graph: dict[str, Any], source: Path, weight_file: BinaryIO, skip: Iterable[str] = ()) -> int:
@@ -35,6 +42,9 @@ def rehome_external(graph: dict[str, Any], source: Path, weight_file: BinaryIO, 
                 if total:
                     raise ValueError(f"op {op.get('name')!r} refers to {source}, which does not exist")
                 continue
+            if op.get("type") == "LayerNorm" and max(sizes) <= 4 * _INLINE_ELEMENTS:
+                _inline_layer_norm(main, src, offset, sizes)
+                continue
             new_offset = weight_file.tell()
             src.seek(offset)
             left = total
@@ -47,6 +57,18 @@ def rehome_external(graph: dict[str, Any], source: Path, weight_file: BinaryIO, 
             main["external"] = [new_offset, *sizes]
             moved += total
     return moved
+
+
+def _inline_layer_norm(main: dict[str, Any], src: BinaryIO, offset: int, sizes: list[int]) -> None:
+    """Put a small folded RMSNorm's gamma (and zero beta) back into the op, as the unfolded
+    norm's constants were: the converter moves LayerNorm parameters out whatever their size."""
+    src.seek(offset)
+    for key, size in zip(("gamma", "beta"), sizes):
+        data = src.read(size)
+        if len(data) != size:
+            raise ValueError(f"the converter's weight file ends inside a LayerNorm {key}")
+        main[key] = np.frombuffer(data, dtype="<f4").astype(float).tolist()
+    del main["external"]
 
 
 class _empty:
