@@ -9,6 +9,7 @@ the CPU; tensors too large for the GPU go straight to the CPU. Results always co
 from __future__ import annotations
 
 import logging
+import threading
 from dataclasses import dataclass
 from typing import Callable
 
@@ -56,20 +57,25 @@ def on_best_device(quantizer: Quantizer, accelerator: Accelerator | None = None,
     redone on the CPU after an out-of-memory error. ``run.stats`` counts where tensors went."""
     accel = None if not enabled else accelerator if accelerator is not None else cuda_accelerator()
     stats = {"gpu": 0, "cpu": 0, "fallback": 0}
+    lock = threading.Lock()  # the writers call this from several quantization workers at once
+
+    def count(key: str) -> None:
+        with lock:
+            stats[key] += 1
 
     def run(weight: torch.Tensor, bits: int, block: int, sym: bool) -> QuantizedTensor:
         if accel is not None and accel.fits(weight):
             try:
                 result = _to_cpu(quantizer(accel.move(weight), bits, block, sym))
-                stats["gpu"] += 1
+                count("gpu")
                 return result
             except (torch.OutOfMemoryError, RuntimeError) as exc:
                 if not _is_oom(exc):
                     raise
-                stats["fallback"] += 1
+                count("fallback")
                 log.warning("GPU out of memory quantizing a %s tensor; redoing it on the CPU", tuple(weight.shape))
                 accel.free_cache()
-        stats["cpu"] += 1
+        count("cpu")
         return quantizer(weight.cpu(), bits, block, sym)
 
     run.stats = stats  # type: ignore[attr-defined]
