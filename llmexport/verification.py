@@ -19,7 +19,7 @@ import torch
 from llmexport.checkpoint import Checkpoint
 from llmexport.errors import UsageError, VerificationFailed
 from llmexport.mlx_sources import compare_with_source
-from llmexport.mnn.config import PROFILE_KEYS, profile_of
+from llmexport.mnn.config import EXACT_KERNELS, profile_of
 from llmexport.mnn.readback import read_stored
 from llmexport.mnn.runtime import run_runtime
 from llmexport.models import architecture_for
@@ -74,8 +74,6 @@ FP16_MAX_ABS_ERR = 0.005
 QUANT_MAX_ABS_ERR = 0.2
 FAST_MAX_ABS_ERR = 8.0
 FAST_MEAN_ABS_ERR = 1.0
-#: set_config of the exact-kernels run of a fast export
-EXACT_KERNELS = {"thread_num": 2, **PROFILE_KEYS[RuntimeProfile.EXACT]}
 
 
 def step_stats(mnn: np.ndarray, ref: np.ndarray) -> list[dict[str, Any]]:

@@ -139,6 +139,7 @@ def check_media_prompts(tower, export_dir: Path, stored_text, prompts: list[Medi
     """Run ``features`` (the tower-alone references) and each prompt on HF carrying the stored
     weights and on the fp32 HF, then each prompt through MNN's runtime; returns
     (features, fp32 features, one ``compare_prompt`` report per prompt)."""
+    from llmexport.mnn.config import EXACT_KERNELS
     from llmexport.mnn.runtime import run_media_prompt
     from llmexport.models.gemma4_towers import reference_passes
 
@@ -157,7 +158,8 @@ def check_media_prompts(tower, export_dir: Path, stored_text, prompts: list[Medi
                                                         tower.name, on_oracle, on_fp32)
     reports = []
     for prompt, (greedy, logits), logits32 in zip(prompts, runs, forced32):
-        run = run_media_prompt(export_dir, prompt.runtime_text, greedy[:-1], len(greedy))
+        # the tower and its merging are judged on the exact kernels, whatever profile ships
+        run = run_media_prompt(export_dir, prompt.runtime_text, greedy[:-1], len(greedy), config=EXACT_KERNELS)
         report = compare_prompt(run, prompt.ids, greedy, logits, logits32)
         report["label"] = prompt.label
         report["stopped_at_media_token"] = len(greedy) < GREEDY_STEPS

@@ -30,6 +30,12 @@ PROFILE_KEYS: dict[RuntimeProfile, dict[str, str]] = {
 }
 
 
+#: set_config of a run on MNN's exact kernels, whatever profile the export ships (what verification
+#: uses to prove the graph, the records and the towers' prompts; the fast kernels' own noise is
+#: judged separately)
+EXACT_KERNELS: dict[str, Any] = {"thread_num": 2, **PROFILE_KEYS[RuntimeProfile.EXACT]}
+
+
 def profile_of(config: dict[str, Any]) -> RuntimeProfile:
     """The profile an exported config.json runs with (what verification must judge)."""
     for profile, keys in PROFILE_KEYS.items():
