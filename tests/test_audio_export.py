@@ -111,6 +111,6 @@ def test_summary_line_reports_a_failed_audio_prompt():
     report = {"oracle": dict(text), "fp32": dict(text), "tokenizer": {"agree": True, "mismatches": []},
               "towers": {"audio": {"passed": False, "failures": ["audio prompt 16017 samples (HF framing): greedy "
                                                                 "tokens differ"], "prompts": [prompt]}}}
-    _judge(report, Bounds(0.005))
+    _judge(report, Bounds("exact", 0.005))
     line = summary_line(report)
     assert line.startswith("FAIL") and "audio FAILED (prompt vs HF: top-1 50%, greedy DIFFERS" in line
