@@ -88,8 +88,8 @@ def kernel_floor(checkpoint: Path, bits: int, block: int, embed_bit: int) -> flo
     import torch
 
     from llmexport.checkpoint import Checkpoint
+    from llmexport.loading import open_architecture
     from llmexport.mnn.weights import _row_slices
-    from llmexport.models import architecture_for
     from llmexport.quant.rtn import quantize_rtn
     from llmexport.quant.scheme import QuantScheme
     from llmexport.quant.workers import map_ordered
@@ -104,7 +104,7 @@ def kernel_floor(checkpoint: Path, bits: int, block: int, embed_bit: int) -> flo
                 pass
         return time.perf_counter() - start
 
-    arch = architecture_for(Checkpoint.open(checkpoint))
+    arch = open_architecture(Checkpoint.open(checkpoint))
     scheme, elapsed = QuantScheme(bits, block), 0.0
     for spec in arch.linears():
         elapsed += timed(arch.linear_weight(spec.name)[0], bits, scheme.block_for(spec.in_features), torch.float16)

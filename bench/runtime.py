@@ -18,7 +18,7 @@ Everything is measured in this one run, side by side, and printed as ratios:
 - fidelity on a fixed chat-templated prompt: each export teacher-forced along the greedy
   continuation of the HF model carrying exactly the weights the export stored (max |dlogit|, mean,
   top-1 agreement), and against the fp32 HF model. Both HF models are written as fp32 safetensors
-  folders first (llmexport.mnn.stored_checkpoint), which transformers maps from the file: table rows
+  folders first (llmexport.stored_checkpoint), which transformers maps from the file: table rows
   the prompt never looks up are never read, so a 12-layer E2B-shaped model fits in a few GB.
   MNN's exporter names its records its own way, and a variant stores other weights, so those are
   compared with fp32 HF only.
@@ -30,7 +30,6 @@ import argparse
 import gc
 import hashlib
 import json
-import os
 import shutil
 import statistics
 import subprocess
@@ -135,17 +134,22 @@ def _fidelity(checkpoint: Path, exports: dict[str, Path], work: Path, steps: int
     from transformers import AutoTokenizer
 
     from llmexport.checkpoint import Checkpoint
+    from llmexport.loading import open_architecture
     from llmexport.mnn.runtime import run_runtime
-    from llmexport.mnn.stored_checkpoint import write_stored_checkpoint
-    from llmexport.models import architecture_for
-    from llmexport.verification import _reference_greedy, default_prompt, step_stats, summarize
+    from llmexport.stored_checkpoint import write_stored_checkpoint
+    from llmexport.verification import (
+        _reference_greedy,
+        default_prompt,
+        step_stats,
+        summarize,
+    )
 
-    arch = architecture_for(Checkpoint.open(checkpoint))
+    arch = open_architecture(Checkpoint.open(checkpoint))
     prompt = default_prompt(AutoTokenizer.from_pretrained(checkpoint), PROMPT_TOKENS)
     references, memory = {}, {}
     for label, source in (("stored", exports["fast"]), ("fp32", None)):
         folder = write_stored_checkpoint(source, arch, work / f"oracle-{label}")
-        oracle_arch = architecture_for(Checkpoint.open(folder))
+        oracle_arch = open_architecture(Checkpoint.open(folder))
         model = oracle_arch.load_reference(None)
         if label == "stored":
             greedy = _reference_greedy(model, oracle_arch, prompt, steps)

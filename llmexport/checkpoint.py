@@ -18,8 +18,15 @@ from typing import Any, Iterator
 import torch
 
 from llmexport.errors import InputError
-from llmexport.input_files import (CONFIG_LIMIT, INDEX_LIMIT, TOKENIZER_LIMIT, open_regular, parse_json, read_json,
-                                   read_optional_json)
+from llmexport.input_files import (
+    CONFIG_LIMIT,
+    INDEX_LIMIT,
+    TOKENIZER_LIMIT,
+    open_regular,
+    parse_json,
+    read_json,
+    read_optional_json,
+)
 
 _DTYPES: dict[str, tuple[torch.dtype, int]] = {
     "F64": (torch.float64, 8), "F32": (torch.float32, 4), "F16": (torch.float16, 2),
@@ -298,7 +305,7 @@ class Checkpoint:
     def from_pretrained(self, loader: Any, **kwargs: Any) -> Any:
         """``loader.from_pretrained`` on this folder, from the same safetensors the export reads
         (never a ``pytorch_model.bin`` pickle beside them). An MLX checkpoint builds the HF model
-        from its config and dequantized tensors instead (llmexport.mlx_import)."""
+        from its config and dequantized tensors instead (llmexport.importers.mlx)."""
         return loader.from_pretrained(self.path, use_safetensors=True, **kwargs)
 
     def tokenizer_file(self) -> Path:

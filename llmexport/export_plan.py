@@ -9,10 +9,10 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-from llmexport.mlx_sources import WeightSources
 from llmexport.models.base import Architecture
 from llmexport.options import ExportOptions
 from llmexport.quant.scheme import QuantMethod, QuantScheme
+from llmexport.weight_sources import WeightSources
 
 
 def record_bytes(out_features: int, in_features: int, scheme: QuantScheme, bias: bool = False) -> int:

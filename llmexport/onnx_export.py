@@ -15,8 +15,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from llmexport.models.base import GraphInputs
 from llmexport.ops import custom_ops
+from llmexport.spec import GraphInputs
 
 log = logging.getLogger(__name__)
 OPSET = 15

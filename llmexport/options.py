@@ -6,9 +6,9 @@ from dataclasses import dataclass, field
 from enum import Enum
 
 from llmexport.errors import UsageError
-from llmexport.models.base import LinearRole, LinearSpec
 from llmexport.quant.recipes import QuantPlan, QuantRule
 from llmexport.quant.scheme import QuantScheme
+from llmexport.spec import LinearRole, LinearSpec
 
 EMBED_BITS = (16, 8, 4)
 
@@ -43,7 +43,7 @@ class ExportOptions:
     ``runtime_profile`` picks the runtime's kernels for quantized linears (written to config.json).
 
     An already-quantized (MLX) checkpoint keeps its stored integers per module by default (see
-    llmexport.mlx_sources): explicit rules, ``lm_quant`` and ``embed_bit`` override that for
+    llmexport.weight_sources): explicit rules, ``lm_quant`` and ``embed_bit`` override that for
     what they name, and ``requantize`` dequantizes everything and applies the scheme above.
 
     ``trust_remote_code`` lets ``verify`` run a checkpoint's own modeling code where the family's

@@ -16,14 +16,14 @@ from typing import Any, Iterator
 from llmexport.api import ExportResult
 from llmexport.checkpoint import Checkpoint
 from llmexport.errors import InputError, OutputError, UsageError
+from llmexport.export_plan import export_plan, write_manifest
+from llmexport.loading import open_architecture
 from llmexport.mnn import config as mnn_config
-from llmexport.models import architecture_for
 from llmexport.models.base import Architecture
 from llmexport.options import ExportFormat, ExportOptions
-from llmexport.export_plan import export_plan, write_manifest
-from llmexport.mlx_sources import WeightSources
 from llmexport.progress import Progress
 from llmexport.quant.rtn import NonFiniteError
+from llmexport.weight_sources import WeightSources
 
 log = logging.getLogger(__name__)
 TRACE_SEQ_LEN = 3
@@ -46,7 +46,7 @@ def _load(path: Path, options: ExportOptions) -> tuple[Checkpoint, Architecture,
     """Open and check everything the export reads before any heavy work: config, weights'
     headers, the architecture, the tokenizer (converted in memory), the verification's needs."""
     checkpoint = Checkpoint.open(path)
-    arch = architecture_for(checkpoint)
+    arch = open_architecture(checkpoint)
     tokenizer = _tokenizer_bytes(checkpoint, arch) if options.export is ExportFormat.MNN else None
     if options.verify and arch.reference_is_remote_code and not options.trust_remote_code:
         raise UsageError(f"--verify: the {arch.describe()['family']} reference model is the checkpoint's own code "
@@ -130,8 +130,8 @@ def _export_graph(stem: str, graph, inputs, linears, weight_fn, scheme_fn, out: 
     """One graph: trace -> ONNX -> MNN -> JSON -> rebuilt with streamed weights -> {stem}.mnn(.weight).
     ``source_of`` names the checkpoint tensor behind a linear (LinearSource) in error messages."""
     from llmexport.mnn.convert import json_to_mnn, mnn_to_json, onnx_to_mnn
-    from llmexport.mnn.rebuild import NonFiniteLinear, rebuild_graph
     from llmexport.mnn.external import rehome_external
+    from llmexport.mnn.rebuild import NonFiniteLinear, rebuild_graph
     from llmexport.onnx_export import export_onnx
 
     label = "" if stem == "llm" else f"{stem}_"
@@ -163,8 +163,8 @@ def _convert_expert_templates(arch: Architecture, work: Path) -> list:
     import torch
 
     from llmexport.mnn.convert import mnn_to_json, onnx_to_mnn
-    from llmexport.models.base import GraphInputs
     from llmexport.onnx_export import export_onnx
+    from llmexport.spec import GraphInputs
 
     converted = []
     for i, template in enumerate(arch.expert_templates()):

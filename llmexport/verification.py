@@ -18,11 +18,11 @@ import torch
 
 from llmexport.checkpoint import Checkpoint
 from llmexport.errors import UsageError, VerificationFailed
-from llmexport.mlx_sources import compare_with_source
+from llmexport.importers.mlx import compare_with_source
+from llmexport.loading import open_architecture
 from llmexport.mnn.config import EXACT_KERNELS, profile_of
 from llmexport.mnn.readback import read_stored
 from llmexport.mnn.runtime import run_runtime
-from llmexport.models import architecture_for
 from llmexport.options import RuntimeProfile
 from llmexport.verification_media import prompt_summary
 
@@ -122,7 +122,7 @@ def verify_export(export_dir: Path, model_path: Path, steps: int = 24, prompt_id
     """
     from transformers import AutoTokenizer
 
-    arch = architecture_for(Checkpoint.open(model_path))
+    arch = open_architecture(Checkpoint.open(model_path))
     if arch.reference_is_remote_code and not trust_remote_code:
         raise UsageError(f"{model_path}: verifying a {arch.describe()['family']} export runs the checkpoint's "
                          "own modeling code; allow it with --trust_remote_code (trust_remote_code=True)")
@@ -150,7 +150,7 @@ def verify_export(export_dir: Path, model_path: Path, steps: int = 24, prompt_id
         "fp32": summarize(step_stats(run.forced_logits, fp32_logits)),
     }
     report["towers"] = {tower.name: tower.verify(export_dir, stored) for tower in arch.towers()}
-    prequantized = compare_with_source(arch, stored)  # MLX checkpoints: which weights kept their integers
+    prequantized = compare_with_source(arch, arch.checkpoint.weights, stored)  # MLX checkpoints: which weights kept their integers
     if prequantized is not None:
         report["prequantized"] = prequantized
     records = _records(export_dir)

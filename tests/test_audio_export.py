@@ -7,22 +7,30 @@ from __future__ import annotations
 
 import json
 
+import PIL  # noqa: E402,F401  (pillow is a dependency)
 import pytest
 
 from llmexport import ExportOptions, export
 from llmexport.checkpoint import Checkpoint
-from llmexport.media.audio import (HOP, RUNTIME_TAIL, audio_tokens, hf_frame_count, runtime_frame_count,
-                                   samples_for_tokens, synthetic_clip, write_wav)
+from llmexport.loading import open_architecture
+from llmexport.media.audio import (
+    HOP,
+    RUNTIME_TAIL,
+    audio_tokens,
+    hf_frame_count,
+    runtime_frame_count,
+    samples_for_tokens,
+    synthetic_clip,
+    write_wav,
+)
 from llmexport.mnn.readback import read_stored
 from llmexport.mnn.runtime import run_media_prompt
-from llmexport.models import architecture_for
 from llmexport.quant.scheme import QuantScheme
 from llmexport.tiny.gemma4_towers import build_tiny_multimodal
 from llmexport.tiny.tokenizer import SPECIAL_TOKENS
 from llmexport.verification import summary_line, verify_export
 from llmexport.verification_media import PROMPT_HEAD
 
-import PIL  # noqa: E402,F401  (pillow is a dependency)
 # frames = 1 mod 4 (the runtime's unpadded framing loses a token), samples % 160 in 1..31 (it loses
 # two frames), 1 s, and several attention chunks
 PROMPT_LENGTHS = (samples_for_tokens(3), 16017, 16000, samples_for_tokens(22) + 100)
@@ -56,7 +64,7 @@ def test_padded_clips_give_hfs_answer(exported):
     path, out, _ = exported
     assert [n % HOP for n in PROMPT_LENGTHS][1] in range(1, 32)
     assert hf_frame_count(PROMPT_LENGTHS[0]) % 4 == 1
-    arch = architecture_for(Checkpoint.open(path))
+    arch = open_architecture(Checkpoint.open(path))
     tower = next(t for t in arch.towers() if t.name == "audio")
     report = tower.verify(out, read_stored(out, arch), prompt_lengths=PROMPT_LENGTHS)
     for prompt in report["prompts"]:

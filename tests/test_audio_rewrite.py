@@ -10,10 +10,15 @@ import torch
 from llmexport.checkpoint import Checkpoint
 from llmexport.eager import bind_weights
 from llmexport.errors import InputError
+from llmexport.loading import open_architecture
 from llmexport.media.audio import log_mel, samples_for_tokens, synthetic_clip
-from llmexport.models import architecture_for
-from llmexport.models.gemma4_audio import (audio_features, chunked_attention, parse_audio_args,
-                                           relative_position_table, window_mask)
+from llmexport.models.gemma4_audio import (
+    audio_features,
+    chunked_attention,
+    parse_audio_args,
+    relative_position_table,
+    window_mask,
+)
 from llmexport.tiny.gemma4_towers import AUDIO_SMALL, build_tiny_multimodal
 
 # encoder lengths: shorter than a chunk, not a multiple of it, several chunks
@@ -67,7 +72,7 @@ def tiny(tmp_path_factory):
     import transformers
 
     path = build_tiny_multimodal(tmp_path_factory.mktemp("audio"), "audio-64")
-    arch = architecture_for(Checkpoint.open(path))
+    arch = open_architecture(Checkpoint.open(path))
     (tower,) = arch.towers()
     hf = transformers.Gemma4ForConditionalGeneration.from_pretrained(
         path, dtype=torch.float32, attn_implementation="eager").eval()

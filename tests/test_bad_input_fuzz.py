@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 from llmexport.checkpoint import Checkpoint
 from llmexport.errors import LlmExportError
-from llmexport.models import architecture_for
+from llmexport.loading import open_architecture
 
 JUNK = st.one_of(st.none(), st.booleans(), st.integers(-3, 10**6), st.floats(allow_nan=True),
                  st.text(max_size=6), st.lists(st.integers(-1, 4), max_size=3), st.dictionaries(st.text(max_size=3),
@@ -29,7 +29,7 @@ HEADER_FIELDS = ["dtype", "shape", "data_offsets"]
 
 def _run(path) -> None:
     try:
-        arch = architecture_for(Checkpoint.open(path))
+        arch = open_architecture(Checkpoint.open(path))
         arch.build_graph()
         arch.linears()
     except LlmExportError as exc:
@@ -73,9 +73,17 @@ def test_mutated_safetensors_header_gives_typed_errors(tiny_gemma4, tmp_path_fac
 # --- generated instances of the hostile classes (tests/test_hostile_inputs.py has one of each) -----------
 from pathlib import Path  # noqa: E402
 
-from hostile import (assert_refused, copy_model, make_old_dst, nested_json, poison, snapshot,  # noqa: E402
-                     tensor_names, write_index)
 from helpers import rewrite_safetensors_header  # noqa: E402
+from hostile import (  # noqa: E402
+    assert_refused,
+    copy_model,
+    make_old_dst,
+    nested_json,
+    poison,
+    snapshot,
+    tensor_names,
+    write_index,
+)
 
 EXAMPLES = int(os.environ.get("FUZZ_EXAMPLES", 40))
 FUZZ = settings(max_examples=EXAMPLES, deadline=None, derandomize=not os.environ.get("FUZZ_EXAMPLES"),

@@ -8,11 +8,11 @@ import struct
 
 import pytest
 import torch
-
 from helpers import rewrite_safetensors_header
+
 from llmexport.checkpoint import Checkpoint
 from llmexport.errors import InputError
-from llmexport.models import architecture_for
+from llmexport.loading import open_architecture
 
 
 @pytest.fixture()
@@ -68,7 +68,7 @@ def test_shape_disagreeing_with_config(model):
     config["text_config"]["intermediate_size"] = 80
     (model / "config.json").write_text(json.dumps(config))
     with pytest.raises(InputError, match="config implies"):
-        architecture_for(Checkpoint.open(model))
+        open_architecture(Checkpoint.open(model))
 
 
 def test_unmapped_tensor_is_an_error(model):
@@ -78,4 +78,4 @@ def test_unmapped_tensor_is_an_error(model):
     tensors["model.language_model.layers.0.mystery.weight"] = torch.zeros(2)
     save_file(tensors, str(model / "model.safetensors"))
     with pytest.raises(InputError, match="not mapped"):
-        architecture_for(Checkpoint.open(model))
+        open_architecture(Checkpoint.open(model))

@@ -9,19 +9,24 @@ import shutil
 
 import pytest
 import torch
+from families import parametrize
+from helpers import assert_reference_onnx_matches_eager, custom_nodes, edit_checkpoint
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from families import parametrize
-from helpers import assert_reference_onnx_matches_eager, custom_nodes, edit_checkpoint
 from llmexport.checkpoint import Checkpoint
 from llmexport.eager import bind_weights, prompt_inputs
 from llmexport.errors import InputError, LlmExportError
-from llmexport.models import architecture_for
-from llmexport.models.base import LinearRole
+from llmexport.loading import open_architecture
 from llmexport.quant.recipes import recipe
 from llmexport.quant.scheme import QuantScheme
-from llmexport.tiny.decoders import FAMILIES, VARIANTS, build_decoder_checkpoint, random_config
+from llmexport.spec import LinearRole
+from llmexport.tiny.decoders import (
+    FAMILIES,
+    VARIANTS,
+    build_decoder_checkpoint,
+    random_config,
+)
 
 MODEL_TYPE = {variant: family for variant, (family, _) in VARIANTS.items()}
 RANDOM_POINTS = [(family, seed) for family in sorted(FAMILIES) for seed in range(300, 304)]
@@ -33,7 +38,7 @@ def _logits(arch, graph, ids):
 
 
 def _rewrite_and_reference(path, ids):
-    arch = architecture_for(Checkpoint.open(path))
+    arch = open_architecture(Checkpoint.open(path))
     graph = bind_weights(arch.build_graph(), arch.linear_weight)
     return arch, graph, _logits(arch, graph, ids), arch.reference_logits(arch.load_reference(None), ids)
 
@@ -81,14 +86,14 @@ def test_random_configs_match_hf(tmp_path, family, seed):
 
 @parametrize("onnx", "variant", ["llama3", "llama3-tied", "qwen3-tied", "qwen3-moe-mixed"], MODEL_TYPE.get)
 def test_reference_onnx_matches_eager(tiny_decoder, tmp_path, variant):  # between them, every feature
-    arch = architecture_for(Checkpoint.open(tiny_decoder(variant)))
+    arch = open_architecture(Checkpoint.open(tiny_decoder(variant)))
     graph = bind_weights(arch.build_graph(), arch.linear_weight)
     assert_reference_onnx_matches_eager(arch, graph, tmp_path / "ref.onnx")
 
 
 @pytest.mark.parametrize("variant", ["qwen3", "qwen3-moe-mixed"])
 def test_mnn_flavour_has_placeholders_attention_and_moe_ops(tiny_decoder, tmp_path, variant):
-    arch = architecture_for(Checkpoint.open(tiny_decoder(variant)))
+    arch = open_architecture(Checkpoint.open(tiny_decoder(variant)))
     path = tmp_path / "llm.onnx"
     nodes = custom_nodes(arch, path)
     in_experts = {spec.name for spec in arch.linears() if ".experts." in spec.name}
@@ -103,7 +108,7 @@ def test_mnn_flavour_has_placeholders_attention_and_moe_ops(tiny_decoder, tmp_pa
 
 
 def test_roles_and_recipes(tiny_decoder):
-    arch = architecture_for(Checkpoint.open(tiny_decoder("qwen3-moe-mixed")))
+    arch = open_architecture(Checkpoint.open(tiny_decoder("qwen3-moe-mixed")))
     specs = {spec.name: spec for spec in arch.linears()}
     plan = recipe("mlp4-attn8", QuantScheme(4, 64))
     assert specs["model.layers.1.mlp.gate"].role is LinearRole.ROUTER and plan.scheme_for(specs["model.layers.1.mlp.gate"]).bits == 8
@@ -115,7 +120,7 @@ def test_roles_and_recipes(tiny_decoder):
 
 @pytest.mark.parametrize("variant", sorted(VARIANTS))
 def test_runtime_files_describe_the_family(tiny_decoder, variant):
-    arch = architecture_for(Checkpoint.open(tiny_decoder(variant)))
+    arch = open_architecture(Checkpoint.open(tiny_decoder(variant)))
     config = arch.llm_config()
     assert config["attention_type"] == "full" and config["layer_nums"] == 4 and "attn_scale" not in config
     assert config["model_type"] == MODEL_TYPE[variant]
@@ -136,7 +141,7 @@ def test_transformers_4_config_keys_read_the_same(tiny_decoder, tmp_path):
         config.pop("rope_parameters")
         config.pop("num_local_experts", None)
         (dst / "config.json").write_text(json.dumps({**config, **legacy}))
-        assert architecture_for(Checkpoint.open(dst)).args == architecture_for(Checkpoint.open(src)).args
+        assert open_architecture(Checkpoint.open(dst)).args == open_architecture(Checkpoint.open(src)).args
 
 
 @pytest.mark.parametrize("variant, edit, message", [
@@ -157,7 +162,7 @@ def test_transformers_4_config_keys_read_the_same(tiny_decoder, tmp_path):
 def test_checkpoint_problems_are_input_errors(tiny_decoder, tmp_path, variant, edit, message):
     path = edit_checkpoint(tiny_decoder(variant), tmp_path / "bad", **edit)
     with pytest.raises(InputError, match=message):
-        architecture_for(Checkpoint.open(path))
+        open_architecture(Checkpoint.open(path))
 
 
 _JUNK = st.one_of(st.none(), st.booleans(), st.integers(-3, 10**6), st.floats(allow_nan=True), st.text(max_size=6),
@@ -183,7 +188,7 @@ def test_mutated_config_gives_typed_errors(tiny_decoder, tmp_path_factory, varia
         config[key] = value
     (path / "config.json").write_text(json.dumps(config))
     try:
-        arch = architecture_for(Checkpoint.open(path))
+        arch = open_architecture(Checkpoint.open(path))
         arch.build_graph()
     except LlmExportError as exc:
         assert str(exc) and "\n" not in str(exc).strip()

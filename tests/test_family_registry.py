@@ -8,11 +8,12 @@ from __future__ import annotations
 
 import importlib
 
+import families
 import pytest
 
-import families
 from llmexport.checkpoint import Checkpoint
-from llmexport.models import architecture_for, registered_families
+from llmexport.loading import open_architecture
+from llmexport.models import registered_families
 from llmexport.models.base import Architecture
 from llmexport.tiny.registry import TINY_BUILDERS
 
@@ -52,4 +53,4 @@ def test_the_check_sees_a_family_added_without_tests():
 def test_tiny_builders_build_their_model_type(tmp_path, model_type):
     checkpoint = Checkpoint.open(TINY_BUILDERS[model_type](tmp_path / model_type, 0))
     assert checkpoint.model_type == model_type
-    assert type(architecture_for(checkpoint)) is registered_families()[model_type]
+    assert type(open_architecture(checkpoint)) is registered_families()[model_type]

@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from gemma4_variants import random_text_config
+
 from llmexport.checkpoint import Checkpoint
 from llmexport.eager import bind_weights, prompt_inputs
-from llmexport.models import architecture_for
+from llmexport.loading import open_architecture
 from llmexport.tiny.gemma4 import build_gemma4_checkpoint
 
 SEEDS = list(range(100, 124))
@@ -19,7 +19,7 @@ SEEDS = list(range(100, 124))
 def test_random_variant_rewrite_matches_hf(tmp_path, seed):
     config = random_text_config(seed)
     path = build_gemma4_checkpoint(tmp_path / "model", config, seed=seed, text_only=seed % 2 == 0)
-    arch = architecture_for(Checkpoint.open(path))
+    arch = open_architecture(Checkpoint.open(path))
     graph = bind_weights(arch.build_graph(), arch.linear_weight)
     torch.manual_seed(seed)
     ids = torch.randint(5, 500, (13,))

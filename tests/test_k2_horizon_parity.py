@@ -7,13 +7,13 @@ from unittest import mock
 
 import pytest
 import torch
-
 from families import parametrize
 from helpers import assert_reference_onnx_matches_eager, custom_nodes, edit_checkpoint
+
 from llmexport.checkpoint import Checkpoint
 from llmexport.eager import bind_weights, prompt_inputs
 from llmexport.errors import InputError
-from llmexport.models import architecture_for
+from llmexport.loading import open_architecture
 from llmexport.models.k2_horizon import K2Horizon
 from llmexport.tiny.k2_horizon import build_k2_horizon_checkpoint, random_config
 
@@ -30,7 +30,7 @@ def _rewrite_logits(arch, ids, dense_mova=False):
 
 @parametrize("rewrite", "variant", VARIANTS, "k2_horizon")
 def test_rewrite_matches_reference(tiny_k2_horizon, variant):
-    arch = architecture_for(Checkpoint.open(tiny_k2_horizon(variant)))
+    arch = open_architecture(Checkpoint.open(tiny_k2_horizon(variant)))
     torch.manual_seed(1)
     ids = torch.randint(5, 500, (21,))
     _, ours = _rewrite_logits(arch, ids)
@@ -44,7 +44,7 @@ def test_rewrite_matches_reference(tiny_k2_horizon, variant):
 
 def test_parity_check_detects_a_wrong_router_bias(tiny_k2_horizon):
     """Guards against a vacuous comparison: the selection-only bias must matter."""
-    arch = architecture_for(Checkpoint.open(tiny_k2_horizon("sparse")))
+    arch = open_architecture(Checkpoint.open(tiny_k2_horizon("sparse")))
     torch.manual_seed(1)
     ids = torch.randint(5, 500, (21,))
     graph, ours = _rewrite_logits(arch, ids)
@@ -59,7 +59,7 @@ def test_random_variant_rewrite_matches_reference(tmp_path, seed):
     config = random_config(seed)
     path = build_k2_horizon_checkpoint(tmp_path / "model", config, seed=seed,
                                        dtype=torch.float32 if seed % 2 else torch.bfloat16)
-    arch = architecture_for(Checkpoint.open(path))
+    arch = open_architecture(Checkpoint.open(path))
     sparse = [layer.index for layer in arch.args.layers if layer.sparse]
     reference = arch.load_reference(None, trust_remote_code=True)
     assert sparse == [i for i in range(config["num_hidden_layers"]) if reference.config.is_sparse_layer(i)]
@@ -72,13 +72,13 @@ def test_random_variant_rewrite_matches_reference(tmp_path, seed):
 
 @parametrize("onnx", "variant", ["dense", "sparse-qknorm"], "k2_horizon")  # between them, every feature
 def test_reference_onnx_matches_eager(tiny_k2_horizon, tmp_path, variant):
-    arch = architecture_for(Checkpoint.open(tiny_k2_horizon(variant)))
+    arch = open_architecture(Checkpoint.open(tiny_k2_horizon(variant)))
     graph = bind_weights(arch.build_graph(), arch.linear_weight)
     assert_reference_onnx_matches_eager(arch, graph, tmp_path / "ref.onnx")
 
 
 def test_mnn_flavour_routes_both_kinds_of_experts_through_the_moe_op(tiny_k2_horizon, tmp_path):
-    arch = architecture_for(Checkpoint.open(tiny_k2_horizon("sparse")))
+    arch = open_architecture(Checkpoint.open(tiny_k2_horizon("sparse")))
     nodes = custom_nodes(arch, tmp_path / "llm.onnx")
     # FFN experts on layer_id = layer, MoVA value experts on layer_id = layers + layer
     assert sorted((m["layer_id"], m["num_experts"], m["top_k"]) for m in nodes["MoE"]) == [
@@ -95,7 +95,7 @@ def test_mnn_flavour_routes_both_kinds_of_experts_through_the_moe_op(tiny_k2_hor
 
 
 def test_dense_mova_runs_every_value_expert_in_the_main_graph(tiny_k2_horizon, tmp_path):
-    arch = architecture_for(Checkpoint.open(tiny_k2_horizon("sparse")))
+    arch = open_architecture(Checkpoint.open(tiny_k2_horizon("sparse")))
     with mock.patch.object(K2Horizon, "dense_mova", True):
         nodes = custom_nodes(arch, tmp_path / "dense.onnx")
         assert [t.marker for t in arch.expert_templates()] == ["@expert@"]
@@ -104,11 +104,11 @@ def test_dense_mova_runs_every_value_expert_in_the_main_graph(tiny_k2_horizon, t
 
 
 def test_routers_are_router_role_and_keep_8_bits(tiny_k2_horizon):
-    from llmexport.models.base import LinearRole
     from llmexport.quant.recipes import recipe
     from llmexport.quant.scheme import QuantScheme
+    from llmexport.spec import LinearRole
 
-    arch = architecture_for(Checkpoint.open(tiny_k2_horizon("sparse")))
+    arch = open_architecture(Checkpoint.open(tiny_k2_horizon("sparse")))
     plan = recipe("mlp4-attn8", QuantScheme(4, 64))
     specs = {spec.name: spec for spec in arch.linears()}
     for name in ("model.layers.1.mlp.gate", "model.layers.1.self_attn.v_router"):
@@ -130,10 +130,10 @@ def test_routers_are_router_role_and_keep_8_bits(tiny_k2_horizon):
 def test_checkpoint_problems_are_input_errors(tiny_k2_horizon, tmp_path, edit, message):
     path = edit_checkpoint(tiny_k2_horizon("sparse"), tmp_path / "bad", **edit)
     with pytest.raises(InputError, match=message):
-        architecture_for(Checkpoint.open(path))
+        open_architecture(Checkpoint.open(path))
 
 
 def test_rotary_inv_freq_in_a_checkpoint_is_ignored(tiny_k2_horizon, tmp_path):
     path = edit_checkpoint(tiny_k2_horizon("dense"), tmp_path / "inv",
                             add={"model.rotary_emb.inv_freq": torch.ones(8)})
-    assert architecture_for(Checkpoint.open(path)).describe()["layer_kinds"][0] == "0: dense"
+    assert open_architecture(Checkpoint.open(path)).describe()["layer_kinds"][0] == "0: dense"

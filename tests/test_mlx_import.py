@@ -27,12 +27,17 @@ mlx_convert = pytest.importorskip("mlx_lm.convert", reason="mlx-lm cannot be ins
 
 from llmexport import ExportOptions, export, plan  # noqa: E402
 from llmexport.errors import InputError  # noqa: E402
-from llmexport.mlx_import import MlxQuantConfig, Prequantized, mlx_quantization, unpack_levels  # noqa: E402
+from llmexport.importers.mlx import (  # noqa: E402
+    MlxQuantConfig,
+    mlx_quantization,
+    unpack_levels,
+)
 from llmexport.mnn.readback import linear_records  # noqa: E402
 from llmexport.mnn.weight_reader import read_levels, read_linear  # noqa: E402
 from llmexport.mnn.weights import WeightFileWriter  # noqa: E402
 from llmexport.quant.recipes import QuantRule  # noqa: E402
 from llmexport.quant.scheme import QuantMethod, QuantScheme  # noqa: E402
+from llmexport.spec import Prequantized  # noqa: E402
 from llmexport.verification import summary_line, verify_export  # noqa: E402
 
 

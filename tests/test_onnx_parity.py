@@ -3,26 +3,25 @@
 from __future__ import annotations
 
 import onnx
-import pytest
-
 from conftest import GEMMA4_SHAPES
 from families import parametrize
 from helpers import assert_reference_onnx_matches_eager
+
 from llmexport.checkpoint import Checkpoint
 from llmexport.eager import bind_weights
-from llmexport.models import architecture_for
+from llmexport.loading import open_architecture
 from llmexport.onnx_export import export_onnx
 
 
 @parametrize("onnx", "shape", GEMMA4_SHAPES, "gemma4")
 def test_reference_onnx_matches_eager(tiny_gemma4, tmp_path, shape):
-    arch = architecture_for(Checkpoint.open(tiny_gemma4(shape)))
+    arch = open_architecture(Checkpoint.open(tiny_gemma4(shape)))
     graph = bind_weights(arch.build_graph(), arch.linear_weight)
     assert_reference_onnx_matches_eager(arch, graph, tmp_path / "ref.onnx")
 
 
 def test_mnn_flavour_has_placeholders_not_weights(tiny_gemma4, tmp_path):
-    arch = architecture_for(Checkpoint.open(tiny_gemma4("e2b")))
+    arch = open_architecture(Checkpoint.open(tiny_gemma4("e2b")))
     path = export_onnx(arch.build_graph(), arch.graph_inputs(3), tmp_path / "llm.onnx", for_mnn=True)
     model = onnx.load(str(path))
     custom = [n for n in model.graph.node if n.domain == "LlmExport"]

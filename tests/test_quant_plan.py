@@ -6,10 +6,10 @@ import json
 
 import pytest
 
-from llmexport.models.base import LinearRole, LinearSpec
 from llmexport.options import ExportOptions
 from llmexport.quant.recipes import QuantPlan, QuantRule, load_quant_config, recipe
 from llmexport.quant.scheme import QuantMethod, QuantScheme
+from llmexport.spec import LinearRole, LinearSpec
 
 DEFAULT = QuantScheme(4, 64)
 

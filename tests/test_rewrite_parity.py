@@ -4,16 +4,16 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from conftest import GEMMA4_SHAPES
 from families import parametrize
+
 from llmexport.checkpoint import Checkpoint
 from llmexport.eager import bind_weights, prompt_inputs
-from llmexport.models import architecture_for
+from llmexport.loading import open_architecture
 
 
 def _rewrite_and_reference(path, ids):
-    arch = architecture_for(Checkpoint.open(path))
+    arch = open_architecture(Checkpoint.open(path))
     graph = bind_weights(arch.build_graph(), arch.linear_weight)
     with torch.no_grad():
         ours = graph(*prompt_inputs(arch, ids, arch.embedding_table(), arch.ple_table()))[0][0]
@@ -44,7 +44,7 @@ def test_parity_check_detects_a_wrong_gamma(tiny_gemma4):
 
 
 def test_kv_shared_layers_read_the_last_layer_of_their_type(tiny_gemma4):
-    arch = architecture_for(Checkpoint.open(tiny_gemma4("e2b")))
+    arch = open_architecture(Checkpoint.open(tiny_gemma4("e2b")))
     layers = arch.args.layers
     # e2b: types s s f s s | s s f with 3 shared layers -> sources 4, 4, 2
     assert [layer.kv_source for layer in layers] == [-1, -1, -1, -1, -1, 4, 4, 2]

@@ -13,8 +13,16 @@ from llmexport.errors import UsageError
 from llmexport.mnn.config import PROFILE_KEYS, profile_of, runtime_config
 from llmexport.options import RuntimeProfile
 from llmexport.quant.scheme import QuantScheme
-from llmexport.verification import (FAST_MAX_ABS_ERR, FAST_MEAN_ABS_ERR, FP16_MAX_ABS_ERR, QUANT_MAX_ABS_ERR,
-                                    Bounds, _judge, summary_line, verify_export)
+from llmexport.verification import (
+    FAST_MAX_ABS_ERR,
+    FAST_MEAN_ABS_ERR,
+    FP16_MAX_ABS_ERR,
+    QUANT_MAX_ABS_ERR,
+    Bounds,
+    _judge,
+    summary_line,
+    verify_export,
+)
 
 FAST, EXACT = RuntimeProfile.FAST, RuntimeProfile.EXACT
 
@@ -151,16 +159,16 @@ def test_a_wrong_graph_fails_fast_verification(tiny_gemma4, tmp_path, monkeypatc
 def test_stored_checkpoint_is_the_same_oracle(tiny_gemma4, tmp_path, shape, options):
     """The stored weights written as an fp32 HF folder give the oracle read_stored builds in memory."""
     from llmexport.checkpoint import Checkpoint
+    from llmexport.loading import open_architecture
     from llmexport.mnn.readback import read_stored
-    from llmexport.mnn.stored_checkpoint import write_stored_checkpoint
-    from llmexport.models import architecture_for
+    from llmexport.stored_checkpoint import write_stored_checkpoint
 
     out = tmp_path / "out"
     export(tiny_gemma4(shape), out, ExportOptions(**options))
-    arch = architecture_for(Checkpoint.open(tiny_gemma4(shape)))
+    arch = open_architecture(Checkpoint.open(tiny_gemma4(shape)))
     ids = torch.arange(3, 60)
     expected = arch.reference_logits(arch.load_reference(read_stored(out, arch)), ids)
     folder = write_stored_checkpoint(out, arch, tmp_path / "oracle")
-    oracle = architecture_for(Checkpoint.open(folder))
+    oracle = open_architecture(Checkpoint.open(folder))
     got = oracle.reference_logits(oracle.load_reference(None), ids)
     assert (got - expected).abs().max() < 1e-5

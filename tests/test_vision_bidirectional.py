@@ -8,6 +8,7 @@ import json
 import math
 import shutil
 
+import PIL  # noqa: E402,F401  (pillow is a dependency)
 import pytest
 import torch
 from hypothesis import given, settings
@@ -16,14 +17,23 @@ from hypothesis import strategies as st
 from llmexport.checkpoint import Checkpoint
 from llmexport.eager import bind_weights, prompt_inputs
 from llmexport.errors import InputError
+from llmexport.loading import open_architecture
 from llmexport.media.image import synthetic_image
-from llmexport.models import architecture_for
-from llmexport.models.gemma4_media import MARK_THRESHOLD, MEDIA_MARK, open_media_spans, unmark_media
+from llmexport.models.gemma4_media import (
+    MARK_THRESHOLD,
+    MEDIA_MARK,
+    open_media_spans,
+    unmark_media,
+)
 from llmexport.models.gemma4_vision import image_features
 from llmexport.tiny.gemma4_towers import build_tiny_multimodal
-from llmexport.verification_media import PROMPT_HEAD, FullModel, hf_processor, media_prompt
+from llmexport.verification_media import (
+    PROMPT_HEAD,
+    FullModel,
+    hf_processor,
+    media_prompt,
+)
 
-import PIL  # noqa: E402,F401  (pillow is a dependency)
 BIDIRECTIONAL = {"use_bidirectional_attention": "vision"}
 LOWEST = torch.finfo(torch.float32).min
 
@@ -31,7 +41,7 @@ LOWEST = torch.finfo(torch.float32).min
 @pytest.fixture(scope="module")
 def bidirectional(tmp_path_factory):
     path = build_tiny_multimodal(tmp_path_factory.mktemp("bidir"), "vision-64", text_overrides=BIDIRECTIONAL)
-    arch = architecture_for(Checkpoint.open(path))
+    arch = open_architecture(Checkpoint.open(path))
     return path, arch, arch.load_reference(None)
 
 
@@ -46,7 +56,9 @@ def _hf_mask(types: list[int], cached: int, window: int) -> torch.Tensor:
     """HF's rule (masking_utils blockwise_overlay / sliding_window_overlay, Gemma4's
     create_masks_for_vision_model): AND(window, OR(causal, same image run)); cached keys are text."""
     from transformers.masking_utils import blockwise_overlay, sliding_window_overlay
-    from transformers.models.gemma4.modeling_gemma4 import get_block_sequence_ids_for_mask
+    from transformers.models.gemma4.modeling_gemma4 import (
+        get_block_sequence_ids_for_mask,
+    )
 
     blocks = get_block_sequence_ids_for_mask(torch.tensor([[0] * cached + types]), torch.device("cpu"))
     same, inside = blockwise_overlay(blocks), sliding_window_overlay(window)
@@ -142,17 +154,17 @@ def _with_text_config(src, tmp_path, **changes):
 def test_unexportable_settings_are_refused(bidirectional, tmp_path, value, match):
     path = _with_text_config(bidirectional[0], tmp_path, use_bidirectional_attention=value)
     with pytest.raises(InputError, match=f"config.json: text_config 'use_bidirectional_attention' .*{match}"):
-        architecture_for(Checkpoint.open(path))
+        open_architecture(Checkpoint.open(path))
 
 
 def test_only_a_vision_checkpoint_with_sliding_layers_marks_images(tmp_path):
     audio = build_tiny_multimodal(tmp_path / "audio", "audio-64", text_overrides=BIDIRECTIONAL)
-    assert not architecture_for(Checkpoint.open(audio)).marks_images
+    assert not open_architecture(Checkpoint.open(audio)).marks_images
     full = build_tiny_multimodal(tmp_path / "full", "vision-64",
                                  text_overrides=dict(BIDIRECTIONAL, layer_types=["full_attention"] * 8))
-    arch = architecture_for(Checkpoint.open(full))
+    arch = open_architecture(Checkpoint.open(full))
     assert arch.args.bidirectional_vision and not arch.marks_images  # HF: full layers stay causal
     plain = build_tiny_multimodal(tmp_path / "plain", "vision-64")
-    arch = architecture_for(Checkpoint.open(plain))
+    arch = open_architecture(Checkpoint.open(plain))
     assert not arch.marks_images and not arch.build_graph().media_spans
     assert arch.towers()[0].output_scale == arch.towers()[0].args.output_scale

@@ -6,21 +6,26 @@ from __future__ import annotations
 
 import json
 
+import PIL  # noqa: E402,F401  (pillow is a dependency)
 import pytest
 
 from llmexport import ExportOptions, export
 from llmexport.checkpoint import Checkpoint
-from llmexport.media.image import processed_size, runtime_size, save_image_for_runtime, synthetic_image
+from llmexport.loading import open_architecture
+from llmexport.media.image import (
+    processed_size,
+    runtime_size,
+    save_image_for_runtime,
+    synthetic_image,
+)
 from llmexport.mnn.readback import read_stored
 from llmexport.mnn.runtime import run_media_prompt
-from llmexport.models import architecture_for
 from llmexport.models.gemma4 import Gemma4
 from llmexport.quant.scheme import QuantScheme
 from llmexport.tiny.gemma4_towers import build_tiny_multimodal
 from llmexport.tiny.tokenizer import SPECIAL_TOKENS
 from llmexport.verification import summary_line, verify_export
 
-import PIL  # noqa: E402,F401  (pillow is a dependency)
 # name -> (tiny checkpoint, text overrides, text bits, visual bits)
 BIDIRECTIONAL = {"use_bidirectional_attention": "vision"}
 CASES = {"vision-1536": ("vision-1536", {}, 4, 8), "vision-64": ("vision-64", {}, 16, 16),
@@ -58,7 +63,7 @@ def exported(checkpoints, tmp_path_factory):
 
 
 def _tower_report(path, out, **kwargs):
-    arch = architecture_for(Checkpoint.open(path))
+    arch = open_architecture(Checkpoint.open(path))
     (tower,) = arch.towers()
     return tower.verify(out, read_stored(out, arch), **kwargs)
 

@@ -6,20 +6,29 @@ from __future__ import annotations
 import math
 
 import numpy as np
+import PIL  # noqa: E402,F401  (pillow is a dependency)
 import pytest
 import torch
 
 from llmexport.checkpoint import Checkpoint
 from llmexport.eager import bind_weights
 from llmexport.errors import InputError
+from llmexport.loading import open_architecture
 from llmexport.media.image import preprocess, resize_to_processed, synthetic_image
-from llmexport.models import architecture_for
-from llmexport.models.gemma4_vision import RUNTIME_IMAGE_SCALE, image_features, parse_vision_args
+from llmexport.models.gemma4_vision import (
+    RUNTIME_IMAGE_SCALE,
+    image_features,
+    parse_vision_args,
+)
 from llmexport.tiny.gemma4_towers import build_tiny_multimodal
 from llmexport.tiny.tokenizer import SPECIAL_TOKENS
-from llmexport.verification_media import PROMPT_HEAD, FullModel, hf_processor, media_prompt
+from llmexport.verification_media import (
+    PROMPT_HEAD,
+    FullModel,
+    hf_processor,
+    media_prompt,
+)
 
-import PIL  # noqa: E402,F401  (pillow is a dependency)
 CONFIGS = ("vision-64", "vision-1536")
 # (size, soft-token budget): square at the default 280, wide and non-multiple-of-48 at 70 (faster)
 IMAGES = [((300, 300), 280), ((200, 640), 70), ((317, 451), 70)]
@@ -34,7 +43,7 @@ def tiny(tmp_path_factory):
     def get(name):
         if name not in cache:
             path = build_tiny_multimodal(tmp_path_factory.mktemp(name), name)
-            arch = architecture_for(Checkpoint.open(path))
+            arch = open_architecture(Checkpoint.open(path))
             hf = transformers.Gemma4ForConditionalGeneration.from_pretrained(
                 path, dtype=torch.float32, attn_implementation="eager").eval()
             tower = arch.towers()[0]
@@ -196,7 +205,7 @@ def test_unmapped_tower_tensor_is_an_error(tiny, tmp_path):
     tensors["model.vision_tower.extra.weight"] = torch.zeros(2)
     save_file(tensors, str(copy / "model.safetensors"), metadata={"format": "pt"})
     with pytest.raises(InputError, match="not mapped"):
-        architecture_for(Checkpoint.open(copy))
+        open_architecture(Checkpoint.open(copy))
 
 
 def test_prompt_image_reaches_runtime_with_hfs_pixels():

@@ -12,8 +12,9 @@ import torch
 from llmexport.mnn.embeddings import read_embedding_table, write_embedding_table
 from llmexport.mnn.weight_reader import read_linear
 from llmexport.mnn.weights import LinearRecord, WeightFileWriter, value_map
-from llmexport.quant.rtn import QuantizedTensor, dequantize, quantize_rtn
+from llmexport.quant.rtn import dequantize, quantize_rtn
 from llmexport.quant.scheme import QuantScheme
+from llmexport.spec import QuantizedTensor
 
 BITS = (2, 3, 4, 8)
 BLOCKS = (0, 32, 64, 128, 256)

@@ -29,17 +29,17 @@ import os
 import shutil
 import tempfile
 from dataclasses import dataclass
-from typing import BinaryIO, Callable, Iterable, Optional, Union
+from typing import BinaryIO, Iterable, Optional, Union
 
 import numpy as np
 import torch
 
 from llmexport.quant.pack import pack_bits
-from llmexport.quant.rtn import NonFiniteError, QuantizedTensor, quantize_rtn
+from llmexport.quant.rtn import NonFiniteError, quantize_rtn
 from llmexport.quant.workers import map_ordered
+from llmexport.spec import Quantizer
 
 TableSource = Union[torch.Tensor, Iterable[torch.Tensor]]
-Quantizer = Callable[[torch.Tensor, int, int, bool], QuantizedTensor]
 
 EMBEDDING_BITS = (16, 8, 4)
 _STANDARD_BLOCKS = (0, 32, 64, 128, 256)

@@ -19,7 +19,7 @@ from llmexport.mnn.config import LLM_MODEL, LLM_WEIGHT
 from llmexport.mnn.convert import mnn_to_json
 from llmexport.mnn.embeddings import read_embedding_table
 from llmexport.mnn.weight_reader import read_linear
-from llmexport.models.base import Architecture, StoredWeights
+from llmexport.spec import ModelTables, StoredWeights
 
 
 def linear_records(export_dir: Path) -> dict[str, dict]:
@@ -46,7 +46,7 @@ class StoredTable:
     read: Callable[[int, int], torch.Tensor]
 
 
-def stored_tables(export_dir: Path, arch: Architecture) -> dict[str, StoredTable]:
+def stored_tables(export_dir: Path, arch: ModelTables) -> dict[str, StoredTable]:
     """The tables the runtime reads from their own files: "embedding" (untied models), "ple"."""
     llm_config = json.loads((export_dir / "llm_config.json").read_text())
     config = json.loads((export_dir / "config.json").read_text())
@@ -69,7 +69,7 @@ def _table(path: Path, shape, layout: tuple[int, int, int | None]) -> StoredTabl
         path, rows, dim, bits, block, alpha_bytes=alpha_bytes, row_range=(start, stop)))
 
 
-def read_stored(export_dir: Path, arch: Architecture) -> StoredWeights:
+def read_stored(export_dir: Path, arch: ModelTables) -> StoredWeights:
     weight_file = export_dir / LLM_WEIGHT
     linears = {}
     for name, rec in linear_records(export_dir).items():

@@ -19,10 +19,10 @@ import torch
 
 from llmexport.errors import ConversionError
 from llmexport.mnn.weights import LinearRecord, WeightFileWriter
-from llmexport.models.base import ExpertTemplate, LinearSpec
 from llmexport.ops import expert_subgraph_name
 from llmexport.quant.rtn import NonFiniteError
 from llmexport.quant.scheme import QuantMethod, QuantScheme
+from llmexport.spec import ExpertTemplate, LinearSpec
 
 log = logging.getLogger(__name__)
 
@@ -148,7 +148,7 @@ class _Rebuilder:
         from llmexport.quant.device import on_best_device
         from llmexport.quant.hqq import quantizer_for
 
-        # STORED linears carry their own integers (llmexport.mlx_import.transcode): no quantizer
+        # STORED linears carry their own integers (llmexport.quant.transcode): no quantizer
         self.quantizers = {m: on_best_device(quantizer_for(m), enabled=use_gpu) for m in QuantMethod
                            if m is not QuantMethod.STORED}
         self.specs = {spec.name: spec for spec in linears}

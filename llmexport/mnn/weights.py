@@ -14,7 +14,7 @@ source/core/OpCommonUtils.cpp):
   stream over the whole tensor (see llmexport.quant.pack);
   alpha in fp16: ``[zero, scale]`` per (row, block) when asymmetric, ``scale`` when symmetric;
   fp32 instead for records that carry a source's own integers (``QuantMethod.STORED``, see
-  llmexport.mlx_import), with ``scaleStorage FP32``: ``ConvolutionCommon::load`` then reads
+  llmexport.importers.mlx), with ``scaleStorage FP32``: ``ConvolutionCommon::load`` then reads
   ``external[2] / 4`` fp32 values; then the fp32 bias, if any.
 * fp16 record (``type 3``): raw fp16 ``[oc, ic]``, no header, no alpha; then the bias.
 
@@ -29,20 +29,20 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import BinaryIO, Callable, Iterator, Optional
+from typing import BinaryIO, Iterator, Optional
 
 import numpy as np
 import torch
 
-from llmexport.mlx_import import Prequantized, transcode
 from llmexport.quant.pack import pack_bits
-from llmexport.quant.rtn import NonFiniteError, QuantizedTensor, quantize_rtn
+from llmexport.quant.rtn import NonFiniteError, quantize_rtn
 from llmexport.quant.scheme import FP16_BITS, QuantMethod, QuantScheme
+from llmexport.quant.transcode import transcode
 from llmexport.quant.workers import map_ordered
+from llmexport.spec import Prequantized, QuantizedTensor, Quantizer
 
 log = logging.getLogger(__name__)
 
-Quantizer = Callable[[torch.Tensor, int, int, bool], QuantizedTensor]
 
 _UINT16_MAX = 65535
 _CHUNK_ELEMENTS = 1 << 20  # weight values one quantization worker takes at a time

@@ -43,8 +43,8 @@ def registered_families() -> dict[str, type[Architecture]]:
     return dict(_REGISTRY)
 
 
-def architecture_for(checkpoint: Checkpoint) -> Architecture:
-    """The registered architecture of an opened checkpoint; unknown types fail loudly."""
+def architecture_class(checkpoint: Checkpoint) -> type[Architecture]:
+    """The family registered for an opened checkpoint's ``model_type``; unknown types fail loudly."""
     _load_families()
     cls = _REGISTRY.get(checkpoint.model_type)
     if cls is None:
@@ -52,6 +52,5 @@ def architecture_for(checkpoint: Checkpoint) -> Architecture:
             f"{checkpoint.path / 'config.json'}: unsupported model_type {checkpoint.model_type!r} "
             f"(supported: {', '.join(supported_model_types())})"
         )
-    from llmexport.mlx_import import adapt_checkpoint
+    return cls
 
-    return cls(adapt_checkpoint(checkpoint, cls))

@@ -9,8 +9,6 @@ Code outside ``llmexport/models`` only talks to this interface.
 from __future__ import annotations
 
 import abc
-from dataclasses import dataclass
-from enum import Enum
 from pathlib import Path
 from typing import Any
 
@@ -18,48 +16,13 @@ import torch
 from torch import nn
 
 from llmexport.checkpoint import Checkpoint, LazyTensor
-
-
-class LinearRole(str, Enum):
-    """What a linear layer does; quantization recipes choose bits per role."""
-
-    ATTENTION = "attention"
-    MLP = "mlp"
-    EXPERT = "expert"
-    ROUTER = "router"
-    PLE = "ple"
-    LM_HEAD = "lm_head"
-
-
-@dataclass(frozen=True)
-class LinearSpec:
-    """One placeholder linear of the graph: its name (ties node to weights), shape and role."""
-
-    name: str
-    in_features: int
-    out_features: int
-    role: LinearRole
-    bias: bool = False
-
-
-@dataclass(frozen=True)
-class LinearSource:
-    """Where one placeholder linear's weights live in the checkpoint: the weight tensor, the index
-    along its first axis when it stacks experts, and the bias tensor if any."""
-
-    weight: str
-    expert: int | None = None
-    bias: str | None = None
-
-
-@dataclass(frozen=True)
-class GraphInputs:
-    """Example inputs for tracing plus their ONNX names and dynamic axes."""
-
-    args: tuple[torch.Tensor, ...]
-    names: list[str]
-    dynamic_axes: dict[str, dict[int, str]]
-    output_names: list[str]
+from llmexport.spec import (
+    ExpertTemplate,
+    GraphInputs,
+    LinearSource,
+    LinearSpec,
+    StoredWeights,
+)
 
 
 class Tower(abc.ABC):
@@ -96,30 +59,6 @@ class Tower(abc.ABC):
         return {"passed": True, "failures": []}
 
 
-@dataclass(frozen=True)
-class ExpertTemplate:
-    """Routed experts exported once as a template graph and instantiated per (layer, expert).
-
-    ``module`` maps [n, hidden] -> [n, hidden]; its placeholder names contain ``marker``, which
-    each instance replaces (so the weights of that expert are found by name).
-    """
-
-    module: nn.Module
-    marker: str
-    hidden_size: int
-    instances: tuple[tuple[int, int, str], ...]  # (layer_id, expert index, replacement for marker)
-
-
-@dataclass
-class StoredWeights:
-    """What an export stored, read back from its files: per-linear weights (placeholder name
-    -> [out, in] fp32), and the token embedding / PLE tables as the runtime decodes them."""
-
-    linears: dict[str, torch.Tensor]
-    embedding: torch.Tensor | None = None
-    ple: torch.Tensor | None = None
-
-
 class Architecture(abc.ABC):
     """Base class of a registered architecture family."""
 
@@ -151,7 +90,7 @@ class Architecture(abc.ABC):
 
     @classmethod
     def mlx_layout(cls, config: dict[str, Any]) -> Any:
-        """How the family's mlx-lm port names its tensors (``llmexport.mlx_import.MlxLayout``);
+        """How the family's mlx-lm port names its tensors (``llmexport.spec.MlxLayout``);
         None: MLX-quantized checkpoints of this family are not supported."""
         return None
 

@@ -17,8 +17,15 @@ from torch import nn
 
 from llmexport.checkpoint import LazyTensor
 from llmexport.input_files import TOKENIZER_LIMIT, read_bytes, read_optional_json
-from llmexport.models.base import Architecture, GraphInputs, LinearRole, LinearSource, LinearSpec, StoredWeights
+from llmexport.models.base import Architecture
 from llmexport.models.tensor_checks import check_tensors
+from llmexport.spec import (
+    GraphInputs,
+    LinearRole,
+    LinearSource,
+    LinearSpec,
+    StoredWeights,
+)
 
 Shapes = dict[str, "tuple[int, ...] | None"]
 

@@ -18,11 +18,17 @@ from torch import nn
 from llmexport.checkpoint import Checkpoint, LazyTensor
 from llmexport.errors import InputError
 from llmexport.models import register
-from llmexport.models.base import ExpertTemplate, GraphInputs, LinearRole, LinearSpec, StoredWeights
 from llmexport.models.decoder import DecoderFamily, Shapes
 from llmexport.models.gemma4_args import SLIDING, Gemma4TextArgs, parse_text_args
 from llmexport.models.gemma4_graph import Expert, Gemma4TextGraph
 from llmexport.models.tensor_checks import count_limit, finite_lookup, require_stacked
+from llmexport.spec import (
+    ExpertTemplate,
+    GraphInputs,
+    LinearRole,
+    LinearSpec,
+    StoredWeights,
+)
 
 log = logging.getLogger(__name__)
 
@@ -295,14 +301,14 @@ class Gemma4(DecoderFamily):
                 logits = torch.tanh(logits / self.args.final_softcap) * self.args.final_softcap
         return logits
 
-    # --- MLX checkpoints (llmexport/mlx_import.py) ------------------------------------------------
+    # --- MLX checkpoints (llmexport/importers/mlx) ------------------------------------------------
     @classmethod
     def mlx_layout(cls, config: dict[str, Any]):
         """mlx-lm's port (mlx_lm/models/gemma4.py, gemma4_text.py ``sanitize``): the multimodal
         ``model.language_model.`` becomes ``language_model.model.``, HF's stacked experts become
         ``experts.switch_glu.{gate,up,down}_proj`` (gate_up_proj split in two along its rows), and
         the vision/audio towers are dropped (so are their configs here)."""
-        from llmexport.mlx_import import MlxLayout, MlxRule
+        from llmexport.spec import MlxLayout, MlxRule
 
         multimodal = config.get("model_type") == "gemma4"
         mlx, hf = (r"language_model\.model\.", "model.language_model.") if multimodal else (r"model\.", "model.")

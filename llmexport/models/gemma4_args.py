@@ -11,8 +11,6 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-import torch
-
 from llmexport.errors import InputError
 from llmexport.models.config_values import flag_value as _flag
 from llmexport.models.config_values import float_value as _float

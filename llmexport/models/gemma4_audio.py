@@ -31,14 +31,34 @@ import torch.nn.functional as F
 from torch import nn
 
 from llmexport.errors import InputError
-from llmexport.media.audio import (MELS, RUNTIME_TAIL, hf_frame_count, runtime_frame_count, samples_for_tokens,
-                                   synthetic_clip)
-from llmexport.models.base import GraphInputs, LinearRole, StoredWeights, Tower
-from llmexport.models.gemma4_towers import (ClippedLinear, TowerLinear, TowerLinears, const, mllm_runtime_config,
-                                            relative_error, tower_linear)
-from llmexport.ops import rms_norm
-from llmexport.models.config_values import FP32_MAX, flag_value, float_value, int_value, str_value
+from llmexport.media.audio import (
+    MELS,
+    RUNTIME_TAIL,
+    hf_frame_count,
+    runtime_frame_count,
+    samples_for_tokens,
+    synthetic_clip,
+)
+from llmexport.models.base import Tower
+from llmexport.models.config_values import (
+    FP32_MAX,
+    flag_value,
+    float_value,
+    int_value,
+    str_value,
+)
+from llmexport.models.gemma4_towers import (
+    ClippedLinear,
+    TowerLinear,
+    TowerLinears,
+    const,
+    mllm_runtime_config,
+    relative_error,
+    tower_linear,
+)
 from llmexport.models.tensor_checks import count_limit, finite_lookup
+from llmexport.ops import rms_norm
+from llmexport.spec import GraphInputs, LinearRole, StoredWeights
 
 log = logging.getLogger(__name__)
 

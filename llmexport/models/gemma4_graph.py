@@ -12,7 +12,6 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from llmexport.models.gemma4_args import FULL, SLIDING, Gemma4TextArgs, LayerSpec
@@ -21,8 +20,15 @@ from llmexport.models.graph_parts import Norm, TensorLookup
 from llmexport.models.graph_parts import const as _const
 from llmexport.models.rope import rope_cos_sin
 from llmexport.models.rope import rotate as _rotate
-from llmexport.ops import (FusedAttention, FusedMoE, GatedMlp, PlaceholderLinear, emitting_custom_ops, gelu_tanh,
-                           rms_norm)
+from llmexport.ops import (
+    FusedAttention,
+    FusedMoE,
+    GatedMlp,
+    PlaceholderLinear,
+    emitting_custom_ops,
+    gelu_tanh,
+    rms_norm,
+)
 
 
 def _act(x: torch.Tensor) -> torch.Tensor:

@@ -16,11 +16,13 @@ import torch
 from torch import nn
 
 from llmexport.checkpoint import SafetensorsIndex
-from llmexport.models.base import LinearRole, LinearSource, LinearSpec, StoredWeights
-from llmexport.models.graph_parts import TensorLookup, const  # noqa: F401 (the towers' graphs import them here)
+from llmexport.models.graph_parts import (  # noqa: F401 (the towers' graphs import them here)
+    TensorLookup,
+    const,
+)
 from llmexport.models.tensor_checks import check_finite
 from llmexport.ops import PlaceholderLinear
-
+from llmexport.spec import LinearRole, LinearSource, LinearSpec, StoredWeights
 
 
 @dataclass(frozen=True)

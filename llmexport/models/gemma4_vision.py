@@ -31,13 +31,22 @@ from torch import nn
 
 from llmexport.errors import InputError
 from llmexport.media.image import processed_size
-from llmexport.models.base import GraphInputs, LinearRole, StoredWeights, Tower
-from llmexport.models.gemma4_media import MEDIA_MARK
-from llmexport.models.gemma4_towers import (ClippedLinear, TowerLinear, TowerLinears, const, encoder_attention,
-                                            mllm_runtime_config, relative_error, tower_linear)
-from llmexport.ops import gelu_tanh, rms_norm
+from llmexport.models.base import Tower
 from llmexport.models.config_values import flag_value, float_value, int_value, str_value
+from llmexport.models.gemma4_media import MEDIA_MARK
+from llmexport.models.gemma4_towers import (
+    ClippedLinear,
+    TowerLinear,
+    TowerLinears,
+    const,
+    encoder_attention,
+    mllm_runtime_config,
+    relative_error,
+    tower_linear,
+)
 from llmexport.models.tensor_checks import count_limit, finite_lookup
+from llmexport.ops import gelu_tanh, rms_norm
+from llmexport.spec import GraphInputs, LinearRole, StoredWeights
 
 log = logging.getLogger(__name__)
 

@@ -16,11 +16,21 @@ from torch import nn
 
 from llmexport.checkpoint import Checkpoint
 from llmexport.models import register
-from llmexport.models.base import ExpertTemplate, LinearRole, LinearSpec
-from llmexport.models.decoder import DecoderFamily, attention_specs, mlp_specs, routed_specs
+from llmexport.models.decoder import (
+    DecoderFamily,
+    attention_specs,
+    mlp_specs,
+    routed_specs,
+)
 from llmexport.models.k2_horizon_args import K2HorizonArgs, parse_args
-from llmexport.models.k2_horizon_graph import K2HorizonGraph, Mlp, ValueExpert, mova_layer_id
+from llmexport.models.k2_horizon_graph import (
+    K2HorizonGraph,
+    Mlp,
+    ValueExpert,
+    mova_layer_id,
+)
 from llmexport.models.tensor_checks import count_limit, finite_lookup
+from llmexport.spec import ExpertTemplate, LinearRole, LinearSpec
 
 _EXPERT_MARKER = "@expert@"
 _VALUE_MARKER = "@value_expert@"
@@ -132,13 +142,13 @@ class K2Horizon(DecoderFamily):
     def reference_kwargs(self, trust_remote_code: bool) -> dict[str, Any]:
         return {"trust_remote_code": trust_remote_code}
 
-    # --- MLX checkpoints (llmexport/mlx_import.py) ------------------------------------------------
+    # --- MLX checkpoints (llmexport/importers/mlx) ------------------------------------------------
     @classmethod
     def mlx_layout(cls, config: dict[str, Any]):
         """The family's MLX port keeps the HF names but stacks routed experts ``[E, out, in]``
         (docs/k2-horizon.md): MoE experts as ``mlp.switch_mlp.{gate,up,down}_proj`` (mlx-lm's
         SwitchGLU naming), MoVA value experts as one ``self_attn.v_experts`` SwitchLinear."""
-        from llmexport.mlx_import import MlxLayout, MlxRule
+        from llmexport.spec import MlxLayout, MlxRule
 
         return MlxLayout((
             MlxRule(r"^(model\.layers\.\d+\.mlp)\.switch_mlp\.(\w+_proj)\.weight$", r"\1.experts.{e}.\2.weight", True),

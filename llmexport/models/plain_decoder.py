@@ -17,11 +17,21 @@ from typing import Any
 from torch import nn
 
 from llmexport.checkpoint import Checkpoint
-from llmexport.models.base import ExpertTemplate, LinearRole, LinearSpec
-from llmexport.models.decoder import DecoderFamily, Shapes, attention_specs, mlp_specs, routed_specs
-from llmexport.models.decoder_args import DecoderArgs, parse_decoder_args, resolve_config
+from llmexport.models.decoder import (
+    DecoderFamily,
+    Shapes,
+    attention_specs,
+    mlp_specs,
+    routed_specs,
+)
+from llmexport.models.decoder_args import (
+    DecoderArgs,
+    parse_decoder_args,
+    resolve_config,
+)
 from llmexport.models.decoder_graph import DenseDecoderGraph, SwiGlu
 from llmexport.models.tensor_checks import count_limit, finite_lookup
+from llmexport.spec import ExpertTemplate, LinearRole, LinearSpec
 
 _EXPERT_MARKER = "@expert@"
 

@@ -15,11 +15,10 @@ from typing import Callable
 
 import torch
 
-from llmexport.quant.rtn import QuantizedTensor
+from llmexport.spec import QuantizedTensor, Quantizer
 
 log = logging.getLogger(__name__)
 
-Quantizer = Callable[[torch.Tensor, int, int, bool], QuantizedTensor]
 # Work buffers of the quantizers (fp32 copy, levels, scales, HQQ iterates) relative to the input.
 _HEADROOM = 6.0
 

@@ -46,11 +46,12 @@ from typing import TYPE_CHECKING, Optional, Union
 
 import torch
 
-from llmexport.quant.rtn import QuantizedTensor, _check_alpha, _check_args, _to_storage, quantize_rtn
+from llmexport.quant.rtn import _check_alpha, _check_args, _to_storage, quantize_rtn
 from llmexport.quant.scheme import QuantMethod
+from llmexport.spec import QuantizedTensor
 
 if TYPE_CHECKING:  # the writer owns the Quantizer signature; importing it at runtime is not needed
-    from llmexport.mnn.weights import Quantizer
+    from llmexport.spec import Quantizer
 
 # Defaults of hqq 0.2.8.post1 (hqq/core/optimize.py, optimize_weights_proximal_legacy).
 HQQ_LP_NORM = 0.7

@@ -26,8 +26,8 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from llmexport.models.base import LinearRole, LinearSpec
 from llmexport.quant.scheme import QuantMethod, QuantScheme
+from llmexport.spec import LinearRole, LinearSpec
 
 ROUTER_MIN_BITS = 8
 _FIELDS = {"bits", "block", "sym", "method"}

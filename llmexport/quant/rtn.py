@@ -15,36 +15,11 @@ Conventions shared with the record writer:
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Optional
 
 import torch
 
-
-@dataclass
-class QuantizedTensor:
-    """Quantized ``[oc, ic]`` weight as ``[oc, nblocks, block]`` levels plus per-block alpha."""
-
-    q: torch.Tensor
-    scale: torch.Tensor
-    zero: Optional[torch.Tensor]
-    bits: int
-    block: int
-
-    @property
-    def sym(self) -> bool:
-        return self.zero is None
-
-    @property
-    def shape(self) -> tuple[int, int]:
-        oc, nblocks, block = self.q.shape
-        return oc, nblocks * block
-
-    def stored(self) -> torch.Tensor:
-        """Unsigned on-disk levels ``q + 2^(bits-1)`` as uint8, same shape as ``q``."""
-        if self.bits == 8:  # q + 128 overflows int8; flipping the sign bit is the same mapping
-            return self.q.view(torch.uint8) ^ 0x80
-        return (self.q + (1 << (self.bits - 1))).view(torch.uint8)
+from llmexport.spec import QuantizedTensor
 
 
 class NonFiniteError(ValueError):

@@ -1,7 +1,7 @@
 """Where each exported weight comes from and how it is written ("as stored" for MLX checkpoints).
 
 For an ordinary checkpoint this is the family's ``linear_weight`` and the options' scheme. For an
-MLX-quantized checkpoint (llmexport.mlx_import) the default is *as stored*: every quantized linear
+MLX-quantized checkpoint (llmexport.importers.mlx) the default is *as stored*: every quantized linear
 and embedding table keeps MLX's integers and affine map (``QuantMethod.STORED``, alpha in fp32),
 and what MLX left in floats (its predicate skips layers whose width the group does not divide and
 modules without ``to_quantized``, such as K2-Horizon's routers) stays in floats: fp16 linear
@@ -27,10 +27,18 @@ from typing import Any, Callable, Iterable
 import torch
 
 from llmexport.checkpoint import LazyTensor
-from llmexport.mlx_import import MlxLazy, MlxWeights, Prequantized, QuantInfo, transcode
-from llmexport.models.base import Architecture, LinearRole, LinearSpec, StoredWeights
+from llmexport.importers.mlx import MlxLazy, MlxWeights, stored_format
+from llmexport.models.base import Architecture
 from llmexport.options import ExportOptions
-from llmexport.quant.scheme import ALLOWED_BLOCKS, FP16_BITS, QUANT_BITS, QuantMethod, QuantScheme
+from llmexport.quant.scheme import (
+    ALLOWED_BLOCKS,
+    FP16_BITS,
+    QUANT_BITS,
+    QuantMethod,
+    QuantScheme,
+)
+from llmexport.quant.transcode import transcode
+from llmexport.spec import LinearRole, LinearSpec, QuantInfo
 
 #: widths at which MNN 3.6.1's DiskEmbedding decodes a quantized table correctly
 TABLE_BITS = (4, 8)
@@ -60,11 +68,6 @@ class TableChoice:
     reason: str | None = None
 
 
-def _stored(infos: tuple[QuantInfo | None, ...]) -> str:
-    names = sorted({"unquantized" if i is None else str(i) for i in infos})
-    return " + ".join(names)
-
-
 class WeightSources:
     """Weights and schemes of an export's linears and tables (see the module docstring)."""
 
@@ -81,9 +84,9 @@ class WeightSources:
         infos = self.mlx.quantization(self.arch.linear_source(spec.name).weight)
         reason = self._requested(spec) or self._unfit(spec, infos)
         if reason is not None:
-            return Choice(self.options.scheme_for(spec), _stored(infos), reason)
+            return Choice(self.options.scheme_for(spec), stored_format(infos), reason)
         if infos[0] is None:  # float in MLX: kept as fp16
-            return Choice(QuantScheme(FP16_BITS), _stored(infos))
+            return Choice(QuantScheme(FP16_BITS), stored_format(infos))
         info = infos[0]
         return Choice(QuantScheme(info.bits, info.group, method=QuantMethod.STORED), str(info))
 
@@ -141,7 +144,7 @@ class WeightSources:
             reason = "--embed_bit / quant_config embed_bit"
         elif info is not None and info.bits not in TABLE_BITS:
             reason = f"{info.bits}-bit: MNN 3.6.1 decodes tables at 4 or 8 bits only (else bf16)"
-        stored = _stored(lazy.quantization)
+        stored = stored_format(lazy.quantization)
         if reason is not None:
             return TableChoice(o.table_bits, o.quant.block, lazy.row_chunks, None, stored, reason)
         if info is None:  # float in MLX: kept as bf16
@@ -179,28 +182,3 @@ class WeightSources:
                 "requantized": [e for e in changed if e["stored"] != "unquantized"],
                 "quantized_from_float": [e for e in changed if e["stored"] == "unquantized"],
                 "tables": tables}
-
-
-def compare_with_source(arch: Architecture, stored: StoredWeights) -> dict[str, Any] | None:
-    """Verification evidence for pre-quantized (MLX) checkpoints: how many read-back linears and
-    tables equal the source's fp32 values exactly, and how far the others moved (None otherwise)."""
-    weights = arch.checkpoint.weights
-    if not isinstance(weights, MlxWeights):
-        return None
-    exact, changed = 0, {}
-    for name, value in sorted(stored.linears.items()):
-        source = arch.linear_source(name)
-        value_in_source = weights.stored(source.weight, source.expert)
-        ref = value_in_source.dequantize() if isinstance(value_in_source, Prequantized) else value_in_source.float()
-        if torch.equal(ref, value):
-            exact += 1
-        else:
-            changed[name] = {"stored": _stored(weights.quantization(source.weight)),
-                             "max_abs_diff": float((ref - value).abs().max())}
-    tables = {}
-    for name, table in (("embedding", stored.embedding), ("ple", stored.ple)):
-        lazy = arch.embedding_table() if name == "embedding" else arch.ple_table()
-        if table is not None and isinstance(lazy, MlxLazy):
-            diff = float((lazy.read().float() - table).abs().max())
-            tables[name] = {"stored": _stored(lazy.quantization), "exact": diff == 0.0, "max_abs_diff": diff}
-    return {"linears_exact": exact, "linears_changed": changed, "tables": tables}

@@ -1,0 +1,246 @@
+"""The vocabulary every layer shares: linear specs and roles, expert templates, stored and
+quantized weights, the quantizer type, and the small protocols by which a weight store and an
+exported model's tables are read.
+
+This module imports nothing of llmexport at run time (``LazyTensor`` only for type checking), so
+that the checkpoint readers, importers, model families, quantizers, the MNN writer and
+verification may all depend on it without depending on each other.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from enum import Enum
+from pathlib import Path
+from typing import TYPE_CHECKING, Callable, Optional, Protocol
+
+import torch
+from torch import nn
+
+if TYPE_CHECKING:
+    from llmexport.checkpoint import LazyTensor
+
+
+# --- linears of the graph -----------------------------------------------------------------------
+class LinearRole(str, Enum):
+    """What a linear layer does; quantization recipes choose bits per role."""
+
+    ATTENTION = "attention"
+    MLP = "mlp"
+    EXPERT = "expert"
+    ROUTER = "router"
+    PLE = "ple"
+    LM_HEAD = "lm_head"
+
+
+@dataclass(frozen=True)
+class LinearSpec:
+    """One placeholder linear of the graph: its name (ties node to weights), shape and role."""
+
+    name: str
+    in_features: int
+    out_features: int
+    role: LinearRole
+    bias: bool = False
+
+
+@dataclass(frozen=True)
+class LinearSource:
+    """Where one placeholder linear's weights live in the checkpoint: the weight tensor, the index
+    along its first axis when it stacks experts, and the bias tensor if any."""
+
+    weight: str
+    expert: int | None = None
+    bias: str | None = None
+
+
+@dataclass(frozen=True)
+class GraphInputs:
+    """Example inputs for tracing plus their ONNX names and dynamic axes."""
+
+    args: tuple[torch.Tensor, ...]
+    names: list[str]
+    dynamic_axes: dict[str, dict[int, str]]
+    output_names: list[str]
+
+
+@dataclass(frozen=True)
+class ExpertTemplate:
+    """Routed experts exported once as a template graph and instantiated per (layer, expert).
+
+    ``module`` maps [n, hidden] -> [n, hidden]; its placeholder names contain ``marker``, which
+    each instance replaces (so the weights of that expert are found by name).
+    """
+
+    module: nn.Module
+    marker: str
+    hidden_size: int
+    instances: tuple[tuple[int, int, str], ...]  # (layer_id, expert index, replacement for marker)
+
+
+@dataclass
+class StoredWeights:
+    """What an export stored, read back from its files: per-linear weights (placeholder name
+    -> [out, in] fp32), and the token embedding / PLE tables as the runtime decodes them."""
+
+    linears: dict[str, torch.Tensor]
+    embedding: torch.Tensor | None = None
+    ple: torch.Tensor | None = None
+
+
+# --- quantized weights ------------------------------------------------------------------------
+@dataclass
+class QuantizedTensor:
+    """Quantized ``[oc, ic]`` weight as ``[oc, nblocks, block]`` levels plus per-block alpha."""
+
+    q: torch.Tensor
+    scale: torch.Tensor
+    zero: Optional[torch.Tensor]
+    bits: int
+    block: int
+
+    @property
+    def sym(self) -> bool:
+        return self.zero is None
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        oc, nblocks, block = self.q.shape
+        return oc, nblocks * block
+
+    def stored(self) -> torch.Tensor:
+        """Unsigned on-disk levels ``q + 2^(bits-1)`` as uint8, same shape as ``q``."""
+        if self.bits == 8:  # q + 128 overflows int8; flipping the sign bit is the same mapping
+            return self.q.view(torch.uint8) ^ 0x80
+        return (self.q + (1 << (self.bits - 1))).view(torch.uint8)
+
+
+#: A quantizer: (weight [oc, ic], bits, block, symmetric) -> the record's levels and alpha.
+Quantizer = Callable[[torch.Tensor, int, int, bool], QuantizedTensor]
+
+
+@dataclass(frozen=True)
+class QuantInfo:
+    """Bits and group size of one tensor quantized by its source (MLX's affine format)."""
+
+    bits: int
+    group: int
+
+    def __str__(self) -> str:
+        return f"{self.bits}-bit group {self.group}"
+
+
+@dataclass(frozen=True)
+class Prequantized:
+    """A weight quantized by its source: ``w = scales * levels + biases`` per group of ``group``
+    inputs. ``levels`` uint8 ``[..., out, in]`` in ``0 .. 2^bits - 1``; ``scales`` and ``biases``
+    ``[..., out, in // group]`` in the source dtype. Indexing selects along the first axis."""
+
+    levels: torch.Tensor
+    scales: torch.Tensor
+    biases: torch.Tensor
+    bits: int
+    group: int
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.levels.shape
+
+    def dim(self) -> int:
+        return self.levels.dim()
+
+    def numel(self) -> int:
+        return self.levels.numel()
+
+    @property
+    def info(self) -> QuantInfo:
+        return QuantInfo(self.bits, self.group)
+
+    def __getitem__(self, key: int | slice) -> "Prequantized":
+        return Prequantized(self.levels[key], self.scales[key], self.biases[key], self.bits, self.group)
+
+    def dequantize(self) -> torch.Tensor:
+        """fp32 ``scales * q + biases``: exactly MLX's affine map evaluated in fp32."""
+        *lead, cols = self.levels.shape
+        grouped = self.levels.reshape(*lead, cols // self.group, self.group).float()
+        values = grouped * self.scales.float().unsqueeze(-1) + self.biases.float().unsqueeze(-1)
+        return values.reshape(*lead, cols)
+
+    @staticmethod
+    def cat(parts: list["Prequantized"]) -> "Prequantized":
+        """Concatenate along the rows (axis -2); every part must share bits and group."""
+        first = parts[0]
+        if any(p.info != first.info for p in parts):
+            raise ValueError(f"cannot join parts stored as {', '.join(str(p.info) for p in parts)}")
+        joined = (torch.cat([getattr(p, f) for p in parts], dim=-2) for f in ("levels", "scales", "biases"))
+        return Prequantized(*joined, first.bits, first.group)
+
+
+# --- what readers and writers see of checkpoints and exports --------------------------------------
+class WeightStore(Protocol):
+    """Named tensors of a checkpoint, left on disk until read: what ``SafetensorsIndex`` offers and
+    an importer (``llmexport.importers.mlx``) offers in HF names over another format."""
+
+    #: the folder the tensors are read from (None for stores built in memory)
+    folder: Path | None
+
+    def names(self) -> list[str]: ...
+
+    def __contains__(self, name: str) -> bool: ...
+
+    def shape(self, name: str) -> tuple[int, ...]: ...
+
+    def dtype(self, name: str) -> torch.dtype: ...
+
+    def lazy(self, name: str) -> "LazyTensor": ...
+
+    def tensor(self, name: str) -> torch.Tensor: ...
+
+
+class ModelTables(Protocol):
+    """The token embedding and PLE tables of a model, as readers of an export need them."""
+
+    @property
+    def tied_embedding(self) -> bool: ...
+
+    def embedding_table(self) -> "LazyTensor": ...
+
+    def ple_table(self) -> "LazyTensor | None": ...
+
+
+class SourcedModel(ModelTables, Protocol):
+    """A model that names the checkpoint tensors behind each of its placeholder linears."""
+
+    def linear_source(self, name: str) -> LinearSource: ...
+
+
+# --- how an importer's source format names a family's tensors ------------------------------------
+@dataclass(frozen=True)
+class MlxRule:
+    """One MLX tensor name pattern and the HF tensor(s) it holds (first matching rule wins).
+
+    ``hf``: the ``re`` replacement giving the HF name. ``split``: the MLX tensor stacks experts
+    along axis 0 and ``hf`` holds ``{e}``, one HF tensor per expert. ``part``: (index, count) when
+    ``count`` MLX tensors are one HF tensor joined along the rows (axis -2), in index order.
+    """
+
+    pattern: str
+    hf: str
+    split: bool = False
+    part: tuple[int, int] = (0, 1)
+
+
+@dataclass(frozen=True)
+class MlxLayout:
+    """How a family's mlx-lm port names tensors: renames, stacked/joined experts, and the config
+    entries of parts mlx-lm drops (their tensors are absent from the MLX checkpoint)."""
+
+    rules: tuple[MlxRule, ...] = ()
+    dropped_config: tuple[str, ...] = ()
+
+    def hf_name(self, mlx_name: str) -> tuple[str, MlxRule | None]:
+        for rule in self.rules:
+            if re.match(rule.pattern, mlx_name):
+                return re.sub(rule.pattern, rule.hf, mlx_name), rule
+        return mlx_name, None
