@@ -27,6 +27,7 @@ from llmexport.input_files import (
     read_json,
     read_optional_json,
 )
+from llmexport.spec import WeightStore
 
 _DTYPES: dict[str, tuple[torch.dtype, int]] = {
     "F64": (torch.float64, 8), "F32": (torch.float32, 4), "F16": (torch.float16, 2),
@@ -183,6 +184,7 @@ class LazyTensor:
         with ThreadPoolExecutor(max_workers=1, thread_name_prefix="llmexport-rows") as pool:
             pending = pool.submit(self.rows, starts[0], starts[0] + step) if starts else None
             for i in range(len(starts)):
+                assert pending is not None  # one read is in flight for every start
                 block = pending.result()
                 pending = pool.submit(self.rows, starts[i + 1], starts[i + 1] + step) if i + 1 < len(starts) else None
                 yield block
@@ -287,7 +289,7 @@ class Checkpoint:
 
     path: Path
     config: dict[str, Any]
-    weights: SafetensorsIndex
+    weights: WeightStore  # a SafetensorsIndex, or an importer's view (llmexport.importers)
 
     @classmethod
     def open(cls, path: Path | str) -> "Checkpoint":

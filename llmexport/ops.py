@@ -207,10 +207,11 @@ def dense_mixture(experts: nn.ModuleList, hidden, weights, chosen):
     experts not chosen) and summed in fp32; equal to a gather/scatter over the chosen ones."""
     one_hot = (chosen.unsqueeze(-1) == torch.arange(len(experts))).to(weights.dtype)
     dense = (one_hot * weights.unsqueeze(-1)).sum(dim=-2)
-    out = None
+    out: torch.Tensor | None = None
     for e, expert in enumerate(experts):
         term = expert(hidden).float() * dense[..., e:e + 1]
         out = term if out is None else out + term
+    assert out is not None, "a mixture of no experts"
     return out.to(hidden.dtype)
 
 

@@ -173,8 +173,9 @@ class Prequantized:
         first = parts[0]
         if any(p.info != first.info for p in parts):
             raise ValueError(f"cannot join parts stored as {', '.join(str(p.info) for p in parts)}")
-        joined = (torch.cat([getattr(p, f) for p in parts], dim=-2) for f in ("levels", "scales", "biases"))
-        return Prequantized(*joined, first.bits, first.group)
+        levels, scales, biases = (torch.cat([getattr(p, f) for p in parts], dim=-2)
+                                  for f in ("levels", "scales", "biases"))
+        return Prequantized(levels, scales, biases, first.bits, first.group)
 
 
 # --- what readers and writers see of checkpoints and exports --------------------------------------

@@ -22,10 +22,12 @@ from typing import BinaryIO, Iterator
 import numpy as np
 import torch
 
+from llmexport.checkpoint import LazyTensor
 from llmexport.mnn.config import LLM_WEIGHT
 from llmexport.mnn.readback import linear_records, stored_tables
 from llmexport.mnn.weight_reader import read_linear
 from llmexport.models.base import Architecture
+from llmexport.spec import WeightStore
 
 FILE_NAME = "model.safetensors"
 _ROWS_BYTES = 64 << 20  # table rows decoded at a time
@@ -47,7 +49,7 @@ def write_stored_checkpoint(export_dir: Path | None, arch: Architecture, out: Pa
             biases[source.bias] = name
     tables = stored_tables(export_dir, arch) if export_dir is not None else {}
     lazies = {"embedding": None if arch.tied_embedding else arch.embedding_table(), "ple": arch.ple_table()}
-    table_of = {_name_of(weights, lazies[key].entry): key for key in tables}
+    table_of = {_name_of(weights, lazies[key]): key for key in tables}
     out.mkdir(parents=True, exist_ok=True)
     for file in arch.checkpoint.path.iterdir():
         if file.is_file() and not file.name.endswith(".safetensors") and file.name != "model.safetensors.index.json":
@@ -56,6 +58,7 @@ def write_stored_checkpoint(export_dir: Path | None, arch: Architecture, out: Pa
     weight_file = None if export_dir is None else export_dir / LLM_WEIGHT
 
     def linear(record_name: str) -> tuple[torch.Tensor, torch.Tensor | None]:
+        assert weight_file is not None  # records exist only where an export was read
         rec = records[record_name]
         return read_linear(weight_file, rec["external"], rec["quanParameter"], rec["oc"], rec["ic"])
 
@@ -69,18 +72,20 @@ def write_stored_checkpoint(export_dir: Path | None, arch: Architecture, out: Pa
             elif name in parts:
                 _write(f, _assemble(weights.shape(name), parts[name], linear))
             elif name in biases:
-                _write(f, linear(biases[name])[1])
+                bias = linear(biases[name])[1]
+                assert bias is not None, f"record {biases[name]!r} has no bias"
+                _write(f, bias)
             else:
                 value = weights.tensor(name)
                 _write(f, value.float() if value.is_floating_point() else value)
     return out
 
 
-def _header(weights, names: list[str]) -> bytes:
+def _header(weights: WeightStore, names: list[str]) -> bytes:
     """The safetensors header (length + JSON, padded to 8 bytes): every float tensor as F32."""
     header, offset = {}, 0
     for name in names:
-        dtype = _stored_dtype(weights.entry(name).dtype)
+        dtype = _stored_dtype(weights.dtype(name))
         shape = list(weights.shape(name))
         size = int(np.prod(shape, dtype=np.int64)) * torch.empty((), dtype=dtype).element_size()
         header[name] = {"dtype": _SAFETENSORS_DTYPES[dtype], "shape": shape, "data_offsets": [offset, offset + size]}
@@ -94,8 +99,11 @@ def _stored_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float32 if dtype.is_floating_point else dtype
 
 
-def _name_of(weights, entry) -> str:
-    return next(name for name in weights.names() if weights.entry(name) == entry)
+def _name_of(weights: WeightStore, table: LazyTensor | None) -> str:
+    """The checkpoint tensor a table was opened from."""
+    if table is None or table.name not in weights:
+        raise ValueError(f"table {getattr(table, 'name', None)!r} is not a tensor of the checkpoint")
+    return table.name
 
 
 def _assemble(shape, parts: list[tuple[str, int | None]], linear) -> torch.Tensor:

@@ -30,13 +30,7 @@ from llmexport.checkpoint import LazyTensor
 from llmexport.importers.mlx import MlxLazy, MlxWeights, stored_format
 from llmexport.models.base import Architecture
 from llmexport.options import ExportOptions
-from llmexport.quant.scheme import (
-    ALLOWED_BLOCKS,
-    FP16_BITS,
-    QUANT_BITS,
-    QuantMethod,
-    QuantScheme,
-)
+from llmexport.quant.scheme import ALLOWED_BLOCKS, FP16_BITS, QUANT_BITS, QuantMethod, QuantScheme
 from llmexport.quant.transcode import transcode
 from llmexport.spec import LinearRole, LinearSpec, QuantInfo
 
@@ -77,11 +71,11 @@ class WeightSources:
         self.mlx = weights if isinstance(weights, MlxWeights) else None
         self.choices: dict[str, Choice] = {}
         if self.mlx is not None:
-            self.choices = {spec.name: self._choose(spec) for spec in arch.linears()}
+            self.choices = {spec.name: self._choose(self.mlx, spec) for spec in arch.linears()}
 
     # --- linears ---------------------------------------------------------------------------------
-    def _choose(self, spec: LinearSpec) -> Choice:
-        infos = self.mlx.quantization(self.arch.linear_source(spec.name).weight)
+    def _choose(self, mlx: MlxWeights, spec: LinearSpec) -> Choice:
+        infos = mlx.quantization(self.arch.linear_source(spec.name).weight)
         reason = self._requested(spec) or self._unfit(spec, infos)
         if reason is not None:
             return Choice(self.options.scheme_for(spec), stored_format(infos), reason)
@@ -124,7 +118,7 @@ class WeightSources:
     def weight(self, name: str) -> tuple[Any, torch.Tensor | None]:
         """A transcoded linear's ``Prequantized`` integers (and bias), else the family's weights."""
         choice = self.choices.get(name)
-        if choice is None or choice.scheme.method is not QuantMethod.STORED:
+        if self.mlx is None or choice is None or choice.scheme.method is not QuantMethod.STORED:
             return self.arch.linear_weight(name)
         source = self.arch.linear_source(name)
         bias = self.mlx.tensor(source.bias) if source.bias else None

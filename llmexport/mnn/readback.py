@@ -55,10 +55,11 @@ def stored_tables(export_dir: Path, arch: ModelTables) -> dict[str, StoredTable]
         tie = llm_config.get("tie_embeddings")
         layout = (16, 0, None) if tie is None else (tie["quant_bit"], tie["quant_block"], tie["alpha_size"])
         tables["embedding"] = _table(export_dir / config["embedding_file"], arch.embedding_table().shape, layout)
-    if arch.ple_table() is not None:
+    ple = arch.ple_table()
+    if ple is not None:
         quant = llm_config.get("ple_quant")
         layout = (16, 0, None) if not quant else (quant[3], quant[4], quant[2])
-        tables["ple"] = _table(export_dir / llm_config["ple_embed_file"], arch.ple_table().shape, layout)
+        tables["ple"] = _table(export_dir / llm_config["ple_embed_file"], ple.shape, layout)
     return tables
 
 

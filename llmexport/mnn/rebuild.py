@@ -22,7 +22,7 @@ from llmexport.mnn.weights import LinearRecord, WeightFileWriter
 from llmexport.ops import expert_subgraph_name
 from llmexport.quant.rtn import NonFiniteError
 from llmexport.quant.scheme import QuantMethod, QuantScheme
-from llmexport.spec import ExpertTemplate, LinearSpec
+from llmexport.spec import ExpertTemplate, LinearSpec, Quantizer
 
 log = logging.getLogger(__name__)
 
@@ -149,7 +149,7 @@ class _Rebuilder:
         from llmexport.quant.hqq import quantizer_for
 
         # STORED linears carry their own integers (llmexport.quant.transcode): no quantizer
-        self.quantizers = {m: on_best_device(quantizer_for(m), enabled=use_gpu) for m in QuantMethod
+        self.quantizers: dict[QuantMethod, Quantizer] = {m: on_best_device(quantizer_for(m), enabled=use_gpu) for m in QuantMethod
                            if m is not QuantMethod.STORED}
         self.specs = {spec.name: spec for spec in linears}
         self.writer = WeightFileWriter(weight_file, offset=0)

@@ -15,7 +15,7 @@ import sys
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 import numpy as np
 
@@ -32,7 +32,7 @@ class RuntimeRun:
 
 
 def run_runtime(export_dir: Path, prompt_ids: list[int], forced_ids: list[int], greedy_steps: int,
-                texts: list[str] = (), config: dict[str, Any] | None = None, timeout: float = 600) -> RuntimeRun:
+                texts: Sequence[str] = (), config: dict[str, Any] | None = None, timeout: float = 600) -> RuntimeRun:
     with tempfile.TemporaryDirectory(prefix="llmexport-mnn-") as tmp:
         request = {"config": str(export_dir / "config.json"), "prompt": prompt_ids, "forced": forced_ids,
                    "greedy": greedy_steps, "texts": list(texts), "set_config": config or {"thread_num": 2},

@@ -229,9 +229,10 @@ def convert_tokenizer(
 
     prefix_ids: list[int] = []
     if bos_prefix:
-        if not bos_text or token_id(bos_text) is None:
+        bos_id = token_id(bos_text) if bos_text else None
+        if bos_id is None:
             raise ValueError(f"{tc_path}: bos_prefix requested but no bos_token in the vocabulary")
-        prefix_ids = [token_id(bos_text)]
+        prefix_ids = [bos_id]
 
     header = (
         f"{MNN_TOKENIZER_MAGIC} {MNN_TOKENIZER_PIPELINE}\n"

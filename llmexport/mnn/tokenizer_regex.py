@@ -32,6 +32,7 @@ from __future__ import annotations
 import functools
 import re
 from dataclasses import dataclass, field
+from typing import NoReturn
 
 from llmexport.mnn.tokenizer_unicode import CLASS_DIFFERENCE_RANGES
 
@@ -107,7 +108,7 @@ class _Parser:
     def __init__(self, pattern: str):
         self.p, self.i, self.check = pattern, 0, RegexCheck()
 
-    def fail(self, why: str):
+    def fail(self, why: str) -> NoReturn:
         raise UnsupportedRegex(f"regex {self.p!r}: {why} (offset {self.i}); MNN 3.6.1's matcher reads it "
                                "differently from HF")
 

@@ -8,7 +8,7 @@ one-line message instead of surfacing as a crash in a later stage.
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, overload
 
 from llmexport.errors import InputError
 
@@ -29,6 +29,16 @@ def int_value(cfg: dict[str, Any], key: str, where: str, default: int | None = N
     if maximum is not None and value > maximum:
         raise InputError(f"{where}: '{key}' is {value}, more than the {maximum} this checkpoint can hold")
     return value
+
+
+@overload
+def float_value(cfg: dict[str, Any], key: str, where: str, default: float, low: float = ...,
+                high: float = ...) -> float: ...
+
+
+@overload
+def float_value(cfg: dict[str, Any], key: str, where: str, default: None, low: float = ...,
+                high: float = ...) -> float | None: ...
 
 
 def float_value(cfg: dict[str, Any], key: str, where: str, default: float | None, low: float = 0.0,

@@ -10,7 +10,7 @@ A family overrides only what differs (Gemma4: its graph inputs, reference logits
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 from torch import nn
@@ -19,19 +19,17 @@ from llmexport.checkpoint import LazyTensor
 from llmexport.input_files import TOKENIZER_LIMIT, read_bytes, read_optional_json
 from llmexport.models.base import Architecture
 from llmexport.models.tensor_checks import check_tensors
-from llmexport.spec import (
-    GraphInputs,
-    LinearRole,
-    LinearSource,
-    LinearSpec,
-    StoredWeights,
-)
+from llmexport.spec import GraphInputs, LinearRole, LinearSource, LinearSpec, StoredWeights
 
 Shapes = dict[str, "tuple[int, ...] | None"]
 
 
 class AttentionShape:
     """Derived sizes of a decoder's arguments (``layers``, ``kv_heads``, ``head_dim`` fields)."""
+
+    layers: Sequence[Any]
+    kv_heads: int
+    head_dim: int
 
     @property
     def num_layers(self) -> int:
@@ -72,6 +70,8 @@ class DecoderFamily(Architecture):
     then call ``check_weights``."""
 
     family: str = ""
+    #: the family's parsed config (a frozen dataclass with at least ``vocab_size``, ``hidden_size``)
+    args: Any
     #: checkpoint tensors the export does not need and may ignore (e.g. ``rotary_emb.inv_freq``)
     ignored_suffixes: tuple[str, ...] = ()
 

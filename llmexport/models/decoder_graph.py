@@ -11,6 +11,8 @@ attention values and MLPs; ``DenseDecoderGraph`` builds the Llama/Qwen3 variant 
 
 from __future__ import annotations
 
+from typing import Any, Sequence
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -39,7 +41,7 @@ class Attention(nn.Module):
             self.q_norm, self.k_norm = qk_norms
         self.attn = FusedAttention(f"/layers.{index}/self_attn/Attention", index, -1, head_dim ** -0.5)
 
-    def init_values(self, prefix: str, hidden: int, width: int, bias: bool, **options) -> None:
+    def init_values(self, prefix: str, hidden: int, width: int, bias: bool, **options: Any) -> None:
         self.v_proj = PlaceholderLinear(prefix + "v_proj", hidden, width, bias)
 
     def values(self, x):
@@ -74,7 +76,7 @@ class DecoderStack(nn.Module):
     [1, 1, seq, kv] float, position_ids int32 [1, seq], logits_index int32 [1].
     Outputs: logits [1, n, vocab], hidden_states [1, n, hidden] (final-normed, sliced)."""
 
-    def __init__(self, layers: list[nn.Module], norm: nn.Module, hidden: int, vocab: int, inv_freq: torch.Tensor):
+    def __init__(self, layers: Sequence[nn.Module], norm: nn.Module, hidden: int, vocab: int, inv_freq: torch.Tensor):
         super().__init__()
         self.hidden = hidden
         self.layers = nn.ModuleList(layers)
@@ -127,7 +129,8 @@ def _layer(args: DecoderArgs, layer: LayerSpec, lookup: TensorLookup) -> PreNorm
     qk = (norm("self_attn.q_norm"), norm("self_attn.k_norm")) if args.qk_norm else None
     attn = Attention(p + "self_attn.", layer.index, args.hidden_size, args.num_heads, args.kv_heads, args.head_dim,
                      args.attention_bias, qk)
-    mlp = SoftmaxMoe(p + "mlp.", layer.index, args.hidden_size, args.moe) if layer.sparse else \
+    assert args.moe is not None or not layer.sparse, "a sparse layer without experts"
+    mlp = SoftmaxMoe(p + "mlp.", layer.index, args.hidden_size, args.moe) if args.moe and layer.sparse else \
         SwiGlu(p + "mlp.", args.hidden_size, args.intermediate_size)
     return PreNormLayer(norm("input_layernorm"), norm("post_attention_layernorm"), attn, mlp)
 

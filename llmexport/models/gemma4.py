@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 import math
 import re
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -22,13 +22,8 @@ from llmexport.models.decoder import DecoderFamily, Shapes
 from llmexport.models.gemma4_args import SLIDING, Gemma4TextArgs, parse_text_args
 from llmexport.models.gemma4_graph import Expert, Gemma4TextGraph
 from llmexport.models.tensor_checks import count_limit, finite_lookup, require_stacked
-from llmexport.spec import (
-    ExpertTemplate,
-    GraphInputs,
-    LinearRole,
-    LinearSpec,
-    StoredWeights,
-)
+from llmexport.models.base import Tower
+from llmexport.spec import ExpertTemplate, GraphInputs, LinearRole, LinearSpec, StoredWeights
 
 log = logging.getLogger(__name__)
 
@@ -141,6 +136,8 @@ class Gemma4(DecoderFamily):
         return super().checkpoint_name(linear)
 
     def stacked_count(self, tensor: str) -> int:
+        if self.args.moe is None:
+            raise NotImplementedError("a dense Gemma4 stacks no experts")
         return self.args.moe.num_experts
 
     def expected_tensors(self) -> Shapes:
@@ -152,7 +149,7 @@ class Gemma4(DecoderFamily):
     def _build_towers(self) -> list:
         """Vision/audio towers named by a multimodal config, each exported as its own graph."""
         config = self.checkpoint.config
-        towers = []
+        towers: list[Tower] = []
         if self.checkpoint.model_type == "gemma4" and config.get("vision_config"):
             from llmexport.models.gemma4_vision import Gemma4VisionTower
 
@@ -290,13 +287,15 @@ class Gemma4(DecoderFamily):
         a media token in plain text reaches the runtime's text graph as itself.
         """
         ids = ids.view(1, -1)
-        decoder = getattr(model.model, "language_model", model.model)
+        inner = cast(nn.Module, model.model)
+        decoder = cast(nn.Module, getattr(inner, "language_model", inner))
+        head = cast(nn.Module, model.lm_head)
         # A tensor logits_to_keep (all positions) also keeps HF from its KV-shared-layer
         # slicing shortcut, which fails on checkpoints with KV sharing but no PLE.
         keep = torch.arange(ids.shape[1])
         with torch.no_grad():
             hidden = decoder(input_ids=ids, use_cache=False, logits_to_keep=keep).last_hidden_state
-            logits = model.lm_head(hidden)[0].float()
+            logits = head(hidden)[0].float()
             if self.args.final_softcap:
                 logits = torch.tanh(logits / self.args.final_softcap) * self.args.final_softcap
         return logits

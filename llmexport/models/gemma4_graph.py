@@ -104,6 +104,7 @@ class MoE(nn.Module):
     def __init__(self, args: Gemma4TextArgs, index: int, lookup: TensorLookup):
         super().__init__()
         moe = args.moe
+        assert moe is not None, "a MoE layer in a model without experts"
         p = f"{args.prefix}layers.{index}."
         self.top_k, self.eps, self.hidden = moe.top_k, args.eps, args.hidden_size
         self.root = args.hidden_size ** -0.5

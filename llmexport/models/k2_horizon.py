@@ -16,19 +16,9 @@ from torch import nn
 
 from llmexport.checkpoint import Checkpoint
 from llmexport.models import register
-from llmexport.models.decoder import (
-    DecoderFamily,
-    attention_specs,
-    mlp_specs,
-    routed_specs,
-)
+from llmexport.models.decoder import DecoderFamily, Shapes, attention_specs, mlp_specs, routed_specs
 from llmexport.models.k2_horizon_args import K2HorizonArgs, parse_args
-from llmexport.models.k2_horizon_graph import (
-    K2HorizonGraph,
-    Mlp,
-    ValueExpert,
-    mova_layer_id,
-)
+from llmexport.models.k2_horizon_graph import K2HorizonGraph, Mlp, ValueExpert, mova_layer_id
 from llmexport.models.tensor_checks import count_limit, finite_lookup
 from llmexport.spec import ExpertTemplate, LinearRole, LinearSpec
 
@@ -61,12 +51,14 @@ class K2Horizon(DecoderFamily):
             p = f"model.layers.{layer.index}."
             values = None
             if layer.mova:
+                assert a.mova is not None  # a MoVA layer exists only with MoVA settings
                 # value experts are attention projections: attention-role bits, not MLP bits
                 values = [LinearSpec(p + "self_attn.v_router", h, a.mova.num_experts, LinearRole.ROUTER)]
                 values += [LinearSpec(p + f"self_attn.v_experts.{e}", h, a.kv_width, LinearRole.ATTENTION)
                            for e in range(a.mova.num_experts)]
             specs += attention_specs(p + "self_attn.", h, q_width, a.kv_width, bias, values)
             if layer.sparse:
+                assert a.moe is not None  # a sparse layer exists only with experts
                 specs += routed_specs(p + "mlp.", h, a.moe.num_experts, a.moe_width)
                 if a.shared_width:
                     specs += mlp_specs(p + "mlp.shared_experts.", h, a.shared_width, LinearRole.MLP)
@@ -75,19 +67,19 @@ class K2Horizon(DecoderFamily):
         specs.append(LinearSpec("lm_head", h, a.vocab_size, LinearRole.LM_HEAD))
         return specs
 
-    def constant_shapes(self) -> dict[str, tuple[int, ...]]:
+    def constant_shapes(self) -> Shapes:
         """Norm gammas and router biases: graph constants, with their expected shapes."""
         a = self.args
-        shapes = {"model.norm.weight": (a.hidden_size,)}
+        shapes: Shapes = {"model.norm.weight": (a.hidden_size,)}
         for layer in a.layers:
             p = f"model.layers.{layer.index}."
             shapes[p + "input_layernorm.weight"] = shapes[p + "post_attention_layernorm.weight"] = (a.hidden_size,)
             if a.qk_norm:
                 shapes[p + "self_attn.q_norm.weight"] = (a.num_heads * a.head_dim,)
                 shapes[p + "self_attn.k_norm.weight"] = (a.kv_width,)
-            if layer.mova:
+            if layer.mova and a.mova is not None:
                 shapes[p + "self_attn.v_router.e_score_correction_bias"] = (a.mova.num_experts,)
-            if layer.sparse:
+            if layer.sparse and a.moe is not None:
                 shapes[p + "mlp.gate.e_score_correction_bias"] = (a.moe.num_experts,)
         return shapes
 
@@ -103,13 +95,13 @@ class K2Horizon(DecoderFamily):
         a = self.args
         templates = []
         sparse = [layer for layer in a.layers if layer.sparse]
-        if sparse:
+        if sparse and a.moe is not None:
             instances = tuple((layer.index, e, f"model.layers.{layer.index}.mlp.experts.{e}")
                               for layer in sparse for e in range(a.moe.num_experts))
             templates.append(ExpertTemplate(Mlp(_EXPERT_MARKER + ".", a.hidden_size, a.moe_width).eval(),
                                             _EXPERT_MARKER, a.hidden_size, instances))
         mova = [layer for layer in a.layers if layer.mova]
-        if mova and not self.dense_mova:
+        if mova and a.mova is not None and not self.dense_mova:
             instances = tuple((mova_layer_id(a, layer.index), e, f"model.layers.{layer.index}.self_attn.v_experts.{e}")
                               for layer in mova for e in range(a.mova.num_experts))
             templates.append(ExpertTemplate(ValueExpert(_VALUE_MARKER, a.hidden_size, a.kv_width).eval(),

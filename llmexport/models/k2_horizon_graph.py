@@ -14,6 +14,8 @@ main graph instead (the benchmark's baseline; same weights, same results).
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -125,13 +127,18 @@ class Attention(decoder_graph.Attention):
         super().__init__(p, layer.index, args.hidden_size, args.num_heads, args.kv_heads, args.head_dim,
                          args.attention_bias, norms, args=args, layer=layer, lookup=lookup, dense_mova=dense_mova)
 
-    def init_values(self, prefix: str, hidden: int, width: int, bias: bool, *, args: K2HorizonArgs,
-                    layer: LayerSpec, lookup: TensorLookup, dense_mova: bool) -> None:
+    def init_values(self, prefix: str, hidden: int, width: int, bias: bool, **options: Any) -> None:
+        """``options``: ``args`` (K2HorizonArgs), ``layer`` (LayerSpec), ``lookup``, ``dense_mova``."""
+        args: K2HorizonArgs = options["args"]
+        layer: LayerSpec = options["layer"]
+        lookup: TensorLookup = options["lookup"]
+        dense_mova: bool = options["dense_mova"]
         self.hidden, self.mova = hidden, layer.mova
         if not layer.mova:
             super().init_values(prefix, hidden, width, bias)
             return
         spec = args.mova
+        assert spec is not None, "a MoVA layer without MoVA settings"
         self.v_router = Router(prefix + "v_router", hidden, spec, lookup(prefix + "v_router.e_score_correction_bias"))
         experts = nn.ModuleList(ValueExpert(prefix + f"v_experts.{e}", hidden, width) for e in range(spec.num_experts))
         self.dense_mova = dense_mova
@@ -154,6 +161,7 @@ class SparseMoe(nn.Module):
         super().__init__()
         p = f"model.layers.{index}.mlp."
         self.hidden = args.hidden_size
+        assert args.moe is not None, "a sparse layer without experts"
         self.gate = Router(p + "gate", args.hidden_size, args.moe, lookup(p + "gate.e_score_correction_bias"))
         experts = nn.ModuleList(Mlp(p + f"experts.{e}.", args.hidden_size, args.moe_width)
                                 for e in range(args.moe.num_experts))

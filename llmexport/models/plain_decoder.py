@@ -17,18 +17,8 @@ from typing import Any
 from torch import nn
 
 from llmexport.checkpoint import Checkpoint
-from llmexport.models.decoder import (
-    DecoderFamily,
-    Shapes,
-    attention_specs,
-    mlp_specs,
-    routed_specs,
-)
-from llmexport.models.decoder_args import (
-    DecoderArgs,
-    parse_decoder_args,
-    resolve_config,
-)
+from llmexport.models.decoder import DecoderFamily, Shapes, attention_specs, mlp_specs, routed_specs
+from llmexport.models.decoder_args import DecoderArgs, parse_decoder_args, resolve_config
 from llmexport.models.decoder_graph import DenseDecoderGraph, SwiGlu
 from llmexport.models.tensor_checks import count_limit, finite_lookup
 from llmexport.spec import ExpertTemplate, LinearRole, LinearSpec
@@ -65,7 +55,7 @@ class PlainDecoder(DecoderFamily):
         for layer in a.layers:
             p = f"model.layers.{layer.index}."
             specs += attention_specs(p + "self_attn.", h, a.num_heads * a.head_dim, a.kv_width, a.attention_bias)
-            specs += routed_specs(p + "mlp.", h, a.moe.num_experts, a.moe.width) if layer.sparse else \
+            specs += routed_specs(p + "mlp.", h, a.moe.num_experts, a.moe.width) if a.moe and layer.sparse else \
                 mlp_specs(p + "mlp.", h, a.intermediate_size, LinearRole.MLP)
         specs.append(LinearSpec("lm_head", h, a.vocab_size, LinearRole.LM_HEAD))
         return specs
@@ -90,7 +80,7 @@ class PlainDecoder(DecoderFamily):
     def expert_templates(self) -> list[ExpertTemplate]:
         a = self.args
         sparse = [layer for layer in a.layers if layer.sparse]
-        if not sparse:
+        if not sparse or a.moe is None:
             return []
         instances = tuple((layer.index, e, f"model.layers.{layer.index}.mlp.experts.{e}")
                           for layer in sparse for e in range(a.moe.num_experts))

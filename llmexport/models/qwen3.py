@@ -43,6 +43,7 @@ class Qwen3Moe(Qwen3):
         expert = int(m["e"])
         if m["w"] == "down":
             return params[m["p"] + ".down_proj"][expert]
+        assert self.args.moe is not None  # expert tensors exist only in MoE checkpoints
         width = self.args.moe.width
         rows = slice(0, width) if m["w"] == "gate" else slice(width, 2 * width)
         return params[m["p"] + ".gate_up_proj"][expert, rows]

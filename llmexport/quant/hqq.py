@@ -124,6 +124,7 @@ def _hqq_rows(
     oc, nblocks, _ = rtn.q.shape
     qmin, qmax = -(1 << (bits - 1)), (1 << (bits - 1)) - 1
     wb_all = w.detach().to(torch.float32).reshape(-1, block)
+    assert rtn.zero is not None  # asymmetric RTN
     rtn_zero = rtn.zero.reshape(-1)
     rtn_q = rtn.q.reshape(-1, block)
     # A zero scale means a constant block, which RTN already decodes exactly: it never iterates
@@ -220,7 +221,7 @@ def quantize_hqq(
         return parts[0]
     return QuantizedTensor(
         q=torch.cat([p.q for p in parts]), scale=torch.cat([p.scale for p in parts]),
-        zero=torch.cat([p.zero for p in parts]), bits=bits, block=block,
+        zero=torch.cat([p.zero for p in parts if p.zero is not None]), bits=bits, block=block,
     )
 
 

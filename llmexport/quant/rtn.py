@@ -104,6 +104,7 @@ def _quantize_tile(w: torch.Tensor, work: torch.Tensor, bits: int, sym: bool, sc
     if sym:
         scale.copy_(_to_storage(torch.maximum(hi, -lo) / qmax, scale_dtype))
     else:
+        assert zero is not None  # allocated for asymmetric quantization
         scale.copy_(_to_storage((hi - lo) / (qmax - qmin), scale_dtype))
         zero.copy_(_to_storage(lo + offset * scale, scale_dtype))
         work.sub_(zero.unsqueeze(-1))

@@ -180,8 +180,11 @@ def write_checkpoint_tokenizer(out_dir: Path, style: str, vocab_size: int) -> di
     generation_config.json carry (bos/eos/pad_token_id; eos: the style's generation eos ids)."""
     spec = build_byte_level_tokenizer(out_dir, style, vocab_size)
     tok = Tokenizer.from_file(str(Path(out_dir) / "tokenizer.json"))
+    eos = [tok.token_to_id(t) for t in spec.generation_eos]
+    if None in eos:
+        raise ValueError(f"{style}: a generation eos token of {spec.generation_eos} is not in the vocabulary")
     return {"bos_token_id": tok.token_to_id(spec.bos) if spec.bos else None,
-            "eos_token_id": [tok.token_to_id(t) for t in spec.generation_eos],
+            "eos_token_id": [i for i in eos if i is not None],
             "pad_token_id": tok.token_to_id(spec.pad) if spec.pad else None}
 
 

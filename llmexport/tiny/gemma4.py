@@ -11,9 +11,10 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
+from torch import nn
 
 from llmexport.tiny.tokenizer import SPECIAL_TOKENS, build_tiny_gemma_tokenizer
 
@@ -144,6 +145,7 @@ def build_gemma4_checkpoint(
     out.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(seed)
     text_config = Gemma4TextConfig(**text_kwargs)
+    model: Gemma4ForCausalLM | Gemma4ForConditionalGeneration
     if text_only:
         model = Gemma4ForCausalLM(text_config)
     else:
@@ -160,7 +162,7 @@ def build_gemma4_checkpoint(
             if param.dim() >= 2:
                 param.copy_(torch.randn(param.shape, generator=generator) * 0.05)
     _randomize_vectors(model, generator)
-    model = model.to(dtype)
+    cast(nn.Module, model).to(dtype)  # in place (transformers types its own `to` too loosely to check)
     model.save_pretrained(out, safe_serialization=True)
     build_tiny_gemma_tokenizer(out, vocab_size=text_config.vocab_size)
     _write_generation_config(out)

@@ -118,7 +118,7 @@ def build_k2_horizon_checkpoint(out_dir: Path | str, config_kwargs: dict[str, An
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    token_ids = None
+    token_ids: dict[str, int | list[int] | None] = {}
     if tokenizer != "gemma":
         token_ids = write_checkpoint_tokenizer(out, tokenizer, config_kwargs["vocab_size"])
         config_kwargs = {**config_kwargs, **token_ids}

@@ -20,6 +20,8 @@ class MlxCheckpoint(Checkpoint):
     def __init__(self, base: Checkpoint, layout: MlxLayout):
         where = str(base.path / "config.json")
         block = mlx_quantization(base.config)
+        if block is None:
+            raise InputError(f"{where}: no MLX 'quantization' block")
         self.quant = MlxQuantConfig(block, where)
         self.source_config = base.config
         config = {k: v for k, v in base.config.items() if k not in MLX_KEYS + layout.dropped_config}

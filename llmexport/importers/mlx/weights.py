@@ -41,6 +41,7 @@ class _Source:
 
         if self.info is None:
             return rows(self.weight)
+        assert self.scales is not None and self.biases is not None  # a quantized source has both
         levels = unpack_levels(rows(self.weight), self.info.bits)
         return Prequantized(levels, rows(self.scales), rows(self.biases), self.info.bits, self.info.group)
 
@@ -51,7 +52,15 @@ def _dequantized(value: Prequantized | torch.Tensor) -> torch.Tensor:
 
 @dataclass
 class _HfTensor:
-    parts: list[_Source | None] = field(default_factory=list)
+    slots: list[_Source | None] = field(default_factory=list)  # filled while the store is built
+
+    @property
+    def parts(self) -> list[_Source]:
+        """The sources of the joined parts, in row order (every slot is filled once built)."""
+        parts = [p for p in self.slots if p is not None]
+        if len(parts) != len(self.slots):
+            raise InputError("an MLX tensor joined from parts is missing one of them")
+        return parts
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -71,8 +80,9 @@ class _HfTensor:
         stacked = len(self.shape) > 2  # the first axis is not the joined one: slice each part
         values = [p.read(start, stop) if stacked else p.read(0, None) for p in self.parts]
         window = slice(None) if stacked else slice(start, stop)
-        if all(isinstance(v, Prequantized) for v in values) and len({v.info for v in values}) == 1:
-            return Prequantized.cat(values)[window]
+        quantized = [v for v in values if isinstance(v, Prequantized)]
+        if len(quantized) == len(values) and len({v.info for v in quantized}) == 1:
+            return Prequantized.cat(quantized)[window]
         return torch.cat([_dequantized(v) for v in values], dim=-2)[window]
 
 
@@ -126,7 +136,7 @@ class MlxWeights:
                 _Source(raw.lazy(name))
             self._add(name, source, layout)
         for hf, tensor in self._tensors.items():
-            if any(p is None for p in tensor.parts) or len({p.shape[:-2] + p.shape[-1:] for p in tensor.parts}) > 1:
+            if any(p is None for p in tensor.slots) or len({p.shape[:-2] + p.shape[-1:] for p in tensor.parts}) > 1:
                 raise InputError(f"{where}: the MLX tensors joined into {hf!r} are incomplete or disagree in shape")
 
     def _quantized_source(self, raw: WeightStore, base: str, quant: MlxQuantConfig) -> _Source:
@@ -150,9 +160,9 @@ class MlxWeights:
         for e in experts:
             name = hf if e is None else hf.replace("{e}", str(e))
             tensor = self._tensors.setdefault(name, _HfTensor([None] * count))
-            if len(tensor.parts) != count or tensor.parts[index] is not None:
+            if len(tensor.slots) != count or tensor.slots[index] is not None:
                 raise InputError(f"{self.where}: more than one MLX tensor maps to {name!r}")
-            tensor.parts[index] = source if e is None else _Source(source.weight, source.scales, source.biases,
+            tensor.slots[index] = source if e is None else _Source(source.weight, source.scales, source.biases,
                                                                    source.info, e)
 
     # --- the WeightStore interface -----------------------------------------------------------

@@ -100,8 +100,11 @@ class K2HorizonConfig(_BaseConfig):
         self.mova_norm_topk_prob = mova_norm_topk_prob
         self.mova_router_scaling_factor = mova_router_scaling_factor
         self._validate()
-        super().__init__(pad_token_id=pad_token_id, bos_token_id=bos_token_id, eos_token_id=eos_token_id,
-                         tie_word_embeddings=tie_word_embeddings, **kwargs)
+        # transformers 4 reads these in PretrainedConfig.__init__; 5 takes them as keyword fields
+        # its declared signature does not list
+        common: dict[str, Any] = dict(pad_token_id=pad_token_id, bos_token_id=bos_token_id, eos_token_id=eos_token_id,
+                                      tie_word_embeddings=tie_word_embeddings)
+        super().__init__(**common, **kwargs)
 
     def _validate(self) -> None:
         if self.hidden_size % self.layernorm_num_groups:

@@ -20,6 +20,7 @@ Numerics worth knowing (each mirrors the published description; llmexport docs/k
 from __future__ import annotations
 
 import dataclasses
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
@@ -36,7 +37,7 @@ from .configuration_k2_horizon import K2HorizonConfig
 try:  # transformers 5: init helpers that skip tensors already loaded from the checkpoint
     from transformers import initialization as init
 except ImportError:  # pragma: no cover - transformers 4.x
-    from torch.nn import init
+    from torch.nn import init  # type: ignore[no-redef]  # the same helpers, without the skip
 
 _TRANSFORMERS_MAJOR = int(transformers.__version__.split(".")[0])
 # transformers 5.x renamed the output field ``past_key_values`` to ``cache``.
@@ -72,6 +73,8 @@ class GroupedRMSNorm(nn.Module):
 
 class K2HorizonRotaryEmbedding(nn.Module):
     """Default (rotate-half) RoPE with ``rope_parameters["rope_theta"]`` over the full head_dim."""
+
+    inv_freq: torch.Tensor
 
     def __init__(self, config: K2HorizonConfig):
         super().__init__()
@@ -123,6 +126,8 @@ class K2HorizonRouter(nn.Module):
     4. weights = the unbiased scores of the chosen experts;  5. optionally normalise them to
     sum 1, then multiply by the scaling factor. Returns fp32 weights and int64 indices [n, k].
     """
+
+    e_score_correction_bias: torch.Tensor
 
     def __init__(self, hidden_size: int, num_experts: int, top_k: int, scoring_func: str,
                  norm_topk_prob: bool, scaling_factor: float):
@@ -211,6 +216,8 @@ class K2HorizonAttention(nn.Module):
                                            for _ in range(config.mova_num_experts))
         else:
             self.v_proj = nn.Linear(h, self.kv_heads * d, bias=bias)
+        self.q_norm: GroupedRMSNorm | None
+        self.k_norm: GroupedRMSNorm | None
         if config.query_key_norm:
             self.q_norm = GroupedRMSNorm(self.heads * d, self.heads, config.rms_norm_eps)
             self.k_norm = GroupedRMSNorm(self.kv_heads * d, self.kv_heads, config.rms_norm_eps)
@@ -229,7 +236,7 @@ class K2HorizonAttention(nn.Module):
         b, s, _ = x.shape
         q, k = self.q_proj(x), self.k_proj(x)
         v = self.mova_values(x) if self.mova else self.v_proj(x)
-        if self.q_norm is not None:
+        if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q = apply_rotary_pos_emb(q.view(b, s, self.heads, -1).transpose(1, 2), cos, sin)
         k = apply_rotary_pos_emb(k.view(b, s, self.kv_heads, -1).transpose(1, 2), cos, sin)
@@ -278,7 +285,7 @@ class K2HorizonPreTrainedModel(PreTrainedModel):
         elif isinstance(module, K2HorizonRotaryEmbedding):
             # transformers 5 builds the model on the meta device: a non-persistent buffer is not
             # in the checkpoint and must be recomputed here, or it holds garbage.
-            value = module.compute_inv_freq(self.config)
+            value = module.compute_inv_freq(cast(K2HorizonConfig, self.config))
             if hasattr(init, "copy_"):
                 init.copy_(module.inv_freq, value)
             else:  # pragma: no cover - transformers 4.x
@@ -315,8 +322,8 @@ class K2HorizonModel(K2HorizonPreTrainedModel):
     def get_input_embeddings(self) -> nn.Embedding:
         return self.embed_tokens
 
-    def set_input_embeddings(self, value: nn.Embedding) -> None:
-        self.embed_tokens = value
+    def set_input_embeddings(self, value: nn.Module) -> None:
+        self.embed_tokens = cast(nn.Embedding, value)
 
     def forward(self, input_ids=None, attention_mask=None, position_ids=None, cache=None, inputs_embeds=None,
                 use_cache=None, past_key_values=None, **kwargs) -> BaseModelOutputWithPast:
@@ -340,7 +347,7 @@ class K2HorizonModel(K2HorizonPreTrainedModel):
 
 class K2HorizonForCausalLM(K2HorizonPreTrainedModel, GenerationMixin):
     # transformers 5 maps tied parameters target -> source; 4.x lists the tied names
-    _tied_weights_keys = ({"lm_head.weight": "model.embed_tokens.weight"} if _TRANSFORMERS_MAJOR >= 5
+    _tied_weights_keys: Any = ({"lm_head.weight": "model.embed_tokens.weight"} if _TRANSFORMERS_MAJOR >= 5
                           else ["lm_head.weight"])
 
     def __init__(self, config: K2HorizonConfig):
@@ -353,7 +360,7 @@ class K2HorizonForCausalLM(K2HorizonPreTrainedModel, GenerationMixin):
     def get_input_embeddings(self) -> nn.Embedding:
         return self.model.embed_tokens
 
-    def set_input_embeddings(self, value: nn.Embedding) -> None:
+    def set_input_embeddings(self, value: nn.Module) -> None:
         self.model.embed_tokens = value
 
     def get_output_embeddings(self) -> nn.Linear:
