@@ -4,7 +4,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: install demo test test-fast bench clean
+.PHONY: install demo lint test test-fast bench clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -21,6 +21,11 @@ demo: install
 	HF_HUB_OFFLINE=1 $(BIN)/python -m llmexport.tiny demo-out/tiny-gemma4 --shape e2b
 	HF_HUB_OFFLINE=1 $(BIN)/llmexport --path demo-out/tiny-gemma4 --export mnn --dst_path demo-out/mnn \
 		--quant_bit 4 --verify
+
+# ruff (style, imports, unused and undefined names) over everything; mypy over the package.
+lint: install
+	$(BIN)/ruff check llmexport tests bench
+	$(BIN)/python -m mypy
 
 # pytest exits 5 when it collects nothing: that is a failure here.
 test: install
