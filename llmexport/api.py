@@ -1,29 +1,22 @@
-"""Python API: ``export(path, dst, options)`` and ``verify(dst, path)``.
+"""Python API: ``export(path, dst, options)``, ``plan(path, options)`` and ``verify(dst, path)``.
 
 The export is built in a folder beside ``dst`` and swapped into place only when every stage (and
 verification, if asked) succeeded, so ``dst`` never holds a half-written model (llmexport.staging).
+The results are typed (llmexport.results): ``ExportResult``, ``ExportPlan`` and ``VerifyReport``,
+each with ``to_json()``.
 """
 
 from __future__ import annotations
 
-import logging
+import dataclasses
 import os
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from llmexport.options import ExportOptions
+from llmexport.results import ExportPlan, ExportResult, VerifyReport
 
-log = logging.getLogger(__name__)
-
-
-@dataclass
-class ExportResult:
-    dst: Path
-    files: list[str]
-    plan: dict[str, Any]  # see llmexport.export_plan.export_plan
-    timings: dict[str, float] = field(default_factory=dict)
-    verification: dict[str, Any] | None = None
+__all__ = ["export", "plan", "verify", "ExportPlan", "ExportResult", "VerifyReport"]
 
 
 def export(path: str | os.PathLike, dst: str | os.PathLike, options: ExportOptions | None = None) -> ExportResult:
@@ -41,20 +34,20 @@ def export(path: str | os.PathLike, dst: str | os.PathLike, options: ExportOptio
     with StagedExport(target) as staging:
         result = run_export(Path(path), staging.path, options)
         staging.commit()
-    result.dst = target
-    return result
+    return dataclasses.replace(result, dst=target)
 
 
-def plan(path: str | os.PathLike, options: ExportOptions | None = None) -> dict[str, Any]:
-    """What ``export`` would do (architecture, per-module schemes, estimated size); writes nothing."""
+def plan(path: str | os.PathLike, options: ExportOptions | None = None) -> ExportPlan:
+    """What ``export`` would do (architecture, per-module schemes, exact size); writes nothing."""
     from llmexport.pipeline import dry_run
 
     return dry_run(Path(path), (options or ExportOptions()).validate())
 
 
-def verify(dst: str | os.PathLike, path: str | os.PathLike, **kwargs: Any) -> dict[str, Any]:
-    """Run an exported folder in MNN's runtime beside the HF checkpoint it came from
-    (``trust_remote_code=True`` is needed for families whose reference is the checkpoint's own code)."""
+def verify(dst: str | os.PathLike, path: str | os.PathLike, **kwargs: Any) -> VerifyReport:
+    """Run an exported folder in MNN's runtime beside the HF checkpoint it came from; the report is
+    also written to ``dst/verify.json`` (``trust_remote_code=True`` is needed for families whose
+    reference is the checkpoint's own code)."""
     from llmexport.verification import verify_export
 
     return verify_export(Path(dst), Path(path), **kwargs)

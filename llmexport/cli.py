@@ -12,10 +12,14 @@ import signal
 import sys
 import threading
 from contextlib import contextmanager
+from typing import TYPE_CHECKING
 
 import click
 
 from llmexport import __version__
+
+if TYPE_CHECKING:  # heavy: imported only after parsing
+    from llmexport.results import ExportResult
 
 EXIT_INTERNAL = 1
 
@@ -161,11 +165,11 @@ def _options(export_format, quant_bit, quant_block, sym, hqq, quant_config, lm_q
         raise UsageError(f"--quant_config: {exc}") from None
 
 
-def _report(result, quiet: bool) -> None:
+def _report(result: ExportResult, quiet: bool) -> None:
     if quiet:
         return
-    arch = result.plan["architecture"]
-    click.echo(f"exported {arch['family']} ({arch['layers']} layers) to {result.dst}")
+    arch = result.plan.architecture
+    click.echo(f"exported {arch.family} ({arch.layers} layers) to {result.dst}")
     click.echo("stages (s): " + json.dumps(result.timings))
     if result.verification is not None:
         from llmexport.verification import summary_line

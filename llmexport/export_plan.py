@@ -12,6 +12,7 @@ from typing import Any
 from llmexport.models.base import Architecture
 from llmexport.options import ExportOptions
 from llmexport.quant.scheme import QuantMethod, QuantScheme
+from llmexport.results import AdjustedBlock, ArchitectureSummary, ExportPlan, PlannedLinear, PlannedTable
 from llmexport.weight_sources import WeightSources
 
 
@@ -36,52 +37,45 @@ def table_bytes(rows: int, dim: int, bits: int, block: int) -> int:
     return rows * dim * bits // 8 + rows * (dim // used) * 2 * 4
 
 
-def export_plan(arch: Architecture, options: ExportOptions, sources: WeightSources | None = None) -> dict[str, Any]:
+def export_plan(arch: Architecture, options: ExportOptions, sources: WeightSources | None = None) -> ExportPlan:
     sources = sources or WeightSources(arch, options)
     linears, adjusted, total = [], [], 0
     for spec in arch.linears():
         scheme = sources.scheme(spec)
         block = 0 if scheme.is_fp16 else scheme.block_for(spec.in_features)
         if not scheme.is_fp16 and scheme.block and block != scheme.block:
-            adjusted.append({"name": spec.name, "in_features": spec.in_features, "requested": scheme.block,
-                             "used": block})
-        size = record_bytes(spec.out_features, spec.in_features, scheme, spec.bias)
-        total += size
-        linears.append({"name": spec.name, "role": spec.role.value, "shape": [spec.out_features, spec.in_features],
-                        "bits": scheme.bits, "block": block, "sym": scheme.sym, "method": scheme.method.value})
+            adjusted.append(AdjustedBlock(spec.name, spec.in_features, requested=scheme.block, used=block))
+        total += record_bytes(spec.out_features, spec.in_features, scheme, spec.bias)
+        linears.append(PlannedLinear(spec.name, spec.role, spec.out_features, spec.in_features, scheme.bits, block,
+                                     scheme.sym, scheme.method))
     tables = {}
     for name, (table, choice) in sources.tables().items():
         rows, dim = table.shape
-        tables[name] = {"rows": rows, "dim": dim, "bits": choice.bits}
+        tables[name] = PlannedTable(rows, dim, choice.bits)
         total += table_bytes(rows, dim, choice.bits, choice.block)
-    plan = {"architecture": arch.describe(), "linears": linears, "adjusted_blocks": adjusted, "tables": tables,
-            "estimated_bytes": total}
-    prequantized = sources.summary()
-    if prequantized is not None:
-        plan["prequantized"] = prequantized
-    return plan
+    return ExportPlan(ArchitectureSummary.from_json(arch.describe()), tuple(linears), tuple(adjusted), tables, total,
+                      sources.summary())
 
 
-def plan_summary(plan: dict[str, Any]) -> str:
+def plan_summary(plan: ExportPlan) -> str:
     """Human-readable plan: architecture, layer kinds, schemes per role, adjusted blocks, size."""
-    a = plan["architecture"]
-    lines = [f"architecture: {a['family']} (model_type {a['model_type']}), {a['layers']} layers, "
-             f"hidden {a['hidden_size']}, vocab {a['vocab_size']}"]
-    lines += [f"  layer {kind}" for kind in a["layer_kinds"]]
+    a = plan.architecture
+    lines = [f"architecture: {a.family} (model_type {a.model_type}), {a.layers} layers, "
+             f"hidden {a.hidden_size}, vocab {a.vocab_size}"]
+    lines += [f"  layer {kind}" for kind in a.layer_kinds]
     groups: dict[tuple, int] = {}
-    for linear in plan["linears"]:
-        key = (linear["role"], linear["bits"], linear["block"], linear["sym"], linear["method"])
+    for linear in plan.linears:
+        key = (linear.role.value, linear.bits, linear.block, linear.sym, linear.method.value)
         groups[key] = groups.get(key, 0) + 1
     lines.append("quantization (role: bits/block/sym/method x count):")
     lines += [f"  {r}: {b} bits, block {bl}, {'sym' if s else 'asym'}, {m} x {n}"
               for (r, b, bl, s, m), n in sorted(groups.items())]
-    for adj in plan["adjusted_blocks"]:
-        lines.append(f"  block {adj['requested']} does not divide {adj['name']} (width {adj['in_features']}): "
-                     f"using {adj['used']}")
-    for name, t in plan["tables"].items():
-        lines.append(f"table {name}: {t['rows']} x {t['dim']} at {t['bits']} bits")
-    lines += _prequantized_lines(plan.get("prequantized"))
-    lines.append(f"estimated size: {plan['estimated_bytes'] / 2**20:.1f} MiB")
+    for adj in plan.adjusted_blocks:
+        lines.append(f"  block {adj.requested} does not divide {adj.name} (width {adj.in_features}): using {adj.used}")
+    for name, t in plan.tables.items():
+        lines.append(f"table {name}: {t.rows} x {t.dim} at {t.bits} bits")
+    lines += _prequantized_lines(plan.prequantized)
+    lines.append(f"estimated size: {plan.estimated_bytes / 2**20:.1f} MiB")
     return "\n".join(lines)
 
 
@@ -118,14 +112,15 @@ def _sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
-def write_manifest(out: Path, arch: Architecture, options: ExportOptions, plan: dict[str, Any]) -> None:
+def write_manifest(out: Path, options: ExportOptions, plan: ExportPlan) -> None:
     """manifest.json: file hashes, versions, options and the detected architecture."""
     files = {p.name: {"bytes": p.stat().st_size, "sha256": _sha256(p)}
              for p in sorted(out.iterdir()) if p.is_file() and p.name != "manifest.json"}
-    manifest = {"versions": _versions(), "architecture": arch.describe(), "options": _jsonable(options.manifest_fields()),
-                "adjusted_blocks": plan["adjusted_blocks"], "files": files}
-    if "prequantized" in plan:
-        manifest["prequantized"] = plan["prequantized"]
+    manifest = {"versions": _versions(), "architecture": plan.architecture.to_json(),
+                "options": _jsonable(options.manifest_fields()),
+                "adjusted_blocks": [a.to_json() for a in plan.adjusted_blocks], "files": files}
+    if plan.prequantized is not None:
+        manifest["prequantized"] = plan.prequantized
     (out / "manifest.json").write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
 
 

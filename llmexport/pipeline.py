@@ -13,7 +13,6 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterator
 
-from llmexport.api import ExportResult
 from llmexport.checkpoint import Checkpoint
 from llmexport.errors import InputError, OutputError, UsageError
 from llmexport.export_plan import export_plan, write_manifest
@@ -23,6 +22,7 @@ from llmexport.models.base import Architecture
 from llmexport.options import ExportFormat, ExportOptions
 from llmexport.progress import Progress
 from llmexport.quant.rtn import NonFiniteError
+from llmexport.results import ExportPlan, ExportResult, VerifyReport
 from llmexport.weight_sources import WeightSources
 
 log = logging.getLogger(__name__)
@@ -63,27 +63,25 @@ def run_export(path: Path, out: Path, options: ExportOptions) -> ExportResult:
     sources = WeightSources(arch, options)
     timings["load"] = round(time.perf_counter() - start, 3)
     plan = export_plan(arch, options, sources)
-    for adjusted in plan["adjusted_blocks"]:
-        log.info("block %d does not divide %s (width %d): using %d", adjusted["requested"], adjusted["name"],
-                 adjusted["in_features"], adjusted["used"])
+    for adjusted in plan.adjusted_blocks:
+        log.info("block %d does not divide %s (width %d): using %d", adjusted.requested, adjusted.name,
+                 adjusted.in_features, adjusted.used)
     if options.export is ExportFormat.ONNX:
         _export_reference_onnx(arch, graph, out, timings)
     else:
         _export_mnn(arch, graph, tokenizer, out, options, timings, sources)
-    result = ExportResult(out, [], plan, timings)
+    verification: VerifyReport | None = None
     if options.verify and options.export is ExportFormat.MNN:
         from llmexport.verification import verify_export
 
         with _stage(timings, "verify"):
-            result.verification = verify_export(out, path, raise_on_failure=True,
-                                                trust_remote_code=options.trust_remote_code)
+            verification = verify_export(out, path, raise_on_failure=True, trust_remote_code=options.trust_remote_code)
     with _stage(timings, "manifest"):
-        write_manifest(out, arch, options, plan)
-    result.files = sorted(p.name for p in out.iterdir())
-    return result
+        write_manifest(out, options, plan)
+    return ExportResult(out, tuple(sorted(p.name for p in out.iterdir())), plan, timings, verification)
 
 
-def dry_run(path: Path, options: ExportOptions) -> dict:
+def dry_run(path: Path, options: ExportOptions) -> ExportPlan:
     """The plan of an export, computed without writing anything (after the same input checks)."""
     _, arch, _ = _load(path, options)
     return export_plan(arch, options)

@@ -9,9 +9,8 @@ from __future__ import annotations
 
 import json
 import logging
-from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Mapping
 
 import numpy as np
 import torch
@@ -24,6 +23,7 @@ from llmexport.mnn.config import EXACT_KERNELS, profile_of
 from llmexport.mnn.readback import read_stored
 from llmexport.mnn.runtime import run_runtime
 from llmexport.options import RuntimeProfile
+from llmexport.results import Bounds, LogitStats, RunComparison, StepStats, TokenizerCheck, VerifyReport
 from llmexport.verification_media import prompt_summary
 
 log = logging.getLogger(__name__)
@@ -40,33 +40,6 @@ _PROMPT_TEXT = ("Explain, step by step, why the sky looks blue at noon and red a
                 "antworte kurz auf Deutsch, 然后用中文总结一下。 ")
 
 
-@dataclass(frozen=True)
-class Bounds:
-    """Pass criteria against the stored-weights oracle, for the runtime profile an export ships.
-
-    ``max_abs_err`` / ``mean_abs_err`` bound the run with the shipped config.json. The fast
-    profile's kernels quantize activations to 8 bits, which moves random models' logits by up to
-    ~4 and flips near-ties; that noise would hide a wrong graph (measured: RMSNorm epsilons 100x
-    too large move the exact kernels' logits by 0.82 and the fast kernels' by 0.88, within their
-    noise). So a fast export with quantized linears is also run on MNN's exact kernels, bounded by
-    ``kernels_max_abs_err``: that run proves the graph and the records. Calibration: docs/verification.md.
-    """
-
-    profile: str
-    max_abs_err: float
-    mean_abs_err: float | None = None
-    kernels_max_abs_err: float | None = None
-
-    @staticmethod
-    def for_export(stored_bits: set[int], profile: RuntimeProfile = RuntimeProfile.EXACT) -> "Bounds":
-        if stored_bits <= {16}:
-            # fp16 records: a correct graph reaches ~1e-4 and the memory mode does not touch them
-            return Bounds(profile.value, FP16_MAX_ABS_ERR)
-        if profile is RuntimeProfile.FAST:
-            return Bounds(profile.value, FAST_MAX_ABS_ERR, FAST_MEAN_ABS_ERR, QUANT_MAX_ABS_ERR)
-        return Bounds(profile.value, QUANT_MAX_ABS_ERR)
-
-
 #: bounds per profile, from correct exports (docs/verification.md): fp16 records reach 7e-4; exact
 #: kernels on quantized records 3.7e-3 on the tiny test models and 0.07 on a 12-layer E2B-shaped one;
 #: the fast kernels up to 2.9 max / 0.27 mean on the tiny models and 4.1 / 0.61 on the E2B-shaped one
@@ -76,21 +49,47 @@ FAST_MAX_ABS_ERR = 8.0
 FAST_MEAN_ABS_ERR = 1.0
 
 
-def step_stats(mnn: np.ndarray, ref: np.ndarray) -> list[dict[str, Any]]:
+def bounds_for_export(stored_bits: set[int], profile: RuntimeProfile = RuntimeProfile.EXACT) -> Bounds:
+    """The bounds for an export whose linear records hold ``stored_bits``, shipped with ``profile``.
+
+    The fast profile's kernels quantize activations to 8 bits, which moves random models' logits by
+    up to ~4 and flips near-ties; that noise would hide a wrong graph (measured: RMSNorm epsilons
+    100x too large move the exact kernels' logits by 0.82 and the fast kernels' by 0.88, within
+    their noise). So a fast export with quantized linears is also run on MNN's exact kernels, under
+    ``kernels_max_abs_err``. Calibration: docs/verification.md.
+    """
+    if stored_bits <= {16}:
+        # fp16 records: a correct graph reaches ~1e-4 and the memory mode does not touch them
+        return Bounds(profile.value, FP16_MAX_ABS_ERR)
+    if profile is RuntimeProfile.FAST:
+        return Bounds(profile.value, FAST_MAX_ABS_ERR, FAST_MEAN_ABS_ERR, QUANT_MAX_ABS_ERR)
+    return Bounds(profile.value, QUANT_MAX_ABS_ERR)
+
+
+def compare_logits(mnn: np.ndarray, ref: np.ndarray) -> LogitStats:
+    """Teacher-forced logits of a runtime run ``[steps, vocab]`` against the reference's."""
     steps = []
     for m, r in zip(mnn, ref):
         top2 = np.sort(r)[-2:]
         err = np.abs(m - r)
-        steps.append({"max_abs_err": float(err.max()), "mean_abs_err": float(err.mean()),
-                      "ref_top2_margin": float(top2[1] - top2[0]), "top1_match": int(m.argmax()) == int(r.argmax()),
-                      "mnn_top1": int(m.argmax()), "ref_top1": int(r.argmax())})
-    return steps
+        steps.append(StepStats(float(err.max()), float(err.mean()), float(top2[1] - top2[0]),
+                               int(m.argmax()) == int(r.argmax()), int(m.argmax()), int(r.argmax())))
+    return _over_steps(steps)
+
+
+def _over_steps(steps: list[StepStats]) -> LogitStats:
+    return LogitStats(sum(s.top1_match for s in steps) / len(steps), max(s.max_abs_err for s in steps),
+                      float(np.mean([s.mean_abs_err for s in steps])), tuple(steps))
+
+
+def step_stats(mnn: np.ndarray, ref: np.ndarray) -> list[dict[str, Any]]:
+    """``compare_logits``'s steps as JSON (for the towers' reports)."""
+    return [s.to_json() for s in compare_logits(mnn, ref).per_step]
 
 
 def summarize(steps: list[dict[str, Any]]) -> dict[str, Any]:
-    return {"top1_agreement": sum(s["top1_match"] for s in steps) / len(steps),
-            "max_abs_err": max(s["max_abs_err"] for s in steps),
-            "mean_abs_err": float(np.mean([s["mean_abs_err"] for s in steps])), "per_step": steps}
+    """``step_stats`` steps summarized, as JSON (``LogitStats.to_json``)."""
+    return _over_steps([StepStats.from_json(s) for s in steps]).to_json()
 
 
 def default_prompt(tokenizer, min_tokens: int) -> list[int]:
@@ -114,8 +113,9 @@ def _reference_greedy(model, arch, prompt: list[int], steps: int) -> list[int]:
 
 
 def verify_export(export_dir: Path, model_path: Path, steps: int = 24, prompt_ids: list[int] | None = None,
-                  raise_on_failure: bool = False, trust_remote_code: bool = False) -> dict[str, Any]:
-    """Verification report of ``export_dir`` against the checkpoint at ``model_path``.
+                  raise_on_failure: bool = False, trust_remote_code: bool = False) -> VerifyReport:
+    """Verification report of ``export_dir`` against the checkpoint at ``model_path`` (also
+    written to ``export_dir/verify.json``).
 
     ``trust_remote_code`` must be True for families whose reference model is the checkpoint's
     own modeling code (``Architecture.reference_is_remote_code``); it is refused otherwise.
@@ -141,85 +141,72 @@ def verify_export(export_dir: Path, model_path: Path, steps: int = 24, prompt_id
     texts = TOKENIZER_SAMPLES + [tokenizer.decode(prompt[1:])]
     run = run_runtime(export_dir, prompt, greedy_ref[:-1], steps, texts=texts)
     tok_cases = {t: (run.encoded[t], tokenizer(t, add_special_tokens=False)["input_ids"]) for t in texts}
-    report = {
-        "prompt_tokens": len(prompt), "steps": steps,
-        "tokenizer": {"agree": all(m == h for m, h in tok_cases.values()), "cases": len(tok_cases),
-                      "mismatches": [t for t, (m, h) in tok_cases.items() if m != h]},
-        "runtime_profile": profile_of(json.loads((export_dir / "config.json").read_text())).value,
-        "oracle": _versus_oracle(run, greedy_ref, ref_logits),
-        "fp32": summarize(step_stats(run.forced_logits, fp32_logits)),
-    }
-    report["towers"] = {tower.name: tower.verify(export_dir, stored) for tower in arch.towers()}
-    prequantized = compare_with_source(arch, arch.checkpoint.weights, stored)  # MLX checkpoints: which weights kept their integers
-    if prequantized is not None:
-        report["prequantized"] = prequantized
-    records = _records(export_dir)
-    bits = {int(r["quanParameter"].get("aMaxOrBits", 16)) if r["quanParameter"].get("type") == 1 else 16
-            for r in records}
-    if prequantized is not None:  # transcoded records keep fp32 alpha (docs/mlx-import.md)
-        prequantized["fp32_alpha_records"] = sum(r["quanParameter"].get("type") == 1 and
-                                                 r["quanParameter"].get("scaleStorage", "FP32") != "FP16"
-                                                 for r in records)
-    bounds = Bounds.for_export(bits, RuntimeProfile(report["runtime_profile"]))
+    mismatches = tuple(t for t, (m, h) in tok_cases.items() if m != h)
+    tokenizer_check = TokenizerCheck(not mismatches, len(tok_cases), mismatches)
+    profile = profile_of(json.loads((export_dir / "config.json").read_text()))
+    towers = {tower.name: tower.verify(export_dir, stored) for tower in arch.towers()}
+    # MLX checkpoints: which weights kept their integers
+    prequantized = compare_with_source(arch, arch.checkpoint.weights, stored)
+    bounds = bounds_for_export(_stored_bits(export_dir, prequantized), profile)
+    shipped = RunComparison.of(compare_logits(run.forced_logits, ref_logits), greedy_ref, run.greedy_ids)
+    exact = None
     if bounds.kernels_max_abs_err is not None:
-        exact = run_runtime(export_dir, prompt, greedy_ref[:-1], steps, config=EXACT_KERNELS)
-        report["exact_kernels"] = _versus_oracle(exact, greedy_ref, ref_logits)
-    _judge(report, bounds)
-    (export_dir / "verify.json").write_text(json.dumps(report, indent=2))
+        kernels = run_runtime(export_dir, prompt, greedy_ref[:-1], steps, config=EXACT_KERNELS)
+        exact = RunComparison.of(compare_logits(kernels.forced_logits, ref_logits), greedy_ref, kernels.greedy_ids)
+    report = VerifyReport(len(prompt), steps, tokenizer_check, profile, shipped,
+                          compare_logits(run.forced_logits, fp32_logits), bounds,
+                          judge(bounds, shipped, tokenizer_check, exact, towers), towers, prequantized, exact)
+    (export_dir / "verify.json").write_text(json.dumps(report.to_json(), indent=2))
     log.info("verify: %s", summary_line(report))
-    if raise_on_failure and not report["passed"]:
-        raise VerificationFailed(f"{export_dir}: verification failed: {'; '.join(report['failures'])}")
+    if raise_on_failure and not report.passed:
+        raise VerificationFailed(f"{export_dir}: verification failed: {'; '.join(report.failures)}")
     return report
 
 
-def _versus_oracle(run, greedy_ref: list[int], ref_logits: np.ndarray) -> dict[str, Any]:
-    return {"greedy_ref": greedy_ref, "greedy_mnn": run.greedy_ids, "greedy_match": greedy_ref == run.greedy_ids,
-            **summarize(step_stats(run.forced_logits, ref_logits))}
-
-
-def _records(export_dir: Path) -> list[dict]:
+def _stored_bits(export_dir: Path, prequantized: dict[str, Any] | None) -> set[int]:
+    """The bits of the exported linear records; counts the fp32-alpha records of a pre-quantized
+    checkpoint into its ``prequantized`` section (transcoded records keep fp32 alpha, docs/mlx-import.md)."""
     from llmexport.mnn.readback import linear_records
 
-    return list(linear_records(export_dir).values())
+    records = [r["quanParameter"] for r in linear_records(export_dir).values()]
+    if prequantized is not None:
+        prequantized["fp32_alpha_records"] = sum(q.get("type") == 1 and q.get("scaleStorage", "FP32") != "FP16"
+                                                 for q in records)
+    return {int(q.get("aMaxOrBits", 16)) if q.get("type") == 1 else 16 for q in records}
 
 
-def _judge(report: dict[str, Any], bounds: Bounds) -> None:
-    """Pass when every teacher-forced step agrees on top-1 (unless the oracle's own top-2
-    margin is below the error measured at that step: a near-tie) and errors stay in bounds, for
-    the shipped run and (fast profile) the exact-kernels run."""
-    failures = _run_failures("", report["oracle"], bounds.max_abs_err, bounds.mean_abs_err)
-    if "exact_kernels" in report:
-        failures += _run_failures("exact kernels: ", report["exact_kernels"], bounds.kernels_max_abs_err, None)
-    if not report["tokenizer"]["agree"]:
-        failures.append(f"tokenizer disagrees on {len(report['tokenizer']['mismatches'])} sample(s)")
-    for name, tower in report.get("towers", {}).items():
+def judge(bounds: Bounds, oracle: LogitStats, tokenizer: TokenizerCheck, exact_kernels: LogitStats | None = None,
+          towers: Mapping[str, dict[str, Any]] | None = None) -> tuple[str, ...]:
+    """The failures of a verification. A run passes when every teacher-forced step agrees on top-1
+    (unless the oracle's own top-2 margin is below the error measured at that step: a near-tie)
+    and errors stay in bounds; judged for the shipped run and (fast profile) the exact-kernels run."""
+    failures = _run_failures("", oracle, bounds.max_abs_err, bounds.mean_abs_err)
+    if exact_kernels is not None:
+        failures += _run_failures("exact kernels: ", exact_kernels, bounds.kernels_max_abs_err, None)
+    if not tokenizer.agree:
+        failures.append(f"tokenizer disagrees on {len(tokenizer.mismatches)} sample(s)")
+    for name, tower in (towers or {}).items():
         failures += [f"{name}: {failure}" for failure in tower["failures"]]
-    report["bounds"] = asdict(bounds)
-    report["failures"] = failures
-    report["passed"] = not failures
+    return tuple(failures)
 
 
-def _run_failures(label: str, run: dict[str, Any], max_abs: float, mean_abs: float | None) -> list[str]:
-    failures = []
-    for i, s in enumerate(run["per_step"]):
-        if not s["top1_match"] and s["ref_top2_margin"] >= s["max_abs_err"]:
-            failures.append(f"{label}step {i}: top-1 {s['mnn_top1']} != {s['ref_top1']} "
-                            f"(margin {s['ref_top2_margin']:.4f})")
-    if run["max_abs_err"] >= max_abs:
-        failures.append(f"{label}max abs logit error {run['max_abs_err']:.5f} >= {max_abs}")
-    if mean_abs is not None and run["mean_abs_err"] >= mean_abs:
-        failures.append(f"{label}mean abs logit error {run['mean_abs_err']:.5f} >= {mean_abs}")
+def _run_failures(label: str, run: LogitStats, max_abs: float, mean_abs: float | None) -> list[str]:
+    failures = [f"{label}step {i}: top-1 {s.mnn_top1} != {s.ref_top1} (margin {s.ref_top2_margin:.4f})"
+                for i, s in enumerate(run.per_step) if s.flipped]
+    if run.max_abs_err >= max_abs:
+        failures.append(f"{label}max abs logit error {run.max_abs_err:.5f} >= {max_abs}")
+    if mean_abs is not None and run.mean_abs_err >= mean_abs:
+        failures.append(f"{label}mean abs logit error {run.mean_abs_err:.5f} >= {mean_abs}")
     return failures
 
 
-def summary_line(report: dict[str, Any]) -> str:
-    o, f, b = report["oracle"], report["fp32"], report["bounds"]
-    kernels = report.get("exact_kernels")
-    exact = (f"; exact kernels: top-1 {kernels['top1_agreement']:.0%}, max |dlogit| {kernels['max_abs_err']:.2e} "
-             f"(bound {b['kernels_max_abs_err']})" if kernels else "")
-    return (f"{'PASS' if report['passed'] else 'FAIL'} ({b['profile']} profile): vs stored-weights HF: "
-            f"top-1 {o['top1_agreement']:.0%}, greedy {'match' if o['greedy_match'] else 'differs'}, "
-            f"max |dlogit| {o['max_abs_err']:.2e} (bound {b['max_abs_err']}){exact}; vs fp32 HF: "
-            f"top-1 {f['top1_agreement']:.0%}, max |dlogit| {f['max_abs_err']:.2e}; "
-            f"tokenizer {'agrees' if report['tokenizer']['agree'] else 'DISAGREES'}"
-            + "".join(f"; {prompt_summary(name, tower)}" for name, tower in report.get("towers", {}).items()))
+def summary_line(report: VerifyReport) -> str:
+    o, f, b, kernels = report.oracle, report.fp32, report.bounds, report.exact_kernels
+    exact = (f"; exact kernels: top-1 {kernels.top1_agreement:.0%}, max |dlogit| {kernels.max_abs_err:.2e} "
+             f"(bound {b.kernels_max_abs_err})" if kernels else "")
+    return (f"{'PASS' if report.passed else 'FAIL'} ({b.profile} profile): vs stored-weights HF: "
+            f"top-1 {o.top1_agreement:.0%}, greedy {'match' if o.greedy_match else 'differs'}, "
+            f"max |dlogit| {o.max_abs_err:.2e} (bound {b.max_abs_err}){exact}; vs fp32 HF: "
+            f"top-1 {f.top1_agreement:.0%}, max |dlogit| {f.max_abs_err:.2e}; "
+            f"tokenizer {'agrees' if report.tokenizer.agree else 'DISAGREES'}"
+            + "".join(f"; {prompt_summary(name, tower)}" for name, tower in report.towers.items()))

@@ -47,7 +47,7 @@ def exported(tmp_path_factory):
 @pytest.mark.slow
 def test_audio_tower_matches_hf_features_for_three_lengths(exported):
     _, _, report = exported
-    audio = report["towers"]["audio"]
+    audio = report.towers["audio"]
     chunk = 4
     tokens = [clip["tokens"] for clip in audio["clips"]]
     assert tokens[0] < chunk and tokens[1] % chunk and tokens[2] > 2 * chunk
@@ -95,8 +95,8 @@ def test_unpadded_clip_loses_a_token(exported, tmp_path):
 @pytest.mark.slow
 def test_verify_passes_with_both_towers(exported):
     _, out, report = exported
-    assert report["passed"], report["failures"]
-    assert report["towers"]["visual"]["passed"] and report["towers"]["audio"]["passed"]
+    assert report.passed, report.failures
+    assert report.towers["visual"]["passed"] and report.towers["audio"]["passed"]
     assert json.loads((out / "verify.json").read_text())["towers"]["audio"]["passed"]
     line = summary_line(report)
     assert "visual ok (prompt vs HF: top-1 100%" in line and "audio ok (prompt vs HF: top-1 100%" in line
@@ -108,17 +108,18 @@ def test_verify_passes_with_both_towers(exported):
 
 def test_summary_line_reports_a_failed_audio_prompt():
     """A disagreement on the audio prompt (HF's framing) makes the summary line FAIL and say so."""
-    from llmexport.verification import Bounds, _judge
+    from llmexport.options import RuntimeProfile
+    from llmexport.results import Bounds, LogitStats, RunComparison, StepStats, TokenizerCheck, VerifyReport
+    from llmexport.verification import judge
 
-    step = {"top1_match": True, "ref_top2_margin": 1.0, "max_abs_err": 1e-5, "mean_abs_err": 1e-6,
-            "mnn_top1": 1, "ref_top1": 1}
-    text = {"top1_agreement": 1.0, "max_abs_err": 1e-5, "mean_abs_err": 1e-6, "per_step": [step],
-            "greedy_match": True}
+    text = LogitStats(1.0, 1e-5, 1e-6, (StepStats(1e-5, 1e-6, 1.0, True, 1, 1),))
     prompt = {"ids_match": True, "greedy_match": False, "forced": {"top1_agreement": 0.5, "max_abs_err": 0.7},
               "failures": ["greedy tokens differ"]}
-    report = {"oracle": dict(text), "fp32": dict(text), "tokenizer": {"agree": True, "mismatches": []},
-              "towers": {"audio": {"passed": False, "failures": ["audio prompt 16017 samples (HF framing): greedy "
-                                                                "tokens differ"], "prompts": [prompt]}}}
-    _judge(report, Bounds("exact", 0.005))
+    towers = {"audio": {"passed": False, "failures": ["audio prompt 16017 samples (HF framing): greedy "
+                                                      "tokens differ"], "prompts": [prompt]}}
+    oracle, tokenizer, bounds = RunComparison.of(text, [3, 4], [3, 4]), TokenizerCheck(True, 7, ()), Bounds("exact", 0.005)
+    report = VerifyReport(40, 1, tokenizer, RuntimeProfile.EXACT, oracle, text, bounds,
+                          judge(bounds, oracle, tokenizer, towers=towers), towers)
+    assert report.failures == ("audio: audio prompt 16017 samples (HF framing): greedy tokens differ",)
     line = summary_line(report)
     assert line.startswith("FAIL") and "audio FAILED (prompt vs HF: top-1 50%, greedy DIFFERS" in line

@@ -12,6 +12,9 @@ import pytest
 from click.testing import CliRunner
 
 from llmexport.cli import main
+from llmexport.options import RuntimeProfile
+from llmexport.results import VerifyReport
+from llmexport.verification import summary_line
 
 
 def _run(*args: str):
@@ -38,9 +41,13 @@ def test_cli_exports_and_verifies(tiny_gemma4, tmp_path):
                            "--verify"], capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "verify: PASS" in proc.stdout
-    report = json.loads((dst / "verify.json").read_text())
-    assert report["passed"] and report["runtime_profile"] == "fast"
-    assert report["exact_kernels"]["top1_agreement"] == 1.0
+    report = VerifyReport.read(dst / "verify.json")
+    assert report.passed and report.runtime_profile is RuntimeProfile.FAST
+    assert report.exact_kernels.top1_agreement == 1.0
+    # the typed report writes back the same bytes, and the command printed its summary line
+    assert (dst / "verify.json").read_text() == json.dumps(report.to_json(), indent=2)
+    lines = proc.stdout.splitlines()
+    assert lines[0] == f"exported gemma4 (8 layers) to {dst}" and f"verify: {summary_line(report)}" in lines
 
 
 def test_cli_onnx_export_runs_in_onnxruntime(tiny_gemma4, tmp_path):

@@ -19,6 +19,7 @@ from llmexport.mnn.convert import mnn_to_json
 from llmexport.mnn.readback import linear_records
 from llmexport.quant.recipes import recipe
 from llmexport.quant.scheme import QuantScheme
+from llmexport.results import VerifyReport
 from llmexport.tiny.byte_level_tokenizer import STYLES
 from llmexport.tiny.decoders import VARIANTS, build_decoder_checkpoint, random_config
 from llmexport.tiny.k2_horizon import build_tiny_k2_horizon
@@ -27,14 +28,13 @@ from llmexport.verification import summary_line, verify_export
 MODEL_TYPE = {variant: family for variant, (family, _) in VARIANTS.items()}
 
 
-def _assert_agrees(report: dict, steps: int) -> None:
-    for section in ("oracle", "fp32"):
-        for step in report[section]["per_step"]:  # top-1 everywhere, unless the reference is a near-tie
-            assert step["top1_match"] or step["ref_top2_margin"] < step["max_abs_err"], (section, step)
-    oracle = report["oracle"]
-    assert len(oracle["greedy_mnn"]) == steps and oracle["greedy_ref"] == oracle["greedy_mnn"]
-    assert report["tokenizer"]["agree"]
-    assert report["passed"], report["failures"]
+def _assert_agrees(report: VerifyReport, steps: int) -> None:
+    for stats in (report.oracle, report.fp32):
+        for step in stats.per_step:  # top-1 everywhere, unless the reference is a near-tie
+            assert step.top1_match or step.ref_top2_margin < step.max_abs_err, (stats, step)
+    assert len(report.oracle.greedy_mnn) == steps and report.oracle.greedy_ref == report.oracle.greedy_mnn
+    assert report.tokenizer.agree
+    assert report.passed, report.failures
 
 
 def _stop_ids(out) -> list[int]:
@@ -57,9 +57,9 @@ def test_fp16_export_agrees_with_fp32_reference(tiny_decoder, tmp_path, variant)
     report = verify_export(out, path, steps=24)
     print(f"\n{variant} q16: {summary_line(report)}")
     _assert_agrees(report, 24)
-    assert report["oracle"]["top1_agreement"] == report["fp32"]["top1_agreement"] == 1.0
-    assert report["oracle"]["max_abs_err"] < 0.005 and report["fp32"]["max_abs_err"] < 0.005
-    assert len(set(report["oracle"]["greedy_ref"])) > 3  # decoding is not stuck on one token
+    assert report.oracle.top1_agreement == report.fp32.top1_agreement == 1.0
+    assert report.oracle.max_abs_err < 0.005 and report.fp32.max_abs_err < 0.005
+    assert len(set(report.oracle.greedy_ref)) > 3  # decoding is not stuck on one token
     style = STYLES["qwen" if MODEL_TYPE[variant].startswith("qwen") else "llama3"]
     assert _stop_ids(out) == list(dict.fromkeys(_token_id(path, t) for t in (style.eos, *style.generation_eos)))
     assert json.loads((out / "llm_config.json").read_text())["jinja"]["chat_template"] == style.chat_template
@@ -77,8 +77,8 @@ def test_mlp4_attn8_recipe_export(tiny_decoder, tmp_path, variant):
     export(path, out, ExportOptions().with_plan(recipe("mlp4-attn8", QuantScheme(4, 64))))
     report = verify_export(out, path, steps=12)
     print(f"\n{variant} mlp4-attn8: {summary_line(report)}")
-    assert report["passed"], report["failures"]
-    assert report["exact_kernels"]["max_abs_err"] < 0.2  # shipped fast; the exact kernels prove the graph
+    assert report.passed, report.failures
+    assert report.exact_kernels.max_abs_err < 0.2  # shipped fast; the exact kernels prove the graph
     bits = {name: rec["quanParameter"].get("aMaxOrBits") for name, rec in linear_records(out).items()}
     assert bits["model.layers.0.self_attn.q_proj"] == bits["model.layers.1.self_attn.o_proj"] == 8
     assert bits["model.layers.0.mlp.up_proj"] == 4
@@ -115,6 +115,6 @@ def test_k2_horizon_with_a_qwen_tokenizer_exports_and_verifies(tmp_path, variant
     report = verify_export(out, path, steps=24, trust_remote_code=True)
     print(f"\nk2 {variant} + qwen tokenizer q16: {summary_line(report)}")
     _assert_agrees(report, 24)
-    assert report["oracle"]["max_abs_err"] < 0.005
+    assert report.oracle.max_abs_err < 0.005
     assert _stop_ids(out) == [_token_id(path, "<|im_end|>"), _token_id(path, "<|endoftext|>")]
     assert json.loads((out / "llm_config.json").read_text())["jinja"]["chat_template"] == STYLES["qwen"].chat_template

@@ -10,6 +10,7 @@ import pytest
 from conftest import GEMMA4_SHAPES
 from families import parametrize
 from llmexport import ExportOptions, export
+from llmexport.options import RuntimeProfile
 from llmexport.quant.scheme import QuantScheme
 from llmexport.verification import summary_line, verify_export
 
@@ -35,14 +36,14 @@ def exported(tiny_gemma4, tmp_path_factory):
 def test_fp16_export_agrees_with_stored_weights_oracle(exported, shape):
     out, result, report = exported(shape, 16)
     print(f"\n{shape} q16 export {sum(result.timings.values()):.2f}s: {summary_line(report)}")
-    oracle = report["oracle"]
-    assert report["prompt_tokens"] > 8  # longer than the sliding window
-    assert oracle["greedy_ref"] == oracle["greedy_mnn"] and len(oracle["greedy_mnn"]) == 24
-    assert oracle["top1_agreement"] == 1.0
-    assert oracle["max_abs_err"] < 0.005
-    assert report["tokenizer"]["agree"]
-    assert report["passed"]
-    assert "max_abs_err" in report["fp32"]  # reported, not bounded
+    oracle = report.oracle
+    assert report.prompt_tokens > 8  # longer than the sliding window
+    assert oracle.greedy_ref == oracle.greedy_mnn and len(oracle.greedy_mnn) == 24
+    assert oracle.top1_agreement == 1.0
+    assert oracle.max_abs_err < 0.005
+    assert report.tokenizer.agree
+    assert report.passed
+    assert len(report.fp32.per_step) == 24  # reported, not bounded
 
 
 @pytest.mark.slow
@@ -50,9 +51,9 @@ def test_fp16_export_agrees_with_stored_weights_oracle(exported, shape):
 def test_4bit_export_agrees_with_read_back_weights(exported, shape):
     out, result, report = exported(shape, 4)
     print(f"\n{shape} q4 export {sum(result.timings.values()):.2f}s: {summary_line(report)}")
-    assert report["passed"], report["failures"]
+    assert report.passed, report.failures
     # shipped: the fast profile; the exact kernels prove the graph and the records
-    assert report["runtime_profile"] == "fast" and report["exact_kernels"]["max_abs_err"] < 0.2
+    assert report.runtime_profile is RuntimeProfile.FAST and report.exact_kernels.max_abs_err < 0.2
 
 
 @pytest.mark.slow
@@ -76,7 +77,7 @@ def test_untied_export_writes_its_embedding_file(exported):
     assert config["embedding_file"] == "embeddings_bf16.bin"
     assert (out / "embeddings_bf16.bin").stat().st_size == 512 * 64 * 2
     assert "tie_embeddings" not in json.loads((out / "llm_config.json").read_text())
-    assert report["passed"]
+    assert report.passed
 
 
 @pytest.mark.slow
@@ -85,7 +86,7 @@ def test_media_token_ids_in_plain_text_reach_the_text_graph_as_themselves(export
     out, _, _ = exported("e2b", 16)
     prompt = [2, 5, 30, 9, 9, 41, 12, 77, 6, 5] + list(range(100, 110))
     report = verify_export(out, tiny_gemma4("e2b"), steps=8, prompt_ids=prompt)
-    assert report["passed"], report["failures"]
+    assert report.passed, report.failures
 
 
 @pytest.mark.slow
@@ -103,5 +104,5 @@ def test_hidden_wider_than_1024_keeps_its_norm_constants(tmp_path):
     export(path, tmp_path / "out", ExportOptions(quant=QuantScheme(16)))
     report = verify_export(tmp_path / "out", path, steps=8)
     print(f"\nhidden 1152 q16: {summary_line(report)}")
-    assert report["passed"], report["failures"]
-    assert report["oracle"]["max_abs_err"] < 0.005
+    assert report.passed, report.failures
+    assert report.oracle.max_abs_err < 0.005

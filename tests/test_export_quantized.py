@@ -30,11 +30,11 @@ def test_quantized_export_agrees_with_read_back_oracle(tiny_gemma4, tmp_path, sh
     export(tiny_gemma4(shape), out, ExportOptions(**VARIANTS[variant]))
     report = verify_export(out, tiny_gemma4(shape), steps=24)
     print(f"\n{shape} {variant}: {summary_line(report)}")
-    for section in ("oracle", "exact_kernels"):  # the shipped fast profile, and the exact kernels
-        for step in report[section]["per_step"]:
-            assert step["top1_match"] or step["ref_top2_margin"] < step["max_abs_err"], (section, step)
-    assert report["exact_kernels"]["max_abs_err"] < 0.2
-    assert report["passed"]
+    for stats in (report.oracle, report.exact_kernels):  # the shipped fast profile, and the exact kernels
+        for step in stats.per_step:
+            assert step.top1_match or step.ref_top2_margin < step.max_abs_err, (stats, step)
+    assert report.exact_kernels.max_abs_err < 0.2
+    assert report.passed
 
 
 @pytest.mark.slow

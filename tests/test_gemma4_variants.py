@@ -39,5 +39,5 @@ def test_random_variant_runs_in_mnn(tmp_path, seed):
     path = build_gemma4_checkpoint(tmp_path / "model", random_text_config(seed), seed=seed)
     export(path, tmp_path / "out", ExportOptions(quant=QuantScheme(16)))
     report = verify_export(tmp_path / "out", path, steps=12)
-    assert report["passed"], report["failures"]
-    assert report["oracle"]["max_abs_err"] < 0.005
+    assert report.passed, report.failures
+    assert report.oracle.max_abs_err < 0.005

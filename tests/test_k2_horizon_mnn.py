@@ -19,6 +19,7 @@ from llmexport.mnn.readback import linear_records
 from llmexport.models.k2_horizon import K2Horizon
 from llmexport.quant.recipes import recipe
 from llmexport.quant.scheme import QuantScheme
+from llmexport.results import VerifyReport
 from llmexport.tiny.k2_horizon import build_k2_horizon_checkpoint, random_config
 from llmexport.verification import summary_line, verify_export
 
@@ -36,16 +37,15 @@ def _subgraphs(out: Path, tmp: Path) -> set[str]:
     return {sub["name"] for sub in mnn_to_json(out / "llm.mnn", tmp / "graph.json").get("subgraphs", [])}
 
 
-def _assert_agrees(report: dict, steps: int = 24) -> None:
-    for section in ("oracle", "fp32"):
-        stats = report[section]
-        for step in stats["per_step"]:  # top-1 everywhere, unless the reference itself is a near-tie
-            assert step["top1_match"] or step["ref_top2_margin"] < step["max_abs_err"], (section, step)
-        assert stats["max_abs_err"] < 0.1, section
-    oracle = report["oracle"]
-    assert len(oracle["greedy_mnn"]) == steps and oracle["greedy_ref"] == oracle["greedy_mnn"]
-    assert report["tokenizer"]["agree"]
-    assert report["passed"], report["failures"]
+def _assert_agrees(report: VerifyReport, steps: int = 24) -> None:
+    for section, stats in (("oracle", report.oracle), ("fp32", report.fp32)):
+        for step in stats.per_step:  # top-1 everywhere, unless the reference itself is a near-tie
+            assert step.top1_match or step.ref_top2_margin < step.max_abs_err, (section, step)
+        assert stats.max_abs_err < 0.1, section
+    oracle = report.oracle
+    assert len(oracle.greedy_mnn) == steps and oracle.greedy_ref == oracle.greedy_mnn
+    assert report.tokenizer.agree
+    assert report.passed, report.failures
 
 
 @pytest.mark.slow
@@ -55,8 +55,8 @@ def test_fp16_export_agrees_with_fp32_reference(tiny_k2_horizon, tmp_path, varia
     report = _export_and_verify(tiny_k2_horizon(variant), out, ExportOptions(quant=QuantScheme(16, 64)))
     print(f"\n{variant} q16: {summary_line(report)}")
     _assert_agrees(report)
-    assert report["oracle"]["top1_agreement"] == report["fp32"]["top1_agreement"] == 1.0
-    assert len(set(report["oracle"]["greedy_ref"])) > 3  # decoding is not stuck on one token
+    assert report.oracle.top1_agreement == report.fp32.top1_agreement == 1.0
+    assert len(set(report.oracle.greedy_ref)) > 3  # decoding is not stuck on one token
     llm_config = json.loads((out / "llm_config.json").read_text())
     assert llm_config["attention_type"] == "full" and "sliding_window" not in llm_config
     assert "attn_scale" not in llm_config  # runtime default 1/sqrt(head_dim) is the family's
@@ -87,8 +87,8 @@ def test_mlp4_attn8_recipe_export(tiny_k2_horizon, tmp_path):
     options = ExportOptions().with_plan(recipe("mlp4-attn8", QuantScheme(4, 64)))
     report = _export_and_verify(tiny_k2_horizon("sparse-qknorm"), out, options, steps=12)
     print(f"\nsparse-qknorm mlp4-attn8: {summary_line(report)}")
-    assert report["passed"], report["failures"]
-    assert report["exact_kernels"]["max_abs_err"] < 0.2
+    assert report.passed, report.failures
+    assert report.exact_kernels.max_abs_err < 0.2
     bits = {name: rec["quanParameter"].get("aMaxOrBits") for name, rec in linear_records(out).items()}
     assert bits["model.layers.1.mlp.gate"] == bits["model.layers.1.self_attn.v_router"] == 8
     assert bits["model.layers.1.self_attn.v_experts.0"] == bits["model.layers.1.self_attn.q_proj"] == 8

@@ -48,15 +48,15 @@ def test_plan_estimates_the_exact_size(tiny_gemma4, tmp_path, shape, options):
     llmexport.export(tiny_gemma4(shape), tmp_path / "out", options)
     written = sum(p.stat().st_size for p in (tmp_path / "out").iterdir()
                   if p.name == "llm.mnn.weight" or p.name.endswith(".bin"))
-    assert plan["estimated_bytes"] == written
+    assert plan.estimated_bytes == written
 
 
 def test_plan_lists_adjusted_blocks(tiny_gemma4):
     plan = llmexport.plan(tiny_gemma4("e2b"), ExportOptions(quant=QuantScheme(4, 64)))
-    adjusted = {a["name"]: a["used"] for a in plan["adjusted_blocks"]}
+    adjusted = {a.name: a.used for a in plan.adjusted_blocks}
     assert adjusted["model.language_model.layers.0.mlp.down_proj"] == 48  # width 96
     assert adjusted["model.language_model.layers.0.per_layer_projection"] == 16  # width 16 < block
-    assert all(linear["block"] > 0 for linear in plan["linears"])
+    assert all(linear.block > 0 for linear in plan.linears)
 
 
 def test_dry_run_writes_nothing(tiny_gemma4, tmp_path):

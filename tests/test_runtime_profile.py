@@ -13,13 +13,14 @@ from llmexport.errors import UsageError
 from llmexport.mnn.config import PROFILE_KEYS, profile_of, runtime_config
 from llmexport.options import RuntimeProfile
 from llmexport.quant.scheme import QuantScheme
+from llmexport.results import Bounds, LogitStats, StepStats, TokenizerCheck, VerifyReport
 from llmexport.verification import (
     FAST_MAX_ABS_ERR,
     FAST_MEAN_ABS_ERR,
     FP16_MAX_ABS_ERR,
     QUANT_MAX_ABS_ERR,
-    Bounds,
-    _judge,
+    bounds_for_export,
+    judge,
     summary_line,
     verify_export,
 )
@@ -70,13 +71,12 @@ def test_cli_rejects_an_unknown_profile(tiny_gemma4, tmp_path):
     ({4, 8}, FAST, Bounds("fast", FAST_MAX_ABS_ERR, FAST_MEAN_ABS_ERR, QUANT_MAX_ABS_ERR)),
 ])
 def test_bounds_per_profile(bits, profile, expected):
-    assert Bounds.for_export(bits, profile) == expected
+    assert bounds_for_export(bits, profile) == expected
 
 
-def _run(max_abs: float, mean_abs: float, flips: int = 0, margin: float = 1.0) -> dict:
-    steps = [{"max_abs_err": max_abs, "mean_abs_err": mean_abs, "ref_top2_margin": margin,
-              "top1_match": i >= flips, "mnn_top1": 1, "ref_top1": 2} for i in range(4)]
-    return {"max_abs_err": max_abs, "mean_abs_err": mean_abs, "per_step": steps}
+def _run(max_abs: float, mean_abs: float, flips: int = 0, margin: float = 1.0) -> LogitStats:
+    steps = tuple(StepStats(max_abs, mean_abs, margin, i >= flips, 1, 2) for i in range(4))
+    return LogitStats((4 - flips) / 4, max_abs, mean_abs, steps)
 
 
 @pytest.mark.parametrize("oracle, kernels, failing", [
@@ -89,12 +89,11 @@ def _run(max_abs: float, mean_abs: float, flips: int = 0, margin: float = 1.0) -
     (_run(2.0, 0.2, flips=1, margin=3.0), _run(1e-4, 1e-5), ["step 0"]),
 ])
 def test_judge_bounds_both_runs_of_a_fast_export(oracle, kernels, failing):
-    report = {"oracle": oracle, "exact_kernels": kernels, "tokenizer": {"agree": True, "mismatches": []}}
-    _judge(report, Bounds.for_export({4}, FAST))
-    assert report["passed"] == (not failing)
-    assert len(report["failures"]) == len(failing)
-    assert all(f.startswith(prefix) for f, prefix in zip(report["failures"], failing))
-    assert report["bounds"] == {"profile": "fast", "max_abs_err": FAST_MAX_ABS_ERR,
+    bounds = bounds_for_export({4}, FAST)
+    failures = judge(bounds, oracle, TokenizerCheck(True, 7, ()), kernels)
+    assert len(failures) == len(failing)
+    assert all(f.startswith(prefix) for f, prefix in zip(failures, failing))
+    assert bounds.to_json() == {"profile": "fast", "max_abs_err": FAST_MAX_ABS_ERR,
                                 "mean_abs_err": FAST_MEAN_ABS_ERR, "kernels_max_abs_err": QUANT_MAX_ABS_ERR}
 
 
@@ -107,12 +106,12 @@ def test_each_profile_ships_and_verifies(tiny_gemma4, tmp_path, profile):
     assert config["memory"] == PROFILE_KEYS[profile]["memory"] and config["precision"] == "normal"
     report = verify_export(out, tiny_gemma4("e2b"), steps=16)
     print(f"\n{profile.value}: {summary_line(report)}")
-    assert report["passed"], report["failures"]
-    assert report["runtime_profile"] == profile.value and report["bounds"]["profile"] == profile.value
-    assert ("exact_kernels" in report) == (profile is FAST)
-    graph_check = report["exact_kernels" if profile is FAST else "oracle"]
-    assert graph_check["max_abs_err"] < 0.01 and graph_check["greedy_match"]
-    assert json.loads((out / "verify.json").read_text())["bounds"] == report["bounds"]
+    assert report.passed, report.failures
+    assert report.runtime_profile is profile and report.bounds.profile == profile.value
+    assert (report.exact_kernels is not None) == (profile is FAST)
+    graph_check = report.exact_kernels if profile is FAST else report.oracle
+    assert graph_check.max_abs_err < 0.01 and graph_check.greedy_match
+    assert VerifyReport.read(out / "verify.json") == report
 
 
 def _norm_epsilon(g):
@@ -143,11 +142,11 @@ def test_a_wrong_graph_fails_fast_verification(tiny_gemma4, tmp_path, monkeypatc
         export(tiny_gemma4("e2b"), tmp_path / "out", ExportOptions(quant=QuantScheme(4, 64)))
     report = verify_export(tmp_path / "out", tiny_gemma4("e2b"), steps=16)
     print(f"\n{breakage.__name__}: {summary_line(report)}")
-    assert not report["passed"]
-    assert any(f.startswith("exact kernels:") for f in report["failures"])
+    assert not report.passed
+    assert any(f.startswith("exact kernels:") for f in report.failures)
     if breakage is _norm_epsilon:
-        assert report["oracle"]["max_abs_err"] < FAST_MAX_ABS_ERR
-        assert report["oracle"]["mean_abs_err"] < FAST_MEAN_ABS_ERR
+        assert report.oracle.max_abs_err < FAST_MAX_ABS_ERR
+        assert report.oracle.mean_abs_err < FAST_MEAN_ABS_ERR
 
 
 @pytest.mark.slow

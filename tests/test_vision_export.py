@@ -78,8 +78,8 @@ def test_hidden_64_verify_covers_images(exported):
     """``--verify`` (verify_export) runs the text checks and the vision tower's."""
     path, out = exported("vision-64")
     report = verify_export(out, path, steps=16)
-    assert report["passed"], report["failures"]
-    _check(report["towers"]["visual"], "vision-64")
+    assert report.passed, report.failures
+    _check(report.towers["visual"], "vision-64")
     assert json.loads((out / "verify.json").read_text())["towers"]["visual"]["passed"]
     assert "visual ok (prompt vs HF: top-1 100%" in summary_line(report)
 
@@ -90,9 +90,9 @@ def test_bidirectional_image_attention_is_exported(exported):
     lets the image's soft tokens attend to each other both ways."""
     path, out = exported("vision-64-bidirectional")
     report = verify_export(out, path, steps=16)
-    assert report["passed"], report["failures"]
-    assert report["towers"]["visual"]["marks_images"]
-    _check(report["towers"]["visual"], "vision-64 bidirectional")
+    assert report.passed, report.failures
+    assert report.towers["visual"]["marks_images"]
+    _check(report.towers["visual"], "vision-64 bidirectional")
 
 
 @pytest.mark.slow
@@ -105,10 +105,10 @@ def test_a_wrong_image_mask_fails_verification(checkpoints, tmp_path, monkeypatc
     out = tmp_path / "out"
     export(path, out, ExportOptions(quant=QuantScheme(16, 64), visual_quant_bit=16))
     report = verify_export(out, path, steps=16)
-    (prompt,) = report["towers"]["visual"]["prompts"]
+    (prompt,) = report.towers["visual"]["prompts"]
     print(f"\n{case} exported with marks={marks}: {summary_line(report)}")
-    assert not report["passed"] and not prompt["greedy_match"]
-    assert any(f.startswith("visual: image prompt") for f in report["failures"])
+    assert not report.passed and not prompt["greedy_match"]
+    assert any(f.startswith("visual: image prompt") for f in report.failures)
     assert "visual FAILED" in summary_line(report) and summary_line(report).startswith("FAIL")
 
 
