@@ -12,16 +12,24 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any, Mapping, Sequence, TypeVar
 
 from llmexport.options import RuntimeProfile
 from llmexport.quant.scheme import QuantMethod
 from llmexport.spec import LinearRole
 
+_T = TypeVar("_T", bound="_PlainFields")
 
-def _flat(obj) -> dict[str, Any]:
-    """A dataclass of plain values as a dict, in field order."""
-    return {f.name: getattr(obj, f.name) for f in fields(obj)}
+
+class _PlainFields:
+    """JSON of a dataclass whose fields are plain values: one key per field, in field order."""
+
+    @classmethod
+    def from_json(cls: type[_T], data: Mapping[str, Any]) -> _T:
+        return cls(**data)
+
+    def to_json(self) -> dict[str, Any]:
+        return {f.name: getattr(self, f.name) for f in fields(self)}  # type: ignore[arg-type]
 
 
 # --- the plan (--dry-run, llmexport.plan) ---------------------------------------------------------
@@ -78,7 +86,7 @@ class PlannedLinear:
 
 
 @dataclass(frozen=True)
-class AdjustedBlock:
+class AdjustedBlock(_PlainFields):
     """A requested block that does not divide a linear's input width, and the block used instead."""
 
     name: str
@@ -86,28 +94,14 @@ class AdjustedBlock:
     requested: int
     used: int
 
-    @classmethod
-    def from_json(cls, data: Mapping[str, Any]) -> AdjustedBlock:
-        return cls(**data)
-
-    def to_json(self) -> dict[str, Any]:
-        return _flat(self)
-
 
 @dataclass(frozen=True)
-class PlannedTable:
+class PlannedTable(_PlainFields):
     """An embedding or PLE table written to its own file."""
 
     rows: int
     dim: int
     bits: int
-
-    @classmethod
-    def from_json(cls, data: Mapping[str, Any]) -> PlannedTable:
-        return cls(**data)
-
-    def to_json(self) -> dict[str, Any]:
-        return _flat(self)
 
 
 @dataclass(frozen=True)
@@ -143,7 +137,7 @@ class ExportPlan:
 
 # --- the verification report (verify.json, llmexport.verify) -------------------------------------
 @dataclass(frozen=True)
-class StepStats:
+class StepStats(_PlainFields):
     """One teacher-forced step: MNN's logits against the reference's."""
 
     max_abs_err: float
@@ -158,13 +152,6 @@ class StepStats:
         """A top-1 disagreement that counts: the reference's own top-2 margin is not below the
         error measured at this step (below it, the step is a near-tie)."""
         return not self.top1_match and self.ref_top2_margin >= self.max_abs_err
-
-    @classmethod
-    def from_json(cls, data: Mapping[str, Any]) -> StepStats:
-        return cls(**data)
-
-    def to_json(self) -> dict[str, Any]:
-        return _flat(self)
 
 
 @dataclass(frozen=True)
@@ -233,7 +220,7 @@ class TokenizerCheck:
 
 
 @dataclass(frozen=True)
-class Bounds:
+class Bounds(_PlainFields):
     """Pass criteria against the stored-weights oracle, for the runtime profile an export ships
     (chosen by llmexport.verification.bounds_for_export, calibrated in docs/verification.md).
 
@@ -246,13 +233,6 @@ class Bounds:
     max_abs_err: float
     mean_abs_err: float | None = None
     kernels_max_abs_err: float | None = None
-
-    @classmethod
-    def from_json(cls, data: Mapping[str, Any]) -> Bounds:
-        return cls(**data)
-
-    def to_json(self) -> dict[str, Any]:
-        return _flat(self)
 
 
 @dataclass(frozen=True)

@@ -117,7 +117,8 @@ def test_summary_line_reports_a_failed_audio_prompt():
               "failures": ["greedy tokens differ"]}
     towers = {"audio": {"passed": False, "failures": ["audio prompt 16017 samples (HF framing): greedy "
                                                       "tokens differ"], "prompts": [prompt]}}
-    oracle, tokenizer, bounds = RunComparison.of(text, [3, 4], [3, 4]), TokenizerCheck(True, 7, ()), Bounds("exact", 0.005)
+    oracle, tokenizer = RunComparison.of(text, [3, 4], [3, 4]), TokenizerCheck(True, 7, ())
+    bounds = Bounds("exact", 0.005)
     report = VerifyReport(40, 1, tokenizer, RuntimeProfile.EXACT, oracle, text, bounds,
                           judge(bounds, oracle, tokenizer, towers=towers), towers)
     assert report.failures == ("audio: audio prompt 16017 samples (HF framing): greedy tokens differ",)

@@ -260,7 +260,7 @@ def test_mlx_checkpoint_exports_as_stored_and_verifies(mlx_checkpoints, tmp_path
     requantized = {e["name"]: e["reason"] for e in pre["requantized"]}
     assert set(requantized) >= set(CASES[case]) and all(r in requantized[n] for n, r in CASES[case].items())
     assert not pre["quantized_from_float"]
-    transcoded = {l.name for l in result.plan.linears if l.method is QuantMethod.STORED}
+    transcoded = {linear.name for linear in result.plan.linears if linear.method is QuantMethod.STORED}
     assert len(transcoded) == pre["transcoded"] > 0
     assert _check_records(result.dst, mlx_path, to_mlx, transcoded) == len(transcoded)
     written = sum(p.stat().st_size for p in result.dst.iterdir() if p.name == "llm.mnn.weight" or p.suffix == ".bin")

@@ -85,8 +85,9 @@ prequantized = st.fixed_dictionaries({
                               max_size=2)})
 plans = st.builds(
     ExportPlan, architectures,
-    st.lists(st.builds(PlannedLinear, names, st.sampled_from(LinearRole), small, small, st.sampled_from([2, 3, 4, 8, 16]),
-                       small, st.booleans(), st.sampled_from(QuantMethod)), max_size=4).map(tuple),
+    st.lists(st.builds(PlannedLinear, names, st.sampled_from(LinearRole), small, small,
+                       st.sampled_from([2, 3, 4, 8, 16]), small, st.booleans(), st.sampled_from(QuantMethod)),
+             max_size=4).map(tuple),
     st.lists(st.builds(AdjustedBlock, names, small, small, small), max_size=2).map(tuple),
     st.dictionaries(names, st.builds(PlannedTable, small, small, st.sampled_from([4, 8, 16])), max_size=2),
     small, st.none() | prequantized)
