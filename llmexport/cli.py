@@ -36,11 +36,13 @@ def _configure_logging(quiet: bool) -> None:
               help="mnn: a folder MNN's LLM runtime loads; onnx: a standard-op ONNX with the weights.")
 @click.option("--dst_path", required=True, type=click.Path(path_type=str),
               help="Output folder; replaced atomically when the export succeeds.")
-@click.option("--quant_bit", type=int, default=4, show_default=True, help="Linear weights: 4 or 8 (block RTN), 16 = fp16.")
+@click.option("--quant_bit", type=int, default=4, show_default=True,
+              help="Linear weights: 4 or 8 (block RTN), 16 = fp16.")
 @click.option("--quant_block", type=int, default=64, show_default=True,
               help="Block size along the input dimension: 0 (per channel), 32, 64, 128, 256.")
 @click.option("--sym", is_flag=True, help="Symmetric quantization (scale only) instead of asymmetric.")
-@click.option("--hqq", is_flag=True, help="Half-quadratic optimisation of each block's zero point (slower, more accurate).")
+@click.option("--hqq", is_flag=True,
+              help="Half-quadratic optimisation of each block's zero point (slower, more accurate).")
 @click.option("--quant_config", default=None, metavar="FILE|RECIPE",
               help="Per-module schemes: a JSON file (see docs/quantization.md) or a recipe: uniform, mlp4-attn8.")
 @click.option("--lm_quant_bit", type=int, default=None, help="lm_head bits (default: from the scheme).")

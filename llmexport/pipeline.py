@@ -69,6 +69,7 @@ def run_export(path: Path, out: Path, options: ExportOptions) -> ExportResult:
     if options.export is ExportFormat.ONNX:
         _export_reference_onnx(arch, graph, out, timings)
     else:
+        assert tokenizer is not None  # _load converts it for every MNN export
         _export_mnn(arch, graph, tokenizer, out, options, timings, sources)
     verification: VerifyReport | None = None
     if options.verify and options.export is ExportFormat.MNN:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import logging
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Mapping, cast
 
 import numpy as np
 import torch
@@ -138,7 +138,7 @@ def verify_export(export_dir: Path, model_path: Path, steps: int = 24, prompt_id
     del oracle
     fp32 = arch.load_reference(None, trust_remote_code=trust_remote_code)
     fp32_logits = arch.reference_logits(fp32, torch.tensor(forced))[len(prompt) - 1:].numpy()
-    texts = TOKENIZER_SAMPLES + [tokenizer.decode(prompt[1:])]
+    texts = TOKENIZER_SAMPLES + [cast(str, tokenizer.decode(prompt[1:]))]  # one sequence: one string
     run = run_runtime(export_dir, prompt, greedy_ref[:-1], steps, texts=texts)
     tok_cases = {t: (run.encoded[t], tokenizer(t, add_special_tokens=False)["input_ids"]) for t in texts}
     mismatches = tuple(t for t, (m, h) in tok_cases.items() if m != h)
@@ -182,6 +182,8 @@ def judge(bounds: Bounds, oracle: LogitStats, tokenizer: TokenizerCheck, exact_k
     and errors stay in bounds; judged for the shipped run and (fast profile) the exact-kernels run."""
     failures = _run_failures("", oracle, bounds.max_abs_err, bounds.mean_abs_err)
     if exact_kernels is not None:
+        if bounds.kernels_max_abs_err is None:
+            raise ValueError(f"an exact-kernels run needs a kernels_max_abs_err bound ({bounds})")
         failures += _run_failures("exact kernels: ", exact_kernels, bounds.kernels_max_abs_err, None)
     if not tokenizer.agree:
         failures.append(f"tokenizer disagrees on {len(tokenizer.mismatches)} sample(s)")

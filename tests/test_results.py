@@ -174,6 +174,8 @@ def test_judge_fails_exactly_the_flipped_steps_and_the_exceeded_bounds(per_step,
     assert any(f.startswith("max abs") for f in failures) == (stats.max_abs_err >= max_abs)
     assert any(f.startswith("mean abs") for f in failures) == (stats.mean_abs_err >= mean_abs)
     assert judge(bounds, stats, TokenizerCheck(False, 3, ("a", "b")))[-1] == "tokenizer disagrees on 2 sample(s)"
+    with pytest.raises(ValueError, match="kernels_max_abs_err"):  # an exact-kernels run is never left unjudged
+        judge(bounds, stats, TokenizerCheck(True, 1, ()), exact_kernels=stats)
 
 
 def _fixed_report(exact: bool) -> VerifyReport:
