@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from llmexport.errors import ConversionError
+from llmexport.mnn.exact_floats import restore_exact_floats
 
 log = logging.getLogger(__name__)
 
@@ -46,10 +47,14 @@ def onnx_to_mnn(onnx_path: Path, mnn_path: Path) -> None:
 
 
 def mnn_to_json(mnn_path: Path, json_path: Path) -> dict[str, Any]:
+    """The graph as JSON, every float exactly as ``mnn_path`` stores it (the dump rounds them to
+    six decimals: llmexport.mnn.exact_floats)."""
     run_converter(["-f", "MNN", "--modelFile", str(mnn_path), "--JsonFile", str(json_path)], json_path)
-    return json.loads(json_path.read_text())
+    return restore_exact_floats(json.loads(json_path.read_text()), mnn_path)
 
 
 def json_to_mnn(graph: dict[str, Any], json_path: Path, mnn_path: Path) -> None:
+    # json.dumps writes each float as the shortest decimal that reads back as the same float64,
+    # so the converter's parser recovers every float32 of the graph exactly.
     json_path.write_text(json.dumps(graph))
     run_converter(["-f", "JSON", "--modelFile", str(json_path), "--MNNModel", str(mnn_path)], mnn_path)
