@@ -68,7 +68,8 @@ def plan_summary(plan: ExportPlan) -> str:
         key = (linear.role.value, linear.bits, linear.block, linear.sym, linear.method.value)
         groups[key] = groups.get(key, 0) + 1
     lines.append("quantization (role: bits/block/sym/method x count):")
-    lines += [f"  {r}: {b} bits, block {bl}, {'sym' if s else 'asym'}, {m} x {n}"
+    lines += [f"  {r}: fp16 (not quantized) x {n}" if b == 16 else
+              f"  {r}: {b} bits, block {bl}, {'sym' if s else 'asym'}, {m} x {n}"
               for (r, b, bl, s, m), n in sorted(groups.items())]
     for adj in plan.adjusted_blocks:
         lines.append(f"  block {adj.requested} does not divide {adj.name} (width {adj.in_features}): using {adj.used}")

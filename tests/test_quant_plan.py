@@ -1,10 +1,12 @@
-"""Per-module quantization: recipes, --quant_config files, router floor, lm_head override."""
+"""Per-module quantization: recipes, --quant_config files, fp16 routers, lm_head override."""
 
 from __future__ import annotations
 
 import json
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from llmexport.options import ExportOptions
 from llmexport.quant.recipes import QuantPlan, QuantRule, load_quant_config, recipe
@@ -21,6 +23,9 @@ def spec(name: str, role: LinearRole) -> LinearSpec:
 MLP = spec("model.layers.0.mlp.down_proj", LinearRole.MLP)
 ATTN = spec("model.layers.0.self_attn.q_proj", LinearRole.ATTENTION)
 ROUTER = spec("model.layers.0.router.proj", LinearRole.ROUTER)
+# K2-Horizon's routers: the MoE gate and the MoVA value router
+K2_ROUTERS = (spec("model.layers.1.mlp.gate", LinearRole.ROUTER), spec("model.layers.1.self_attn.v_router", LinearRole.ROUTER))
+FP16 = QuantScheme(16)
 EXPERT = spec("model.layers.0.experts.3.down_proj", LinearRole.EXPERT)
 LM = spec("lm_head", LinearRole.LM_HEAD)
 
@@ -28,7 +33,8 @@ LM = spec("lm_head", LinearRole.LM_HEAD)
 def test_mlp4_attn8_recipe():
     plan = recipe("mlp4-attn8", DEFAULT)
     assert plan.scheme_for(MLP) == QuantScheme(4, 32) == plan.scheme_for(EXPERT)
-    assert plan.scheme_for(ATTN) == QuantScheme(8, 64) == plan.scheme_for(LM) == plan.scheme_for(ROUTER)
+    assert plan.scheme_for(ATTN) == QuantScheme(8, 64) == plan.scheme_for(LM)
+    assert {plan.scheme_for(r) for r in (ROUTER, *K2_ROUTERS)} == {FP16}
     assert plan.embed_bit == 8
 
 
@@ -37,10 +43,26 @@ def test_uniform_recipe_is_the_default_everywhere():
     assert {plan.scheme_for(s) for s in (MLP, ATTN, EXPERT, LM)} == {DEFAULT}
 
 
-def test_router_never_below_8_bits():
-    assert QuantPlan(QuantScheme(4, 64)).scheme_for(ROUTER).bits == 8
-    assert QuantPlan(QuantScheme(2, 64)).scheme_for(ROUTER).bits == 8
-    assert QuantPlan(QuantScheme(16, 64)).scheme_for(ROUTER).bits == 16
+SCHEMES = st.builds(QuantScheme, st.sampled_from([2, 3, 4, 8, 16]), st.sampled_from([0, 32, 64, 128]), st.booleans())
+BROAD = ("*", "model.*", "*.self_attn.*", "*.mlp.*", "*.layers.*", "*router*", "*gate", "*.router.*", "*_proj")
+
+
+@given(default=SCHEMES, rule=SCHEMES, pattern=st.sampled_from(BROAD), role=st.sampled_from(
+    [r for r in LinearRole if r is not LinearRole.ROUTER]))
+def test_routers_stay_fp16_unless_a_rule_names_them(default, rule, pattern, role):
+    """Neither the default scheme, nor a recipe, nor a pattern that only happens to match a
+    router's name (its last component a wildcard), nor a rule for another role, quantizes it."""
+    rules = (QuantRule(pattern, rule), QuantRule(f"role:{role.value}", rule))
+    for plan in (QuantPlan(default), QuantPlan(default, rules), recipe("mlp4-attn8", default), recipe("uniform", default)):
+        assert {plan.scheme_for(r) for r in (ROUTER, *K2_ROUTERS)} == {FP16}
+
+
+@given(rule=SCHEMES, how=st.sampled_from(["role", "name", "exact"]))
+def test_a_rule_naming_routers_quantizes_them_at_8_bits_or_more(rule, how):
+    for router in (ROUTER, *K2_ROUTERS):
+        match = {"role": "role:router", "name": "*." + router.name.rsplit(".", 1)[-1], "exact": router.name}[how]
+        got = QuantPlan(DEFAULT, (QuantRule(match, rule),)).scheme_for(router)
+        assert got == (rule if rule.is_fp16 or rule.bits >= 8 else QuantScheme(8, rule.block, rule.sym, rule.method))
 
 
 def test_first_matching_rule_wins():

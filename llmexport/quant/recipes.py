@@ -3,8 +3,15 @@
 A rule matches a linear by glob pattern on its name (the HF module name, e.g.
 ``model.language_model.layers.3.mlp.down_proj``) or by role (``role:mlp``, ``role:attention``,
 ``role:expert``, ``role:router``, ``role:ple``, ``role:lm_head``); the first matching rule wins,
-otherwise the default scheme applies. Routers are never quantized below 8 bits: a small gate
-that picks experts is where 4-bit error changes decisions.
+otherwise the default scheme applies.
+
+Routers (role ``router``: the gates that choose experts) stay fp16 in every recipe and under the
+default scheme: quantization error in a router moves which experts are chosen, not only how much
+they weigh (the published K2-Horizon-3.7B-4bit mix keeps its routers in floats). Only a rule that
+names them explicitly quantizes them: ``role:router``, or a name pattern whose last component is
+spelled out (``*.mlp.gate``, ``*.router.proj``, ``model.layers.3.self_attn.v_router``). A broad
+pattern such as ``*`` or ``*.self_attn.*`` does not reach a router. Even then a router is never
+stored below 8 bits.
 
 ``--quant_config FILE`` (JSON)::
 
@@ -13,9 +20,9 @@ that picks experts is where 4-bit error changes decisions.
                {"match": "*.self_attn.*", "bits": 8, "block": 64, "sym": false, "method": "rtn"}],
      "embed_bit": 8}
 
-Built-in recipes: ``uniform`` (the default scheme everywhere) and ``mlp4-attn8`` (MLP and expert
-weights 4-bit block 32; attention, routers, PLE projections and lm_head 8-bit block 64; embedding
-tables 8-bit).
+Built-in recipes: ``uniform`` (the default scheme everywhere but routers) and ``mlp4-attn8`` (MLP
+and expert weights 4-bit block 32; attention, PLE projections and lm_head 8-bit block 64; routers
+fp16; embedding tables 8-bit).
 """
 
 from __future__ import annotations
@@ -26,10 +33,11 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from llmexport.quant.scheme import QuantMethod, QuantScheme
+from llmexport.quant.scheme import FP16_BITS, QuantMethod, QuantScheme
 from llmexport.spec import LinearRole, LinearSpec
 
-ROUTER_MIN_BITS = 8
+ROUTER_MIN_BITS = 8  # when a rule names routers explicitly
+_WILDCARDS = frozenset("*?[")
 _FIELDS = {"bits", "block", "sym", "method"}
 
 
@@ -41,6 +49,8 @@ class QuantRule:
     def matches(self, spec: LinearSpec) -> bool:
         if self.match.startswith("role:"):
             return spec.role.value == self.match[5:]
+        if spec.role is LinearRole.ROUTER and _WILDCARDS & set(self.match.rsplit(".", 1)[-1]):
+            return False  # a router is only quantized by a rule that names it (module docstring)
         return fnmatch.fnmatchcase(spec.name, self.match)
 
 
@@ -53,10 +63,14 @@ class QuantPlan:
     embed_bit: int | None = None
 
     def scheme_for(self, spec: LinearSpec) -> QuantScheme:
-        scheme = next((rule.scheme for rule in self.rules if rule.matches(spec)), self.default)
-        if spec.role is LinearRole.ROUTER and not scheme.is_fp16 and scheme.bits < ROUTER_MIN_BITS:
-            scheme = replace(scheme, bits=ROUTER_MIN_BITS)
-        return scheme
+        rule = next((rule for rule in self.rules if rule.matches(spec)), None)
+        if spec.role is not LinearRole.ROUTER:
+            return self.default if rule is None else rule.scheme
+        if rule is None:
+            return QuantScheme(FP16_BITS)
+        if not rule.scheme.is_fp16 and rule.scheme.bits < ROUTER_MIN_BITS:
+            return replace(rule.scheme, bits=ROUTER_MIN_BITS)
+        return rule.scheme
 
 
 def _scheme(entry: dict[str, Any], base: QuantScheme, where: str) -> QuantScheme:
