@@ -22,6 +22,7 @@ _DEFAULTS = {name: p.default for name, p in inspect.signature(K2HorizonConfig.__
              if p.default is not inspect.Parameter.empty}
 
 SCORING_FUNCS = ("sigmoid", "softmax")
+DEFAULT_ROPE_THETA = 10_000_000.0  # K2HorizonConfig: rope_parameters defaults to {"default", 1e7}
 
 
 @dataclass(frozen=True)
@@ -115,6 +116,54 @@ def _layers(cfg: dict[str, Any], n: int, num_experts: int, mova_experts: int, wh
     return tuple(layers)
 
 
+def _rope_blocks(cfg: dict[str, Any], where: str) -> dict[str, dict[str, Any]]:
+    """``rope_parameters`` and the legacy ``rope_scaling`` (transformers 5 reads the latter as the
+    former) when present; only the rotate-half ``default`` type exists in this family."""
+    blocks = {}
+    for key in ("rope_parameters", "rope_scaling"):
+        block = cfg.get(key)
+        if block is None:
+            continue
+        if not isinstance(block, dict):
+            raise InputError(f"{where}: '{key}' must be an object with 'rope_type' and 'rope_theta'")
+        rope_type = block.get("rope_type", block.get("type", "default"))
+        if rope_type != "default":
+            raise InputError(f"{where}: '{key}' rope_type {rope_type!r} is not supported (supported: default)")
+        blocks[key] = block
+    return blocks
+
+
+def _rope_theta(cfg: dict[str, Any], where: str) -> float:
+    """The RoPE base, from every key that states one; conflicting statements are refused.
+
+    The family's modeling code reads ``rope_parameters["rope_theta"]`` (default 1e7). Under
+    transformers 5 a remote-code config fills a missing ``rope_parameters.rope_theta`` from the
+    top-level ``rope_theta`` and takes ``rope_scaling`` as ``rope_parameters``, but keeps the
+    config's default when only a top-level ``rope_theta`` is given, while transformers 4-style
+    code (and mlx-lm) reads that top-level key. A checkpoint whose keys say different things
+    would run with a base that depends on which code loads it: refuse it."""
+    stated = {}
+    if cfg.get("rope_theta") is not None:
+        stated["rope_theta"] = cfg["rope_theta"]
+    blocks = _rope_blocks(cfg, where)
+    for key, block in blocks.items():
+        if block.get("rope_theta") is not None:
+            stated[f"{key}.rope_theta"] = block["rope_theta"]
+    stated = {key: float_value(stated, key, where, None) for key in stated}
+    if len(set(stated.values())) > 1:
+        said = ", ".join(f"'{k}' = {v}" for k, v in stated.items())
+        raise InputError(f"{where}: the RoPE base is stated differently ({said}); make them equal")
+    unstated = [key for key, block in blocks.items() if block.get("rope_theta") is None]
+    if unstated and (len(blocks) > 1 or not stated):
+        # transformers 5 would fill it from the top-level key or its own 1e4, not the family's 1e7
+        raise InputError(f"{where}: '{unstated[0]}' needs 'rope_theta'")
+    if not blocks and stated and float(stated["rope_theta"]) != DEFAULT_ROPE_THETA:
+        raise InputError(f"{where}: 'rope_theta' = {stated['rope_theta']} but 'rope_parameters' states no "
+                         f"'rope_theta': K2-Horizon's modeling code would use its default {DEFAULT_ROPE_THETA:g}; "
+                         "state the base in 'rope_parameters' too")
+    return next(iter(stated.values())) if stated else DEFAULT_ROPE_THETA
+
+
 def parse_args(cfg: dict[str, Any], where: str, max_count: int | None = None) -> K2HorizonArgs:
     """The family's arguments; ``max_count`` bounds layer and expert counts before anything is
     sized by them (a checkpoint cannot have more of them than it has tensors)."""
@@ -129,12 +178,7 @@ def parse_args(cfg: dict[str, Any], where: str, max_count: int | None = None) ->
     if heads % kv_heads:
         raise InputError(f"{where}: num_attention_heads {heads} is not a multiple of num_key_value_heads {kv_heads}")
     str_value(_defaults(cfg, "hidden_act"), "hidden_act", where, "silu", ("silu",))
-    rope = cfg.get("rope_parameters") or {"rope_type": "default", "rope_theta": 10_000_000.0}
-    if not isinstance(rope, dict) or rope.get("rope_theta") is None:
-        raise InputError(f"{where}: 'rope_parameters' needs 'rope_theta'")
-    rope_theta = float_value(rope, "rope_theta", where, None)
-    if rope.get("rope_type", "default") != "default":
-        raise InputError(f"{where}: rope_type {rope.get('rope_type')!r} is not supported (supported: default)")
+    rope_theta = _rope_theta(cfg, where)
     num_experts = _int(cfg, "num_experts", where, minimum=0, maximum=max_count)
     mova_experts = _int(cfg, "mova_num_experts", where, minimum=0, maximum=max_count)
     layers = _layers(cfg, n, num_experts, mova_experts, where)
