@@ -7,6 +7,7 @@ then checked against the safetensors shapes. Nothing is guessed per model size.
 
 from __future__ import annotations
 
+import logging
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -18,6 +19,7 @@ from llmexport.models.config_values import int_value as _int
 from llmexport.models.gemma4_media import bidirectional_vision
 from llmexport.models.rope import RopeSpec
 
+log = logging.getLogger(__name__)
 SLIDING, FULL = "sliding_attention", "full_attention"
 
 
@@ -101,7 +103,14 @@ def parse_text_args(config: dict[str, Any], prefix: str, where: str, max_layers:
     if not isinstance(layer_types, list) or len(layer_types) != n or \
             not all(isinstance(t, str) and t in (SLIDING, FULL) for t in layer_types):
         raise InputError(f"{where}: 'layer_types' must list {n} of {SLIDING!r}/{FULL!r}")
-    per_layer = _per_layer_overrides(cfg.get("per_layer_config") or {}, layer_types, where)
+    if layer_types[-1] != FULL:  # HF Gemma4TextConfig.__post_init__ forces it (with a warning)
+        log.warning("%s: the last layer is %s; transformers runs it as %s, and so does the export", where,
+                    layer_types[-1], FULL)
+        layer_types = [*layer_types[:-1], FULL]
+    if cfg.get("use_bidirectional_attention") == "all":
+        raise InputError(f"{where}: use_bidirectional_attention 'all' (non-causal text attention) is not "
+                         "supported by MNN's causal KV-cached attention")
+    per_layer = _per_layer_overrides(_per_layer_config(cfg, layer_types, where), layer_types, where)
     sources, stores = _kv_sources(layer_types, _int(cfg, "num_kv_shared_layers", where, 0, minimum=0), where)
     k_eq_v = _flag(cfg, "attention_k_eq_v", where, False)
     width = _int(cfg, "intermediate_size", where)
@@ -141,6 +150,17 @@ def parse_text_args(config: dict[str, Any], prefix: str, where: str, max_layers:
         pad_token_id=_int(cfg, "pad_token_id", where, 0, 0),
         bidirectional_vision=bidirectional_vision(cfg, where),
     )
+
+
+def _per_layer_config(cfg: dict[str, Any], layer_types: list[str], where: str) -> Any:
+    """``per_layer_config``, or what transformers derives without it (Gemma4TextConfig.__post_init__):
+    full layers take ``global_head_dim`` (default 512) and, with K=V, ``num_global_key_value_heads``."""
+    if "per_layer_config" in cfg:
+        return cfg["per_layer_config"] or {}
+    overrides = {"head_dim": _int(cfg, "global_head_dim", where, 512)}
+    if cfg.get("num_global_key_value_heads") is not None and _flag(cfg, "attention_k_eq_v", where, False):
+        overrides["num_key_value_heads"] = _int(cfg, "num_global_key_value_heads", where)
+    return {str(i): dict(overrides) for i, kind in enumerate(layer_types) if kind == FULL}
 
 
 def _per_layer_overrides(raw: Any, layer_types: list[str], where: str) -> dict[int, dict[str, Any]]:
@@ -185,5 +205,8 @@ def _rope_specs(cfg: dict[str, Any], layers: list[LayerSpec], where: str) -> dic
         theta = _float(p, "rope_theta", label, None)
         if theta is None:
             raise InputError(f"{label}: 'rope_theta' is missing")
-        specs[kind] = RopeSpec(theta, head_dim, pairs, _float(p, "factor", label, 1.0))
+        # HF's default RoPE (Gemma4TextRotaryEmbedding.compute_default_rope_parameters) ignores
+        # "factor"; the proportional one divides by it
+        factor = _float(p, "factor", label, 1.0) if rope_type == "proportional" else 1.0
+        specs[kind] = RopeSpec(theta, head_dim, pairs, factor)
     return specs
