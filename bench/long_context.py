@@ -11,7 +11,8 @@ the logits after the prompt and after each forced token are compared with
 - HF: the family's HF model in fp32 carrying the weights read back from the export (as
   ``--verify`` does), one pass over the same ids;
 - exact: the export's own graph (the traced rewrite, run eagerly) in fp64 with the same weights
-  and constants, HF's fp32 up-casts kept in fp64: the value both fp32 implementations round.
+  and constants, HF's fp32 up-casts kept in fp64, the RoPE angles as the model defines them
+  (fp32, see ``fp64_upcasts``): the value both fp32 implementations round.
 
 So each row says how far MNN is from HF, and how far each of them is from the exact result. The
 three phases run one after the other (MNN in child processes, then fp64, then HF fp32), one length
@@ -106,10 +107,14 @@ def mnn_logits(export_dir: Path, ids: list[int], n: int, threads: int) -> np.nda
 @contextmanager
 def fp64_upcasts():
     """The rewrite (like HF) up-casts norms, softmax and routing to fp32 with ``.float()``; in an
-    fp64 run those keep fp64. Attention is computed QUERY_CHUNK queries at a time (same math)."""
+    fp64 run those keep fp64. The RoPE angles stay what the model defines, fp32 products of
+    position and fp32 inverse frequency (HF computes them in fp32, and so does the graph: both
+    runtimes get the same angles), and their cos/sin are taken in fp64. Attention is computed
+    QUERY_CHUNK queries at a time (same math)."""
     import llmexport.ops as ops
 
     to_float, reference = torch.Tensor.float, ops.attention_reference
+    cos, sin = torch.Tensor.cos, torch.Tensor.sin
 
     def chunked(q, k, v, mask, scale):
         parts = [reference(q[:, i:i + QUERY_CHUNK], k, v, mask[..., i:i + QUERY_CHUNK, :], scale)
@@ -117,11 +122,14 @@ def fp64_upcasts():
         return torch.cat(parts, dim=1)
 
     torch.Tensor.float = lambda self, *a, **k: self if self.dtype == torch.float64 else to_float(self, *a, **k)
+    torch.Tensor.cos = lambda self: cos(self.double())
+    torch.Tensor.sin = lambda self: sin(self.double())
     ops.attention_reference = chunked
     try:
         yield
     finally:
         torch.Tensor.float, ops.attention_reference = to_float, reference
+        torch.Tensor.cos, torch.Tensor.sin = cos, sin
 
 
 class _ChunkedHead(torch.nn.Module):
@@ -149,6 +157,10 @@ def exact_graph(arch, export_dir: Path, tables):
             continue
         by_name[name].bind(weight.double(), None if bias is None else bias.double())
     graph = graph.double()
+    for module in graph.modules():  # RoPE inverse frequencies stay the traced fp32 constants
+        for name, buffer in module.named_buffers(recurse=False):
+            if "inv_freq" in name:
+                setattr(module, name, buffer.float())
     graph.lm_head = _ChunkedHead(head)
     # the runtime reads a tied embedding out of the lm_head record
     embedding, ple = tables
