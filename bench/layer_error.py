@@ -12,7 +12,7 @@ checked against the runtime's for the same prompt.
 
 Layer i's *local* error: its output from MNN against the export's rewrite (the traced graph,
 eager, the export's stored weights) fed MNN's own output of layer i-1, computed in fp32 and in
-fp64 (HF's fp32 up-casts kept in fp64). If MNN's local error is of the order of torch fp32's, no
+fp64 (HF's fp32 up-casts kept in fp64, the RoPE angles the model's fp32 ones: long_context.py). If MNN's local error is of the order of torch fp32's, no
 MNN op adds error beyond fp32 rounding, and the drift of the logits is that rounding amplified
 from layer to layer.
 """
@@ -34,7 +34,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from long_context import fp64_upcasts, mnn_logits, random_ids, stored_linears  # noqa: E402
+from long_context import as_fp64, fp64_upcasts, mnn_logits, random_ids, stored_linears  # noqa: E402
 
 
 def _layer_outputs(graph: dict) -> list[str]:
@@ -91,7 +91,7 @@ def rewrite(arch, export_dir: Path, dtype: torch.dtype):
     for name, weight, bias in stored_linears(export_dir):
         if name != "lm_head":  # the layers only
             by_name[name].bind(weight.to(dtype), None if bias is None else bias.to(dtype))
-    return graph.to(dtype)
+    return as_fp64(graph) if dtype == torch.float64 else graph.to(dtype)
 
 
 class _Done(Exception):

@@ -132,6 +132,17 @@ def fp64_upcasts():
         torch.Tensor.cos, torch.Tensor.sin = cos, sin
 
 
+def as_fp64(graph: torch.nn.Module) -> torch.nn.Module:
+    """The rewrite in fp64, but for the RoPE inverse frequencies: they stay the traced fp32
+    constants, so that the angles are the model's fp32 ones (``fp64_upcasts``)."""
+    graph = graph.double()
+    for module in graph.modules():
+        for name, buffer in module.named_buffers(recurse=False):
+            if "inv_freq" in name:
+                setattr(module, name, buffer.to(torch.float32))  # not .float(): patched in fp64_upcasts
+    return graph
+
+
 class _ChunkedHead(torch.nn.Module):
     """lm_head in fp64 from the fp32 stored weight, vocabulary rows a block at a time."""
 
@@ -156,11 +167,7 @@ def exact_graph(arch, export_dir: Path, tables):
             head = weight
             continue
         by_name[name].bind(weight.double(), None if bias is None else bias.double())
-    graph = graph.double()
-    for module in graph.modules():  # RoPE inverse frequencies stay the traced fp32 constants
-        for name, buffer in module.named_buffers(recurse=False):
-            if "inv_freq" in name:
-                setattr(module, name, buffer.float())
+    graph = as_fp64(graph)
     graph.lm_head = _ChunkedHead(head)
     # the runtime reads a tied embedding out of the lm_head record
     embedding, ple = tables
