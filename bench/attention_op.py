@@ -9,8 +9,9 @@ additive float mask [1, 1, seq, seq] (causal, optionally sliding), output [1, se
 Without the LLM engine the op scales scores by 1/sqrt(d) (CPUAttention.cpp, ``mMeta->attn_scale``
 otherwise): every implementation here computes softmax(q k^T / sqrt(d) + mask) v. q and k are
 random with the score spread ``--score-std`` (Gemma4's RMS-normed q/k at scale 1.0 give scores of
-std ~sqrt(d); a typical LLM at 1/sqrt(d) gives ~1-3). Reported: max |error| / max |output| of
-MNN and of torch fp32 against the fp64 result of the same (fp32) inputs, per length.
+std ~sqrt(d); a typical LLM at 1/sqrt(d) gives ~1-3). Reported, as fractions of max |output|, for MNN and for
+torch fp32 against the fp64 result of the same (fp32) inputs, per length: the largest error and
+its bias (``bias``: the error's mean over positions).
 
 Nothing here depends on llmexport but the converter call.
 """
@@ -85,27 +86,38 @@ def main(argv: list[str] | None = None) -> None:
     d = args.head_dim
     print(f"heads {args.heads}, kv_heads {args.kv_heads}, head_dim {d}, window {args.window or 'none'}, "
           f"score std {args.score_std}; error = max abs error / max abs output, against fp64")
-    print("| tokens | MNN Attention (fp32) | torch fp32 | MNN vs torch fp32 |")
-    print("| --- | --- | --- | --- |")
+    print("| tokens | MNN: max error | MNN: bias | torch fp32: max error | torch fp32: bias | MNN vs torch fp32 |")
+    print("| --- | --- | --- | --- | --- | --- |")
     with tempfile.TemporaryDirectory(prefix="llmexport-attention-") as tmp:
         model = Path(tmp) / "attention.mnn"
         attention_graph(model, args.heads, args.kv_heads, d)
         for seq in args.tokens:
-            rng = np.random.default_rng(seq)
-            # q.k / sqrt(d) has std score_std when q and k entries have std sqrt(score_std)
-            std = math.sqrt(args.score_std)
-            q = (rng.standard_normal((1, seq, args.heads, d)) * std).astype(np.float32)
-            k = (rng.standard_normal((1, seq, args.kv_heads, d)) * std).astype(np.float32)
-            v = rng.standard_normal((1, seq, args.kv_heads, d)).astype(np.float32)
+            q, k, v = random_inputs(seq, args.heads, args.kv_heads, d, args.score_std)
             mask = causal_mask(seq, args.window)
             got = run_module(model, [{"q": q, "k": k, "v": v, "mask": mask}], ["out"], thread_num=args.threads)[0]
             exact = reference(q, k, v, mask, torch.float64)
             fp32 = reference(q, k, v, mask, torch.float32)
             mnn = got["out"].reshape(exact.shape).astype(np.float64)
             top = np.abs(exact).max()
-            print(f"| {seq} | {np.abs(mnn - exact).max() / top:.3g} | {np.abs(fp32 - exact).max() / top:.3g} | "
+            print(f"| {seq} | {np.abs(mnn - exact).max() / top:.3g} | {bias(mnn, exact) / top:.3g} | "
+                  f"{np.abs(fp32 - exact).max() / top:.3g} | {bias(fp32, exact) / top:.3g} | "
                   f"{np.abs(mnn - fp32).max() / top:.3g} |", flush=True)
 
+
+def random_inputs(seq: int, heads: int, kv_heads: int, d: int, score_std: float):
+    rng = np.random.default_rng(seq)
+    std = math.sqrt(score_std)  # q.k / sqrt(d) has std score_std when q and k entries have std sqrt(score_std)
+    q = (rng.standard_normal((1, seq, heads, d)) * std).astype(np.float32)
+    k = (rng.standard_normal((1, seq, kv_heads, d)) * std).astype(np.float32)
+    v = rng.standard_normal((1, seq, kv_heads, d)).astype(np.float32)
+    return q, k, v
+
+
+def bias(got: np.ndarray, exact: np.ndarray) -> float:
+    """The systematic part of an error: its mean over positions, largest over channels. Rounding
+    that is as often up as down averages out over positions; an error of one sign does not, and
+    a later layer attending over many positions sums it."""
+    return float(np.abs((got - exact).mean(axis=1)).max())
 
 if __name__ == "__main__":
     main()

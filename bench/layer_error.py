@@ -154,19 +154,27 @@ def main(argv: list[str] | None = None) -> None:
     fp32 = local_outputs(arch, args.export, inputs, mnn, torch.float32)
     with fp64_upcasts():
         fp64 = local_outputs(arch, args.export, inputs, mnn, torch.float64)
-    print("each layer fed MNN's output of the layer before; error = max abs difference / max abs value")
-    print("| layer | kind | KV from | MNN vs fp64 | torch fp32 vs fp64 | MNN vs torch fp32 |")
-    print("| --- | --- | --- | --- | --- | --- |")
+    print("each layer fed MNN's output of the layer before; max: largest abs difference / largest abs value; "
+          "rms: root mean square difference / rms value; last: max at the last position (the logits' row)")
+    print("| layer | kind | KV from | MNN vs fp64: max | rms | last | torch fp32 vs fp64: max | rms | last | "
+          "MNN vs torch fp32: max |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for i, layer in enumerate(layers):
         exact = fp64[i]
         ours = torch.from_numpy(mnn[i]).double().view_as(exact)
-        top = float(exact.abs().max())
-        rel = lambda a, b: float((a - b).abs().max()) / top  # noqa: E731
         kind = getattr(layer, "kind", "sparse" if getattr(layer, "sparse", False) else "dense")
         source = getattr(layer, "kv_source", -1)
-        print(f"| {i} | {kind} | {source if source >= 0 else '-'} | {rel(ours, exact):.3g} | "
-              f"{rel(fp32[i], exact):.3g} | {rel(ours, fp32[i]):.3g} |")
+        print(f"| {i} | {kind} | {source if source >= 0 else '-'} | {' | '.join(_errors(ours, exact))} | "
+              f"{' | '.join(_errors(fp32[i], exact))} | {_errors(ours, fp32[i], exact)[0]} |")
 
+
+def _errors(got: torch.Tensor, want: torch.Tensor, scale: torch.Tensor | None = None) -> list[str]:
+    """max, rms and last-position errors of ``got`` (see main's table), relative to ``scale``."""
+    scale = want if scale is None else scale
+    diff = (got - want).reshape(-1, got.shape[-1])
+    values = [diff.abs().max() / scale.abs().max(), diff.pow(2).mean().sqrt() / scale.pow(2).mean().sqrt(),
+              diff[-1].abs().max() / scale.reshape(-1, got.shape[-1])[-1].abs().max()]
+    return [f"{float(v):.3g}" for v in values]
 
 if __name__ == "__main__":
     main()
