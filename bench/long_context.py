@@ -44,10 +44,12 @@ QUERY_CHUNK = 1024  # fp64 attention is computed this many queries at a time
 
 def export_16bit(checkpoint: Path, out: Path) -> float:
     from llmexport import ExportOptions, export
+    from llmexport.options import RuntimeProfile
     from llmexport.quant.scheme import QuantScheme
 
     start = time.perf_counter()
-    export(checkpoint, out, ExportOptions(quant=QuantScheme(bits=16), quiet=True))
+    # fp16 records run the same kernels under either runtime profile; exact says so in config.json
+    export(checkpoint, out, ExportOptions(quant=QuantScheme(bits=16), runtime_profile=RuntimeProfile.EXACT, quiet=True))
     return time.perf_counter() - start
 
 
@@ -204,9 +206,9 @@ def load_hf(arch, export_dir: Path, tables):
 
     model = arch.load_reference(None)
     if any(t is not None for t in tables):
-        arch._apply_stored(model, StoredWeights({}, *tables))
+        arch.apply_stored(model, StoredWeights({}, *tables))
     for name, weight, _ in stored_linears(export_dir):
-        arch._apply_stored(model, StoredWeights({name: weight}, None, None))  # the family's own mapping
+        arch.apply_stored(model, StoredWeights({name: weight}, None, None))  # the family's own mapping
     return model
 
 

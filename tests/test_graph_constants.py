@@ -2,7 +2,8 @@
 
 The export goes ONNX -> MNN (converter) -> JSON -> rebuilt JSON -> MNN, and the converter's JSON
 dump prints floats with six decimals (llmexport/mnn/exact_floats.py). For every family and shape,
-each graph (llm, visual, audio, each MoE expert template) is checked three ways:
+each graph (llm, visual, audio, each MoE expert template) of Gemma4, K2-Horizon (incl. its real
+RoPE setting, base 1e7 at head_dim 128), Llama and Qwen3-MoE is checked three ways:
 
 1. the converter's own output holds the traced ONNX constants bit for bit (the starting point);
 2. every op of the converter's output that carries floats (constants, attention scales, clip
@@ -39,6 +40,9 @@ CASES = [
     pytest.param(("k2", "sparse-qknorm"), id="k2-sparse-qknorm", marks=pytest.mark.slow),
     # the family's real rotary setting: head_dim 128, base 1e7 (inverse frequencies down to 1.3e-7)
     pytest.param(("k2", "dense-hd128"), id="k2-dense-hd128"),
+    # base 5e5 with Llama-3 frequency rescaling; Qwen3-MoE: base 1e6, q/k norms, a router
+    pytest.param(("decoder", "llama3"), id="llama3"),
+    pytest.param(("decoder", "qwen3-moe"), id="qwen3-moe", marks=pytest.mark.slow),
 ]
 K2_CONFIGS = {"dense-hd128": ("dense", dict(head_dim=128, num_attention_heads=2, num_key_value_heads=1))}
 
@@ -53,6 +57,8 @@ def _checkpoint(request, family: str, name: str, tmp_path_factory) -> Path:
         return build_k2_horizon_checkpoint(tmp_path_factory.mktemp(name), {**variant_config(variant), **overrides})
     if family == "k2":
         return request.getfixturevalue("tiny_k2_horizon")(name)
+    if family == "decoder":
+        return request.getfixturevalue("tiny_decoder")(name)
     from llmexport.tiny.gemma4_towers import build_tiny_multimodal
 
     return build_tiny_multimodal(tmp_path_factory.mktemp(name), name)
@@ -133,16 +139,32 @@ def _carries_floats(op: dict) -> bool:
     return bool(_floats(main))
 
 
+def _layer_norm_floats(main: dict) -> list[float]:
+    return [main["epsilon"], *main.get("gamma", []), *main.get("beta", [])]
+
+
 def _exported_floats(op: dict) -> list[float]:
     if op["type"] == "Attention":
         return [op["main"]["attnScale"]]
+    if op["type"] == "LayerNorm" and "external" not in op["main"]:
+        return _layer_norm_floats(op["main"])
     return _floats(op["main"])
 
 
-def _converted_floats(op: dict) -> list[float]:
-    if op.get("type") == "Extra" and op["main"]["type"] == "Attention":
-        return [next(a["f"] for a in op["main"]["attr"] if a["key"] == "scale")]
-    return _floats(op["main"])
+def _converted_floats(op: dict, weight: Path) -> list[float]:
+    """The floats of a converter op; a folded RMSNorm's gamma and beta, which the converter keeps
+    in its weight file and the export puts back into the op (llmexport/mnn/external.py), read
+    from there."""
+    main = op["main"]
+    if op.get("type") == "Extra" and main["type"] == "Attention":
+        return [next(a["f"] for a in main["attr"] if a["key"] == "scale")]
+    if op.get("type") == "LayerNorm" and main.get("external"):
+        offset, gamma, beta = (int(v) for v in main["external"][:3])
+        with open(weight, "rb") as f:
+            f.seek(offset)
+            values = np.frombuffer(f.read(gamma + beta), dtype="<f4").astype(float).tolist()
+        return [main["epsilon"], *values]
+    return _floats(main)
 
 
 def _final_graphs(out: Path, stem: str, tmp: Path) -> list[tuple[list[dict], list[str]]]:
@@ -162,6 +184,7 @@ def test_every_traced_float_reaches_the_export_bit_for_bit(exported, case, tmp_p
     for stem, (onnx_path, converted_path) in sorted(traced.items()):
         constants, attributes = traced_constants(onnx_path), traced_attributes(onnx_path)
         converted = mnn_to_json(converted_path, tmp_path / f"{stem}.json")
+        weight = converted_path.with_suffix(".mnn.weight")
         float_ops = {name: op for name, op in _ops_by_output(converted["oplists"], converted["tensorName"]).items()
                      if _carries_floats(op)}
         # 1. the converter's output starts from the traced values
@@ -169,7 +192,7 @@ def test_every_traced_float_reaches_the_export_bit_for_bit(exported, case, tmp_p
             if op["type"] == "Const" and name in constants and "float32s" in op["main"]:
                 assert max_ulp(op["main"]["float32s"], constants[name]) == 0, (stem, name)
             if op["type"] == "Extra" and op["main"]["type"] == "Attention":
-                assert max_ulp(_converted_floats(op), [attributes[name]["scale"]]) == 0, (stem, name)
+                assert max_ulp(_converted_floats(op, weight), [attributes[name]["scale"]]) == 0, (stem, name)
         # 2. every float-carrying op is unchanged in the exported graph
         matched = 0
         for ops, tensors in _final_graphs(out, stem, tmp_path):
@@ -179,7 +202,10 @@ def test_every_traced_float_reaches_the_export_bit_for_bit(exported, case, tmp_p
                 continue  # another expert template's subgraph
             matched += 1
             for name, op in float_ops.items():
-                assert max_ulp(_exported_floats(final[name]), _converted_floats(op)) == 0, (stem, name)
+                exported_op = final[name]
+                if exported_op["type"] == "LayerNorm" and "external" in exported_op["main"]:
+                    continue  # a large gamma moved to the export's weight file: checked by the test below
+                assert max_ulp(_exported_floats(exported_op), _converted_floats(op, weight)) == 0, (stem, name)
         assert matched or not float_ops, stem
 
 

@@ -70,3 +70,19 @@ def test_dry_run_writes_nothing(tiny_gemma4, tmp_path):
     assert "layer 7: full kv<-2 head_dim=32" in result.output
     assert "mlp: 4 bits, block 32" in result.output and "estimated size" in result.output
     assert not (tmp_path / "x").exists()
+
+
+@pytest.mark.parametrize("family, shape", [("gemma4", "26b-a4b"), ("k2", "sparse"), ("decoder", "qwen3-moe")])
+@pytest.mark.parametrize("flags", [[], ["--quant_config", "mlp4-attn8"], ["--quant_bit", "4", "--quant_block", "64"]])
+def test_dry_run_shows_routers_fp16(tiny_gemma4, tiny_k2_horizon, tiny_decoder, tmp_path, family, shape, flags):
+    """Routers stay fp16 under the default scheme and every recipe, and the plan says so."""
+    from click.testing import CliRunner
+
+    from llmexport.cli import main
+
+    path = {"gemma4": tiny_gemma4, "k2": tiny_k2_horizon, "decoder": tiny_decoder}[family](shape)
+    routers = [linear for linear in llmexport.plan(path, ExportOptions())["linears"] if linear["role"] == "router"]
+    assert routers and {linear["bits"] for linear in routers} == {16}
+    result = CliRunner().invoke(main, ["--path", str(path), "--dst_path", str(tmp_path / "x"), "--dry-run", *flags])
+    assert result.exit_code == 0, result.output
+    assert f"router: fp16 (not quantized) x {len(routers)}" in result.output, result.output
