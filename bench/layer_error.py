@@ -126,14 +126,14 @@ def main(argv: list[str] | None = None) -> None:
     from llmexport.checkpoint import Checkpoint
     from llmexport.eager import prompt_inputs
     from llmexport.mnn.runtime import run_module
-    from llmexport.models import architecture_for
+    from llmexport.loading import open_architecture
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("export", type=Path)
     parser.add_argument("checkpoint", type=Path)
     parser.add_argument("--tokens", type=int, default=512)
     args = parser.parse_args(argv)
-    arch = architecture_for(Checkpoint.open(args.checkpoint))
+    arch = open_architecture(Checkpoint.open(args.checkpoint))
     scale = float(json.loads((args.export / "llm_config.json").read_text()).get("attn_scale", 0) or 0)
     ids = random_ids(arch.args.vocab_size, args.tokens, seed=args.tokens)
     embedding = next(w for n, w, _ in stored_linears(args.export) if n == "lm_head") if arch.tied_embedding \

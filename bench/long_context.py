@@ -202,7 +202,7 @@ class _LastPositions(torch.nn.Module):
 def load_hf(arch, export_dir: Path, tables):
     """HF's model in fp32 with the stored weights, linears copied in one at a time (read_stored
     would hold all of them beside the model: 13 GB peak for the 8-layer E2B shape)."""
-    from llmexport.models.base import StoredWeights
+    from llmexport.spec import StoredWeights
 
     model = arch.load_reference(None)
     if any(t is not None for t in tables):
@@ -231,9 +231,9 @@ def compare(a: np.ndarray, b: np.ndarray) -> dict:
 def measure(checkpoint: Path, export_dir: Path, lengths: list[int], forced: int, attentions: list[str],
             eager_max: int) -> dict:
     from llmexport.checkpoint import Checkpoint
-    from llmexport.models import architecture_for
+    from llmexport.loading import open_architecture
 
-    arch = architecture_for(Checkpoint.open(checkpoint))
+    arch = open_architecture(Checkpoint.open(checkpoint))
     tables = stored_tables(export_dir, arch)
     runtime = json.loads((export_dir / "config.json").read_text())
     n = forced + 1
