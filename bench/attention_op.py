@@ -19,7 +19,6 @@ Nothing here depends on llmexport but the converter call.
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import sys
 import tempfile

@@ -12,9 +12,10 @@ checked against the runtime's for the same prompt.
 
 Layer i's *local* error: its output from MNN against the export's rewrite (the traced graph,
 eager, the export's stored weights) fed MNN's own output of layer i-1, computed in fp32 and in
-fp64 (HF's fp32 up-casts kept in fp64, the RoPE angles the model's fp32 ones: long_context.py). If MNN's local error is of the order of torch fp32's, no
-MNN op adds error beyond fp32 rounding, and the drift of the logits is that rounding amplified
-from layer to layer.
+fp64 (HF's fp32 up-casts kept in fp64, the RoPE angles the model's fp32 ones: long_context.py).
+Were MNN's local errors of the order of torch fp32's, no MNN op would add error beyond fp32
+rounding; a ratio well above 1 on every layer (docs/benchmarks.md, long prompts) says MNN's
+kernels round more than torch's throughout, not one layer type.
 """
 
 from __future__ import annotations
@@ -66,7 +67,8 @@ def debug_graph(export_dir: Path, out: Path, head_dims: dict[int, int], scale: f
     from llmexport.mnn.convert import json_to_mnn, mnn_to_json
 
     graph = mnn_to_json(export_dir / "llm.mnn", out / "graph.json")
-    sources = {op["main"]["layer_index"]: list(op["inputIndexes"]) for op in graph["oplists"] if op["type"] == "Attention"}
+    sources = {op["main"]["layer_index"]: list(op["inputIndexes"])
+               for op in graph["oplists"] if op["type"] == "Attention"}
     ops: list[dict] = []
     for op in graph["oplists"]:
         if op["type"] == "Attention":
@@ -106,9 +108,9 @@ def local_outputs(arch, export_dir: Path, args, mnn_layers: list[np.ndarray], dt
             layer.register_forward_pre_hook(
                 lambda m, a, i=i: (torch.from_numpy(mnn_layers[i - 1]).to(dtype).view_as(a[0]), *a[1:]))
 
-        def keep(m, a, out, i=i):
+        def keep(m, a, out, i=i, last=len(graph.layers) - 1):
             outputs.append(out.detach().double())
-            if i == len(graph.layers) - 1:
+            if i == last:
                 raise _Done
 
         layer.register_forward_hook(keep)
@@ -125,8 +127,8 @@ def local_outputs(arch, export_dir: Path, args, mnn_layers: list[np.ndarray], dt
 def main(argv: list[str] | None = None) -> None:
     from llmexport.checkpoint import Checkpoint
     from llmexport.eager import prompt_inputs
-    from llmexport.mnn.runtime import run_module
     from llmexport.loading import open_architecture
+    from llmexport.mnn.runtime import run_module
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("export", type=Path)

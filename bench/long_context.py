@@ -251,7 +251,7 @@ def measure(checkpoint: Path, export_dir: Path, lengths: list[int], forced: int,
         timed("mnn", length, lambda: mnn_logits(export_dir, ids, n, int(runtime.get("thread_num") or 2)))
     graph, embedding, ple = exact_graph(arch, export_dir, tables)
     for length, ids in prompts.items():
-        timed("exact", length, lambda: exact_logits(arch, graph, embedding, ple, ids, n))
+        timed("exact", length, lambda g=graph, e=embedding, p=ple: exact_logits(arch, g, e, p, ids, n))
     del graph, embedding, ple
     gc.collect()
     model = load_hf(arch, export_dir, tables)

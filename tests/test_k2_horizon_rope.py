@@ -58,7 +58,8 @@ def test_rope_base_is_the_one_the_family_code_uses(rope, theta):
     (dict(rope_parameters=[1e6]), "'rope_parameters' must be an object"),
     (dict(rope_theta="1e6", rope_parameters={"rope_type": "default", "rope_theta": 1e6}),
      "'rope_theta' must be a number in"),
-    (dict(rope_parameters={"rope_type": "default", "rope_theta": -1}), "'rope_parameters.rope_theta' must be a number in"),
+    (dict(rope_parameters={"rope_type": "default", "rope_theta": -1}),
+     "'rope_parameters.rope_theta' must be a number in"),
 ])
 def test_conflicting_or_unsupported_rope_keys_are_refused(rope, needle):
     with pytest.raises(InputError, match="^" + WHERE) as info:

@@ -24,7 +24,8 @@ MLP = spec("model.layers.0.mlp.down_proj", LinearRole.MLP)
 ATTN = spec("model.layers.0.self_attn.q_proj", LinearRole.ATTENTION)
 ROUTER = spec("model.layers.0.router.proj", LinearRole.ROUTER)
 # K2-Horizon's routers: the MoE gate and the MoVA value router
-K2_ROUTERS = (spec("model.layers.1.mlp.gate", LinearRole.ROUTER), spec("model.layers.1.self_attn.v_router", LinearRole.ROUTER))
+K2_ROUTERS = (spec("model.layers.1.mlp.gate", LinearRole.ROUTER),
+              spec("model.layers.1.self_attn.v_router", LinearRole.ROUTER))
 FP16 = QuantScheme(16)
 EXPERT = spec("model.layers.0.experts.3.down_proj", LinearRole.EXPERT)
 LM = spec("lm_head", LinearRole.LM_HEAD)
@@ -53,7 +54,8 @@ def test_routers_stay_fp16_unless_a_rule_names_them(default, rule, pattern, role
     """Neither the default scheme, nor a recipe, nor a pattern that only happens to match a
     router's name (its last component a wildcard), nor a rule for another role, quantizes it."""
     rules = (QuantRule(pattern, rule), QuantRule(f"role:{role.value}", rule))
-    for plan in (QuantPlan(default), QuantPlan(default, rules), recipe("mlp4-attn8", default), recipe("uniform", default)):
+    plans = (QuantPlan(default), QuantPlan(default, rules), recipe("mlp4-attn8", default), recipe("uniform", default))
+    for plan in plans:
         assert {plan.scheme_for(r) for r in (ROUTER, *K2_ROUTERS)} == {FP16}
 
 

@@ -29,7 +29,8 @@ F32, F32S = "f32", "[f32]"
 # table -> {JSON key: (field slot, kind)}; kind is F32, F32S, a table name or [table name].
 # Slots are field positions in the 3.6.1 schema (a union field takes two: type, then value).
 SCHEMA: dict[str, dict[str, tuple[int, str]]] = {
-    "Net": {"extraTensorDescribe": (1, "[TensorDescribe]"), "oplists": (3, "[Op]"), "subgraphs": (10, "[SubGraphProto]")},
+    "Net": {"extraTensorDescribe": (1, "[TensorDescribe]"), "oplists": (3, "[Op]"),
+            "subgraphs": (10, "[SubGraphProto]")},
     "SubGraphProto": {"nodes": (4, "[Op]"), "extraTensorDescribe": (5, "[TensorDescribe]")},
     "TensorDescribe": {"blob": (0, "Blob"), "quantInfo": (4, "TensorQuantInfo")},
     "TensorQuantInfo": {"scale": (0, F32), "zero": (1, F32), "min": (2, F32), "max": (3, F32)},
@@ -126,11 +127,11 @@ def _restore_field(obj: dict, key: str, table: _Table, slot: int, kind: str, whe
         if exact is not None:
             obj[key] = _check(value, exact, where)
     elif kind == F32S:
-        exact = table.f32s(slot)
-        if exact is None or len(exact) != len(value):
+        exacts = table.f32s(slot)
+        if exacts is None or len(exacts) != len(value):
             raise ConversionError(f"{where}: {len(value)} floats in the JSON dump, "
-                                  f"{None if exact is None else len(exact)} in the binary")
-        obj[key] = [_check(v, float(e), f"{where}[{i}]") for i, (v, e) in enumerate(zip(value, exact))]
+                                  f"{None if exacts is None else len(exacts)} in the binary")
+        obj[key] = [_check(v, float(e), f"{where}[{i}]") for i, (v, e) in enumerate(zip(value, exacts))]
     elif kind.startswith("["):
         items = table.tables(slot)
         if len(items) != len(value):
@@ -138,10 +139,10 @@ def _restore_field(obj: dict, key: str, table: _Table, slot: int, kind: str, whe
         for i, (item, sub) in enumerate(zip(value, items)):
             _restore_table(item, sub, kind[1:-1], f"{where}[{i}]")
     else:
-        sub = table.table(slot)
-        if sub is None:
+        child = table.table(slot)
+        if child is None:
             raise ConversionError(f"{where}: in the JSON dump but not in the binary")
-        _restore_table(value, sub, kind, where)
+        _restore_table(value, child, kind, where)
 
 
 def _restore_table(obj: dict, table: _Table, name: str, where: str) -> None:
