@@ -61,5 +61,5 @@ def test_parsed_layers_and_rope_equal_transformers(shape, form):
 
 
 def test_non_causal_text_attention_is_refused():
-    with pytest.raises(InputError, match="use_bidirectional_attention 'all'"):
+    with pytest.raises(InputError, match="'use_bidirectional_attention' is 'all'"):
         parse_text_args({**_saved_form("e2b"), "use_bidirectional_attention": "all"}, "model.", WHERE)

@@ -107,9 +107,6 @@ def parse_text_args(config: dict[str, Any], prefix: str, where: str, max_layers:
         log.warning("%s: the last layer is %s; transformers runs it as %s, and so does the export", where,
                     layer_types[-1], FULL)
         layer_types = [*layer_types[:-1], FULL]
-    if cfg.get("use_bidirectional_attention") == "all":
-        raise InputError(f"{where}: use_bidirectional_attention 'all' (non-causal text attention) is not "
-                         "supported by MNN's causal KV-cached attention")
     per_layer = _per_layer_overrides(_per_layer_config(cfg, layer_types, where), layer_types, where)
     sources, stores = _kv_sources(layer_types, _int(cfg, "num_kv_shared_layers", where, 0, minimum=0), where)
     k_eq_v = _flag(cfg, "attention_k_eq_v", where, False)
