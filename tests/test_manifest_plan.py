@@ -13,6 +13,7 @@ import pytest
 import llmexport
 from llmexport import ExportOptions
 from llmexport.quant.scheme import QuantScheme
+from llmexport.spec import LinearRole
 
 
 @pytest.mark.slow
@@ -81,8 +82,8 @@ def test_dry_run_shows_routers_fp16(tiny_gemma4, tiny_k2_horizon, tiny_decoder, 
     from llmexport.cli import main
 
     path = {"gemma4": tiny_gemma4, "k2": tiny_k2_horizon, "decoder": tiny_decoder}[family](shape)
-    routers = [linear for linear in llmexport.plan(path, ExportOptions())["linears"] if linear["role"] == "router"]
-    assert routers and {linear["bits"] for linear in routers} == {16}
+    routers = [linear for linear in llmexport.plan(path, ExportOptions()).linears if linear.role is LinearRole.ROUTER]
+    assert routers and {linear.bits for linear in routers} == {16}
     result = CliRunner().invoke(main, ["--path", str(path), "--dst_path", str(tmp_path / "x"), "--dry-run", *flags])
     assert result.exit_code == 0, result.output
     assert f"router: fp16 (not quantized) x {len(routers)}" in result.output, result.output
