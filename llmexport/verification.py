@@ -25,6 +25,7 @@ from llmexport.mnn.runtime import run_runtime
 from llmexport.options import RuntimeProfile
 from llmexport.results import Bounds, LogitStats, RunComparison, StepStats, TokenizerCheck, VerifyReport
 from llmexport.verification_media import prompt_summary
+from llmexport.verification_towers import verify_towers
 
 log = logging.getLogger(__name__)
 
@@ -144,7 +145,7 @@ def verify_export(export_dir: Path, model_path: Path, steps: int = 24, prompt_id
     mismatches = tuple(t for t, (m, h) in tok_cases.items() if m != h)
     tokenizer_check = TokenizerCheck(not mismatches, len(tok_cases), mismatches)
     profile = profile_of(json.loads((export_dir / "config.json").read_text()))
-    towers = {tower.name: tower.verify(export_dir, stored) for tower in arch.towers()}
+    towers = verify_towers(arch, export_dir, stored)
     # MLX checkpoints: which weights kept their integers
     prequantized = compare_with_source(arch, arch.checkpoint.weights, stored)
     bounds = bounds_for_export(_stored_bits(export_dir, prequantized), profile)

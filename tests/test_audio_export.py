@@ -25,11 +25,12 @@ from llmexport.media.audio import (
 )
 from llmexport.mnn.readback import read_stored
 from llmexport.mnn.runtime import run_media_prompt
+from llmexport.models.gemma4_tower_checks import PROMPT_HEAD
 from llmexport.quant.scheme import QuantScheme
 from llmexport.tiny.gemma4_towers import build_tiny_multimodal
 from llmexport.tiny.tokenizer import SPECIAL_TOKENS
 from llmexport.verification import summary_line, verify_export
-from llmexport.verification_media import PROMPT_HEAD
+from llmexport.verification_towers import verify_tower
 
 # frames = 1 mod 4 (the runtime's unpadded framing loses a token), samples % 160 in 1..31 (it loses
 # two frames), 1 s, and several attention chunks
@@ -66,13 +67,13 @@ def test_padded_clips_give_hfs_answer(exported):
     assert hf_frame_count(PROMPT_LENGTHS[0]) % 4 == 1
     arch = open_architecture(Checkpoint.open(path))
     tower = next(t for t in arch.towers() if t.name == "audio")
-    report = tower.verify(out, read_stored(out, arch), prompt_lengths=PROMPT_LENGTHS)
+    report = verify_tower(arch, tower, out, read_stored(out, arch), tower.check(prompt_lengths=PROMPT_LENGTHS))
     for prompt in report["prompts"]:
         forced = prompt["forced"]
         print(f"\naudio prompt {prompt['samples']} samples: frames HF {prompt['frames']['hf']}, runtime "
               f"{prompt['frames']['runtime']} (unpadded {prompt['frames']['runtime_unpadded']}), {prompt['tokens']} "
-              f"tokens: greedy {'match' if prompt['greedy_match'] else 'DIFFERS'}, top-1 {forced['top1_agreement']:.0%}, "
-              f"max |dlogit| {forced['max_abs_err']:.2e}")
+              f"tokens: greedy {'match' if prompt['greedy_match'] else 'DIFFERS'}, "
+              f"top-1 {forced['top1_agreement']:.0%}, max |dlogit| {forced['max_abs_err']:.2e}")
         assert prompt["frames"]["hf"] == prompt["frames"]["runtime"] == hf_frame_count(prompt["samples"])
         assert prompt["ids_match"] and prompt["bos_count"] == 1 and prompt["greedy_match"]
         assert forced["top1_agreement"] == 1.0

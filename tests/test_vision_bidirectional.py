@@ -19,20 +19,10 @@ from llmexport.eager import bind_weights, prompt_inputs
 from llmexport.errors import InputError
 from llmexport.loading import open_architecture
 from llmexport.media.image import synthetic_image
-from llmexport.models.gemma4_media import (
-    MARK_THRESHOLD,
-    MEDIA_MARK,
-    open_media_spans,
-    unmark_media,
-)
+from llmexport.models.gemma4_media import MARK_THRESHOLD, MEDIA_MARK, open_media_spans, unmark_media
+from llmexport.models.gemma4_tower_checks import PROMPT_HEAD, FullModel, hf_processor, processor_inputs
 from llmexport.models.gemma4_vision import image_features
 from llmexport.tiny.gemma4_towers import build_tiny_multimodal
-from llmexport.verification_media import (
-    PROMPT_HEAD,
-    FullModel,
-    hf_processor,
-    media_prompt,
-)
 
 BIDIRECTIONAL = {"use_bidirectional_attention": "vision"}
 LOWEST = torch.finfo(torch.float32).min
@@ -56,9 +46,7 @@ def _hf_mask(types: list[int], cached: int, window: int) -> torch.Tensor:
     """HF's rule (masking_utils blockwise_overlay / sliding_window_overlay, Gemma4's
     create_masks_for_vision_model): AND(window, OR(causal, same image run)); cached keys are text."""
     from transformers.masking_utils import blockwise_overlay, sliding_window_overlay
-    from transformers.models.gemma4.modeling_gemma4 import (
-        get_block_sequence_ids_for_mask,
-    )
+    from transformers.models.gemma4.modeling_gemma4 import get_block_sequence_ids_for_mask
 
     blocks = get_block_sequence_ids_for_mask(torch.tensor([[0] * cached + types]), torch.device("cpu"))
     same, inside = blockwise_overlay(blocks), sliding_window_overlay(window)
@@ -120,8 +108,8 @@ def test_text_graph_matches_hfs_full_model(bidirectional, sizes):
     processor = hf_processor(path)
     images = [synthetic_image(h, w, seed=h) for h, w in sizes]
     text = PROMPT_HEAD + " then ".join(processor.image_token for _ in images) + " Describe both."
-    prompt = media_prompt(processor, "x", text, "", images=images)
-    ref = FullModel(hf, prompt)(prompt.ids)
+    prompt = FullModel(hf, processor_inputs(processor, text, images=images))
+    ref = prompt(prompt.ids)
     ids = torch.tensor(prompt.ids)
     lm = hf.model.language_model
     inputs = list(prompt_inputs(arch, arch.ple_lookup_ids(ids), lm.embed_tokens.weight.detach(),

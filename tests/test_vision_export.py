@@ -12,12 +12,7 @@ import pytest
 from llmexport import ExportOptions, export
 from llmexport.checkpoint import Checkpoint
 from llmexport.loading import open_architecture
-from llmexport.media.image import (
-    processed_size,
-    runtime_size,
-    save_image_for_runtime,
-    synthetic_image,
-)
+from llmexport.media.image import processed_size, runtime_size, save_image_for_runtime, synthetic_image
 from llmexport.mnn.readback import read_stored
 from llmexport.mnn.runtime import run_media_prompt
 from llmexport.models.gemma4 import Gemma4
@@ -25,6 +20,7 @@ from llmexport.quant.scheme import QuantScheme
 from llmexport.tiny.gemma4_towers import build_tiny_multimodal
 from llmexport.tiny.tokenizer import SPECIAL_TOKENS
 from llmexport.verification import summary_line, verify_export
+from llmexport.verification_towers import verify_tower
 
 # name -> (tiny checkpoint, text overrides, text bits, visual bits)
 BIDIRECTIONAL = {"use_bidirectional_attention": "vision"}
@@ -55,7 +51,8 @@ def exported(checkpoints, tmp_path_factory):
         if case not in cache:
             _, _, text_bits, visual_bits = CASES[case]
             out = tmp_path_factory.mktemp(f"{case}-export") / "out"
-            export(checkpoints(case), out, ExportOptions(quant=QuantScheme(text_bits, 64), visual_quant_bit=visual_bits))
+            options = ExportOptions(quant=QuantScheme(text_bits, 64), visual_quant_bit=visual_bits)
+            export(checkpoints(case), out, options)
             cache[case] = (checkpoints(case), out)
         return cache[case]
 
@@ -65,7 +62,7 @@ def exported(checkpoints, tmp_path_factory):
 def _tower_report(path, out, **kwargs):
     arch = open_architecture(Checkpoint.open(path))
     (tower,) = arch.towers()
-    return tower.verify(out, read_stored(out, arch), **kwargs)
+    return verify_tower(arch, tower, out, read_stored(out, arch), tower.check(**kwargs))
 
 
 @pytest.mark.slow

@@ -15,19 +15,10 @@ from llmexport.eager import bind_weights
 from llmexport.errors import InputError
 from llmexport.loading import open_architecture
 from llmexport.media.image import preprocess, resize_to_processed, synthetic_image
-from llmexport.models.gemma4_vision import (
-    RUNTIME_IMAGE_SCALE,
-    image_features,
-    parse_vision_args,
-)
+from llmexport.models.gemma4_tower_checks import PROMPT_HEAD, FullModel, hf_processor, processor_inputs
+from llmexport.models.gemma4_vision import RUNTIME_IMAGE_SCALE, image_features, parse_vision_args
 from llmexport.tiny.gemma4_towers import build_tiny_multimodal
 from llmexport.tiny.tokenizer import SPECIAL_TOKENS
-from llmexport.verification_media import (
-    PROMPT_HEAD,
-    FullModel,
-    hf_processor,
-    media_prompt,
-)
 
 CONFIGS = ("vision-64", "vision-1536")
 # (size, soft-token budget): square at the default 280, wide and non-multiple-of-48 at 70 (faster)
@@ -127,12 +118,12 @@ def test_full_model_reference_reuses_the_image_features_exactly(tiny, name):
     tower's output of its first call back on later calls: the logits equal a fresh call's."""
     path, _, _, _, hf = tiny(name)
     processor = hf_processor(path)
-    prompt = media_prompt(processor, "x", PROMPT_HEAD + processor.image_token + "Say something.", "",
-                          images=[synthetic_image(200, 640, seed=5)])
-    reference = FullModel(hf, prompt)
+    inputs = processor_inputs(processor, PROMPT_HEAD + processor.image_token + "Say something.",
+                              images=[synthetic_image(200, 640, seed=5)])
+    reference = prompt = FullModel(hf, inputs)
     first = reference(prompt.ids)
     continued = reference(prompt.ids + [300, 301])
-    fresh = FullModel(hf, prompt)(prompt.ids + [300, 301])
+    fresh = FullModel(hf, inputs)(prompt.ids + [300, 301])
     assert reference.encoded is not None
     assert torch.equal(continued, fresh)  # the reused features are the recomputed ones, bit for bit
     assert (first - fresh[:len(prompt.ids)]).abs().max() < 1e-5  # causal: later tokens change nothing

@@ -9,28 +9,23 @@ Code outside ``llmexport/models`` only talks to this interface.
 from __future__ import annotations
 
 import abc
-from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
 from llmexport.checkpoint import Checkpoint, LazyTensor
-from llmexport.spec import (
-    ExpertTemplate,
-    GraphInputs,
-    LinearSource,
-    LinearSpec,
-    StoredWeights,
-)
+from llmexport.models.tower_check import TowerCheck
+from llmexport.spec import ExpertTemplate, GraphInputs, LinearSource, LinearSpec, StoredWeights
 
 
 class Tower(abc.ABC):
     """A multimodal encoder exported as its own MNN graph (``{name}.mnn`` + ``{name}.mnn.weight``).
 
     Same streaming contract as the text graph: placeholder linears in ``build_graph``, weights
-    pulled per linear by name. ``llm_config``/``runtime_config`` return the keys the runtime reads
-    for this tower; ``verify`` compares the exported tower with HF and returns a report section.
+    pulled per linear by name, whose checkpoint tensors (``linear_source``) are also the HF
+    reference model's parameters. ``llm_config``/``runtime_config`` return the keys the runtime
+    reads for this tower; ``check`` describes what verification compares with HF (it runs nothing).
     """
 
     #: file stem and report key ("visual", "audio")
@@ -41,6 +36,9 @@ class Tower(abc.ABC):
 
     @abc.abstractmethod
     def linear_weight(self, name: str) -> tuple[torch.Tensor, torch.Tensor | None]: ...
+
+    @abc.abstractmethod
+    def linear_source(self, name: str) -> "LinearSource": ...
 
     @abc.abstractmethod
     def build_graph(self) -> nn.Module: ...
@@ -54,9 +52,9 @@ class Tower(abc.ABC):
     def runtime_config(self) -> dict[str, Any]:
         return {}
 
-    def verify(self, export_dir: "Path", stored_text: "StoredWeights") -> dict[str, Any]:
-        """Tower parity against HF; must contain a boolean ``passed`` and ``failures`` list."""
-        return {"passed": True, "failures": []}
+    @abc.abstractmethod
+    def check(self) -> TowerCheck:
+        """The exported tower's parity checks against HF (llmexport/verification_towers.py runs them)."""
 
 
 class Architecture(abc.ABC):

@@ -23,7 +23,6 @@ from __future__ import annotations
 import logging
 import math
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -40,25 +39,20 @@ from llmexport.media.audio import (
     synthetic_clip,
 )
 from llmexport.models.base import Tower
-from llmexport.models.config_values import (
-    FP32_MAX,
-    flag_value,
-    float_value,
-    int_value,
-    str_value,
-)
+from llmexport.models.config_values import FP32_MAX, flag_value, float_value, int_value, str_value
+from llmexport.models.gemma4_tower_checks import hf_processor, media_prompt, tower_check
 from llmexport.models.gemma4_towers import (
     ClippedLinear,
     TowerLinear,
     TowerLinears,
     const,
     mllm_runtime_config,
-    relative_error,
     tower_linear,
 )
 from llmexport.models.tensor_checks import count_limit, finite_lookup
+from llmexport.models.tower_check import FeatureCase, Measure, PromptCase, TowerCheck
 from llmexport.ops import rms_norm
-from llmexport.spec import GraphInputs, LinearRole, StoredWeights
+from llmexport.spec import GraphInputs, LinearRole
 
 log = logging.getLogger(__name__)
 
@@ -411,46 +405,31 @@ class Gemma4AudioTower(TowerLinears, Tower):
         c = self.args.chunk
         return [samples_for_tokens(t) for t in (max(1, c - 1), 2 * c + 1, 5 * c + 2)]
 
-    def verify(self, export_dir: Path, stored_text: StoredWeights,
-               prompt_lengths: tuple[int, ...] | None = None) -> dict[str, Any]:
-        """``audio.mnn`` on HF's features vs HF's audio features (stored weights: max relative error
-        < 1e-3; fp32: reported), and an audio+text prompt per clip length (default: the middle
-        verification length) through the runtime (clip given by ``save_audio_for_runtime``, so the
-        runtime computes HF's frames) vs HF's full model on the clip (llmexport/verification_media.py)."""
-        from llmexport.mnn.runtime import run_module
-        from llmexport.verification_media import check_prompts, hf_processor
-
+    def check(self, prompt_lengths: tuple[int, ...] | None = None) -> TowerCheck:
+        """``audio.mnn`` on HF's features of ``verify_lengths`` vs HF's audio features (stored
+        weights: max relative error < 1e-3; fp32: reported), and an audio+text prompt per clip length
+        (default: the middle verification length) through the runtime (clip given by
+        ``save_audio_for_runtime``, so the runtime computes HF's frames) vs HF's full model on the clip."""
         processor = hf_processor(self.checkpoint.path)
         clips = [synthetic_clip(n, seed=n) for n in self.verify_lengths()]
         hf = [processor.feature_extractor([clip], return_tensors="pt") for clip in clips]
         hf = [(f["input_features"], f["input_features_mask"]) for f in hf]
-        outputs = run_module(export_dir / f"{self.name}.mnn", [{"input_features": f[:, m[0]].numpy()} for f, m in hf],
-                             ["audio_embeds"])
-
-        def features(model):
-            return [audio_features(model, *f) for f in hf]
-
-        lengths = prompt_lengths or (self.verify_lengths()[1],)
-        media = [(f"{n} samples", synthetic_clip(n, seed=i + 1)) for i, n in enumerate(lengths)]
-        prompts, refs, refs32, reports = check_prompts(self, export_dir, stored_text, processor, "audio", media,
-                                                       PROMPT_TAIL, features)
-        clip_reports = []
-        for clip, (_, mask), out, ref, ref32 in zip(clips, hf, outputs, refs, refs32):
-            mnn = out["audio_embeds"][0]
-            same = mnn.shape == tuple(ref.shape)
-            clip_reports.append({"samples": len(clip), "frames": int(mask.sum()), "tokens": int(ref.shape[0]),
-                                 "mnn_tokens": int(mnn.shape[0]),
-                                 "rel_err": relative_error(mnn, ref) if same else math.inf,
-                                 "rel_err_fp32": relative_error(mnn, ref32) if same else math.inf})
-        for n, prompt, report in zip(lengths, prompts, reports):
-            report.update(samples=n, tokens=prompt.ids.count(self.ids["audio"]),
-                          frames={"hf": hf_frame_count(n), "runtime": runtime_frame_count(n + RUNTIME_TAIL),
-                                  "runtime_unpadded": runtime_frame_count(n)})
-        failures = [f"clip of {r['samples']} samples: relative error {r['rel_err']:.2e} >= {FEATURE_BOUND}"
-                    for r in clip_reports if r["rel_err"] >= FEATURE_BOUND]
-        failures += [f"audio prompt {r['label']} (HF framing): {f}" for r in reports for f in r["failures"]]
-        return {"passed": not failures, "failures": failures, "feature_bound": FEATURE_BOUND, "clips": clip_reports,
-                "prompts": reports}
+        cases = tuple(FeatureCase(f"clip of {len(clip)} samples", {"input_features": f[:, m[0]].numpy()},
+                                  {"samples": len(clip), "frames": int(m.sum())}) for clip, (f, m) in zip(clips, hf))
+        prompts = []
+        for i, n in enumerate(prompt_lengths or (self.verify_lengths()[1],)):
+            inputs, runtime_text = media_prompt(processor, "audio", synthetic_clip(n, seed=i + 1), PROMPT_TAIL)
+            frames = {"hf": hf_frame_count(n), "runtime": runtime_frame_count(n + RUNTIME_TAIL),
+                      "runtime_unpadded": runtime_frame_count(n)}
+            prompts.append(PromptCase(f"{n} samples", f"audio prompt {n} samples (HF framing)", inputs, runtime_text,
+                                      {"samples": n, "tokens": inputs["input_ids"][0].tolist().count(self.ids["audio"]),
+                                       "frames": frames}))
+        return tower_check(
+            self.arch, processor, output="audio_embeds", cases=cases, cases_key="clips",
+            features=lambda model: [audio_features(model, *f) for f in hf],
+            measures={"tokens": Measure.ROWS, "mnn_tokens": Measure.MNN_ROWS, "rel_err": Measure.REL_ERR,
+                      "rel_err_fp32": Measure.REL_ERR_FP32},
+            feature_bound=FEATURE_BOUND, prompts=tuple(prompts))
 
 
 def audio_features(model, features: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

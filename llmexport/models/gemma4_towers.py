@@ -1,28 +1,21 @@
-"""What Gemma4's vision and audio towers share: clipped placeholder linears, the checkpoint names
-behind them, the stored tower weights read back from ``{stem}.mnn`` and the HF oracle carrying
-those weights (media prompts are compared in llmexport/verification_media.py).
+"""What Gemma4's vision and audio towers share: clipped placeholder linears and the checkpoint
+names behind them (what verification checks of them: gemma4_tower_checks.py).
 """
 
 from __future__ import annotations
 
 import math
-import tempfile
 from dataclasses import dataclass
-from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
-import numpy as np
 import torch
 from torch import nn
 
 from llmexport.checkpoint import SafetensorsIndex
-from llmexport.models.graph_parts import (  # noqa: F401 (the towers' graphs import them here)
-    TensorLookup,
-    const,
-)
+from llmexport.models.graph_parts import TensorLookup, const  # noqa: F401 (the towers' graphs import them here)
 from llmexport.models.tensor_checks import check_finite
 from llmexport.ops import PlaceholderLinear
-from llmexport.spec import LinearRole, LinearSource, LinearSpec, StoredWeights
+from llmexport.spec import LinearRole, LinearSource, LinearSpec
 
 
 @dataclass(frozen=True)
@@ -79,9 +72,6 @@ class TowerLinears:
     def linear_source(self, name: str) -> LinearSource:
         linear = next(linear for linear in self._linears if linear.spec.name == name)
         return LinearSource(linear.weight, None, linear.bias)
-
-    def tower_linears(self) -> list[TowerLinear]:
-        return list(self._linears)
 
     def linear_weight(self, name: str) -> tuple[torch.Tensor, torch.Tensor | None]:
         linear = next(linear for linear in self._linears if linear.spec.name == name)
@@ -140,59 +130,3 @@ def encoder_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: t
     probs = torch.softmax(scores + mask, dim=-1)
     out = torch.matmul(probs, v).transpose(1, 2)
     return out.reshape(out.shape[0], out.shape[1], -1)
-
-
-def read_tower_weights(export_dir: Path, stem: str,
-                       names: set[str]) -> dict[str, tuple[torch.Tensor, torch.Tensor | None]]:
-    """The linears ``names`` of ``{stem}.mnn`` decoded from ``{stem}.mnn.weight`` (name -> weight, bias).
-    Other convolutions (an audio tower's subsampling) are graph constants, not linear records."""
-    from llmexport.mnn.convert import mnn_to_json
-    from llmexport.mnn.weight_reader import read_linear
-
-    with tempfile.TemporaryDirectory(prefix="llmexport-readback-") as tmp:
-        graph = mnn_to_json(export_dir / f"{stem}.mnn", Path(tmp) / f"{stem}.json")
-    out = {}
-    for op in graph["oplists"]:
-        main = op.get("main", {})
-        if op.get("type") == "Convolution" and "external" in main and op.get("name") in names:
-            out[op["name"]] = read_linear(export_dir / f"{stem}.mnn.weight", main["external"],
-                                          main.get("quanParameter", {}), main["common"]["outputCount"],
-                                          main["common"]["inputCount"])
-    return out
-
-
-def apply_stored_tower(model: nn.Module, linears: list[TowerLinear],
-                       stored: dict[str, tuple[torch.Tensor, torch.Tensor | None]]) -> None:
-    """Copy a tower's stored weights into the HF model (the fair oracle for the runtime)."""
-    params = dict(model.named_parameters())
-    missing = [linear.spec.name for linear in linears if linear.spec.name not in stored]
-    if missing:
-        raise ValueError(f"{len(missing)} tower linear(s) not found in the exported graph, e.g. {missing[0]!r}")
-    with torch.no_grad():
-        for linear in linears:
-            weight, bias = stored[linear.spec.name]
-            params[linear.weight].copy_(weight.float())
-            if linear.bias is not None and bias is not None:
-                params[linear.bias].copy_(bias.float())
-
-
-def relative_error(out: np.ndarray | torch.Tensor, ref: np.ndarray | torch.Tensor) -> float:
-    """max |out - ref| / max |ref| (elementwise ratios explode on near-zero entries)."""
-    out, ref = np.asarray(out, dtype=np.float64), np.asarray(ref, dtype=np.float64)
-    if out.shape != ref.shape:
-        raise ValueError(f"shapes differ: {out.shape} vs {ref.shape}")
-    return float(np.abs(out - ref).max() / max(np.abs(ref).max(), 1e-30))
-
-
-def reference_passes(arch, stored_text: StoredWeights | None, linears: list[TowerLinear], export_dir: Path,
-                     stem: str, on_oracle: Callable[[nn.Module], Any], on_fp32: Callable[[nn.Module, Any], Any]):
-    """Run ``on_oracle`` on HF carrying the export's stored text + tower weights (the fair oracle),
-    release it, then ``on_fp32(model, oracle_result)`` on HF as released: one model in memory at a time."""
-    oracle = arch.load_reference(stored_text)
-    apply_stored_tower(oracle, linears, read_tower_weights(export_dir, stem, {linear.spec.name for linear in linears}))
-    first = on_oracle(oracle)
-    del oracle
-    fp32 = arch.load_reference(None)
-    second = on_fp32(fp32, first)
-    del fp32
-    return first, second

@@ -21,7 +21,6 @@ from __future__ import annotations
 import logging
 import math
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -30,10 +29,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from llmexport.errors import InputError
-from llmexport.media.image import processed_size
+from llmexport.media.image import processed_size, synthetic_image
 from llmexport.models.base import Tower
 from llmexport.models.config_values import flag_value, float_value, int_value, str_value
 from llmexport.models.gemma4_media import MEDIA_MARK
+from llmexport.models.gemma4_tower_checks import hf_processor, media_prompt, tower_check
 from llmexport.models.gemma4_towers import (
     ClippedLinear,
     TowerLinear,
@@ -41,12 +41,12 @@ from llmexport.models.gemma4_towers import (
     const,
     encoder_attention,
     mllm_runtime_config,
-    relative_error,
     tower_linear,
 )
 from llmexport.models.tensor_checks import count_limit, finite_lookup
+from llmexport.models.tower_check import FeatureCase, Measure, PromptCase, TowerCheck
 from llmexport.ops import gelu_tanh, rms_norm
-from llmexport.spec import GraphInputs, LinearRole, StoredWeights
+from llmexport.spec import GraphInputs, LinearRole
 
 log = logging.getLogger(__name__)
 
@@ -81,7 +81,8 @@ class VisionArgs:
         return 1.0 / (RUNTIME_IMAGE_SCALE * math.sqrt(self.text_hidden))
 
 
-def parse_vision_args(config: dict[str, Any], text_hidden: int, where: str, max_layers: int | None = None) -> VisionArgs:
+def parse_vision_args(config: dict[str, Any], text_hidden: int, where: str,
+                      max_layers: int | None = None) -> VisionArgs:
     where = f"{where}: vision_config"
     rope = config.get("rope_parameters") or {"rope_type": "axial", "rope_theta": 100.0}
     if not isinstance(rope, dict):
@@ -317,44 +318,32 @@ class Gemma4VisionTower(TowerLinears, Tower):
         times the media mark when image spans attend bidirectionally (gemma4_media.py)."""
         return self.args.output_scale * (MEDIA_MARK if self.arch.marks_images else 1.0)
 
-    def verify(self, export_dir: Path, stored_text: StoredWeights,
-               prompt_sizes: tuple[tuple[int, int], ...] = (VERIFY_SIZES[-1],)) -> dict[str, Any]:
-        """``visual.mnn`` on HF's exact patches vs HF's image features (stored weights: max relative
-        error < 1e-3; fp32 weights: reported), and an image+text prompt per ``prompt_sizes`` through
-        the runtime (image given by ``save_image_for_runtime``) vs HF's full model (llmexport/verification_media.py)."""
-        from llmexport.media.image import synthetic_image
-        from llmexport.mnn.runtime import run_module
-        from llmexport.verification_media import check_prompts, hf_processor
-
+    def check(self, prompt_sizes: tuple[tuple[int, int], ...] = (VERIFY_SIZES[-1],)) -> TowerCheck:
+        """``visual.mnn`` on HF's exact patches of ``VERIFY_SIZES`` vs HF's image features (stored
+        weights: max relative error < 1e-3; fp32 weights: reported), and an image+text prompt per
+        ``prompt_sizes`` through the runtime (image given by ``save_image_for_runtime``) vs HF's full model."""
         processor = hf_processor(self.checkpoint.path)
         processed = [processor.image_processor(images=[synthetic_image(h, w, seed=h + w)], return_tensors="pt")
                      for h, w in VERIFY_SIZES]
-        outputs = run_module(export_dir / f"{self.name}.mnn",
-                             [{"input_patches": p["pixel_values"].numpy(),
-                               "image_position_ids": p["image_position_ids"].numpy().astype(np.int32)}
-                              for p in processed], ["image_embeds"])
-
-        def features(model):
-            return [image_features(model, p["pixel_values"], p["image_position_ids"]) for p in processed]
-
-        media = [(f"{h}x{w}", synthetic_image(h, w, seed=h + w + 1)) for h, w in prompt_sizes]
-        prompts, refs, refs32, reports = check_prompts(self, export_dir, stored_text, processor, "images", media,
-                                                       PROMPT_TAIL, features)
-        images = []
-        for (h, w), out, ref, ref32 in zip(VERIFY_SIZES, outputs, refs, refs32):
-            mnn = out["image_embeds"][0, :ref.shape[0]] / self.output_scale
-            images.append({"size": [h, w], "processed": list(processed_size(h, w)), "soft_tokens": int(ref.shape[0]),
-                           "rel_err": relative_error(mnn, ref), "max_abs_err": float(np.abs(mnn - ref.numpy()).max()),
-                           "rel_err_fp32": relative_error(mnn, ref32)})
-        for (h, w), prompt, report in zip(prompt_sizes, prompts, reports):
-            report.update(image=[h, w], processed=list(processed_size(h, w)),
-                          soft_tokens=prompt.ids.count(self.ids["image_token_id"]))
-        failures = [f"image {r['size']}: relative error {r['rel_err']:.2e} >= {FEATURE_BOUND}"
-                    for r in images if r["rel_err"] >= FEATURE_BOUND]
-        failures += [f"image prompt {r['label']}: {f}" for r in reports for f in r["failures"]]
-        return {"passed": not failures, "failures": failures, "output_scale": self.output_scale,
-                "marks_images": self.arch.marks_images, "feature_bound": FEATURE_BOUND, "images": images,
-                "prompts": reports}
+        feeds = [{"input_patches": p["pixel_values"].numpy(),
+                  "image_position_ids": p["image_position_ids"].numpy().astype(np.int32)} for p in processed]
+        cases = tuple(FeatureCase(f"image {[h, w]}", feed, {"size": [h, w], "processed": list(processed_size(h, w))})
+                      for (h, w), feed in zip(VERIFY_SIZES, feeds))
+        prompts = []
+        for h, w in prompt_sizes:
+            inputs, runtime_text = media_prompt(processor, "images", synthetic_image(h, w, seed=h + w + 1), PROMPT_TAIL)
+            soft_tokens = inputs["input_ids"][0].tolist().count(self.ids["image_token_id"])
+            prompts.append(PromptCase(f"{h}x{w}", f"image prompt {h}x{w}", inputs, runtime_text,
+                                      {"image": [h, w], "processed": list(processed_size(h, w)),
+                                       "soft_tokens": soft_tokens}))
+        return tower_check(
+            self.arch, processor, output="image_embeds", cases=cases, cases_key="images",
+            features=lambda model: [image_features(model, p["pixel_values"], p["image_position_ids"])
+                                    for p in processed],
+            measures={"soft_tokens": Measure.ROWS, "rel_err": Measure.REL_ERR, "max_abs_err": Measure.MAX_ABS_ERR,
+                      "rel_err_fp32": Measure.REL_ERR_FP32},
+            feature_bound=FEATURE_BOUND, prompts=tuple(prompts), output_scale=self.output_scale,
+            keeps_first_rows=True, notes={"output_scale": self.output_scale, "marks_images": self.arch.marks_images})
 
 
 def image_features(model, pixel_values: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
