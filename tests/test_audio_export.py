@@ -107,6 +107,41 @@ def test_verify_passes_with_both_towers(exported):
     assert {"audio.mnn", "audio.mnn.weight", "visual.mnn", "visual.mnn.weight"} <= {p.name for p in out.iterdir()}
 
 
+PROMPT_KEYS = ["prompt_tokens", "ids_match", "greedy_ref", "greedy_mnn", "greedy_match", "forced", "fp32", "failures",
+               "label", "stopped_at_media_token", "bos_count"]
+SECTION_LAYOUT = {  # section keys, one case's keys, one prompt's own keys after PROMPT_KEYS
+    "visual": (["passed", "failures", "output_scale", "marks_images", "feature_bound", "images", "prompts"],
+               ["size", "processed", "soft_tokens", "rel_err", "max_abs_err", "rel_err_fp32"],
+               ["image", "processed", "soft_tokens"]),
+    "audio": (["passed", "failures", "feature_bound", "clips", "prompts"],
+              ["samples", "frames", "tokens", "mnn_tokens", "rel_err", "rel_err_fp32"],
+              ["samples", "tokens", "frames"]),
+}
+
+
+@pytest.mark.slow
+def test_tower_sections_keep_their_layout(exported):
+    """verify.json's tower sections, key by key and in order, as the report has always written them."""
+    _, out, _ = exported
+    towers = json.loads((out / "verify.json").read_text())["towers"]
+    assert list(towers) == ["visual", "audio"]
+    for name, (section_keys, case_keys, prompt_keys) in SECTION_LAYOUT.items():
+        section = towers[name]
+        assert list(section) == section_keys
+        cases = section[section_keys[-2]]
+        assert len(cases) == 3 and all(list(case) == case_keys for case in cases)
+        assert [list(p) for p in section["prompts"]] == [PROMPT_KEYS + prompt_keys]
+        assert section["feature_bound"] == 1e-3 and section["failures"] == [] and section["passed"] is True
+    visual = towers["visual"]
+    assert visual["marks_images"] is False and visual["output_scale"] == pytest.approx(39.25 / 8)
+    assert [case["size"] for case in visual["images"]] == [[300, 300], [200, 640], [317, 451]]
+    assert visual["prompts"][0]["label"] == "317x451" and visual["prompts"][0]["image"] == [317, 451]
+    audio = towers["audio"]
+    assert [case["tokens"] for case in audio["clips"]] == [case["mnn_tokens"] for case in audio["clips"]]
+    assert list(audio["prompts"][0]["frames"]) == ["hf", "runtime", "runtime_unpadded"]
+    assert audio["prompts"][0]["label"] == f"{audio['prompts'][0]['samples']} samples"
+
+
 def test_summary_line_reports_a_failed_audio_prompt():
     """A disagreement on the audio prompt (HF's framing) makes the summary line FAIL and say so."""
     from llmexport.options import RuntimeProfile
