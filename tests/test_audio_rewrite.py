@@ -13,12 +13,15 @@ from llmexport.errors import InputError
 from llmexport.loading import open_architecture
 from llmexport.media.audio import log_mel, samples_for_tokens, synthetic_clip
 from llmexport.models.gemma4_audio import (
+    AUDIO_TOKENS,
     audio_features,
     chunked_attention,
     parse_audio_args,
     relative_position_table,
     window_mask,
 )
+from llmexport.models.gemma4_towers import token_ids
+from llmexport.models.gemma4_vision import VISION_TOKENS
 from llmexport.tiny.gemma4_towers import AUDIO_SMALL, build_tiny_multimodal
 
 # encoder lengths: shorter than a chunk, not a multiple of it, several chunks
@@ -151,3 +154,21 @@ def test_audio_config_errors_are_loud():
         parse_audio_args(dict(AUDIO_SMALL, hidden_act="gelu"), 64, "cfg")
     with pytest.raises(InputError, match="multiple"):
         parse_audio_args(dict(AUDIO_SMALL, num_attention_heads=3), 64, "cfg")
+
+
+@pytest.mark.parametrize("keys,what", [(AUDIO_TOKENS, "an audio"), (VISION_TOKENS, "a vision")])
+def test_media_token_ids_take_either_spelling_and_a_missing_one_is_loud(keys, what):
+    """Both towers read their runtime's token ids the same way: the first spelling set (transformers
+    writes ``eoa_token_index``, older configs ``eoa_token_id``); a missing id names them all."""
+    spellings = [key for alternatives in keys.values() for key in alternatives]
+    last = {name: alternatives[-1] for name, alternatives in keys.items()}
+    assert token_ids({key: 40 + i for i, key in enumerate(spellings)}, keys, what) == {
+        name: 40 + spellings.index(alternatives[0]) for name, alternatives in keys.items()}
+    assert token_ids({key: 7 for key in last.values()}, keys, what) == {name: 7 for name in keys}
+    firsts = [alternatives[0] for alternatives in keys.values()]
+    for missing in keys:
+        config = {key: 3 for name, alternatives in keys.items() if name != missing for key in alternatives}
+        config.update({alternative: None for alternative in keys[missing]})
+        needs = f"^cfg: {what} checkpoint needs {firsts[0]}, {firsts[1]} and {firsts[2]}$"
+        with pytest.raises(InputError, match=needs):
+            token_ids(config, keys, f"cfg: {what} checkpoint")

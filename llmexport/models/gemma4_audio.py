@@ -38,18 +38,10 @@ from llmexport.media.audio import (
     samples_for_tokens,
     synthetic_clip,
 )
-from llmexport.models.base import Tower
 from llmexport.models.config_values import FP32_MAX, flag_value, float_value, int_value, str_value
 from llmexport.models.gemma4_tower_checks import hf_processor, media_prompt, tower_check
-from llmexport.models.gemma4_towers import (
-    ClippedLinear,
-    TowerLinear,
-    TowerLinears,
-    const,
-    mllm_runtime_config,
-    tower_linear,
-)
-from llmexport.models.tensor_checks import count_limit, finite_lookup
+from llmexport.models.gemma4_towers import ClippedLinear, Gemma4Tower, TowerLinear, const, tower_linear
+from llmexport.models.tensor_checks import finite_lookup
 from llmexport.models.tower_check import FeatureCase, Measure, PromptCase, TowerCheck
 from llmexport.ops import rms_norm
 from llmexport.spec import GraphInputs, LinearRole
@@ -59,6 +51,8 @@ log = logging.getLogger(__name__)
 PREFIX = "model.audio_tower."
 EMBEDDER = "model.embed_audio.embedding_projection"
 FEATURE_BOUND = 1e-3  # max relative error of audio.mnn vs HF audio features (stored weights)
+# transformers names the end-of-audio id "eoa_token_index" (Gemma4Config)
+AUDIO_TOKENS = {"boa": ("boa_token_id",), "eoa": ("eoa_token_index", "eoa_token_id"), "audio": ("audio_token_id",)}
 PROMPT_TAIL = "Transcribe this audio.<turn|>\n<|turn>model\n"
 
 
@@ -362,23 +356,11 @@ class AudioGraph(nn.Module):
         return self.embedding_projection(rms_norm(x, None, self.args.eps))
 
 
-class Gemma4AudioTower(TowerLinears, Tower):
+class Gemma4AudioTower(Gemma4Tower):
     name = "audio"
 
     def __init__(self, arch, audio_config: dict[str, Any]):
-        self.arch = arch
-        self.checkpoint = arch.checkpoint
-        where = str(self.checkpoint.path / "config.json")
-        self.args = parse_audio_args(audio_config, arch.args.hidden_size, where,
-                                     count_limit(self.checkpoint.weights))
-        config = self.checkpoint.config
-        # transformers names the end-of-audio id "eoa_token_index" (Gemma4Config).
-        keys = {"boa": "boa_token_id", "eoa": "eoa_token_index", "audio": "audio_token_id"}
-        self.ids = {name: config.get(key, config.get(key.replace("_index", "_id"))) for name, key in keys.items()}
-        if any(v is None for v in self.ids.values()):
-            raise InputError(f"{where}: an audio checkpoint needs boa_token_id, eoa_token_index and audio_token_id")
-        self.ids = {k: int(v) for k, v in self.ids.items()}
-        self._linears = audio_linears(self.args, self.checkpoint.weights)
+        super().__init__(arch, audio_config, parse_audio_args, audio_linears, AUDIO_TOKENS, "an audio")
 
     def expected_tensors(self) -> dict[str, tuple[int, ...] | None]:
         return {**audio_constants(self.args), **self.linear_tensors(self.args.clipped, PREFIX + "layers.")}
@@ -394,9 +376,6 @@ class Gemma4AudioTower(TowerLinears, Tower):
     def llm_config(self) -> dict[str, Any]:
         return {"is_audio": True, "audio_model": "audio.mnn", "audio_type": "usm",
                 "audio_start": self.ids["boa"], "audio_end": self.ids["eoa"], "audio_pad": self.ids["audio"]}
-
-    def runtime_config(self) -> dict[str, Any]:
-        return mllm_runtime_config()
 
     # --- verification -----------------------------------------------------------------------
     def verify_lengths(self) -> list[int]:

@@ -67,7 +67,7 @@ class FullModel:
 
     def __init__(self, model: nn.Module, inputs: dict[str, torch.Tensor]):
         self.model, self.inputs = model, inputs
-        self.media = {k: inputs[k] for k in _MEDIA_KEYS if k in inputs}
+        self.media: dict[str, Any] = {k: inputs[k] for k in _MEDIA_KEYS if k in inputs}
         self.encoded: dict[str, Any] | None = None
 
     @property
@@ -96,8 +96,10 @@ class FullModel:
 def media_prompt(processor, kind: str, medium: Any, tail: str) -> tuple[dict[str, torch.Tensor], Callable[[Path], str]]:
     """The prompt ``PROMPT_HEAD + medium + tail`` for one image or clip (``kind`` "images" or
     "audio"): HF's inputs, and the runtime's text once the medium is saved into a folder."""
-    save, placeholder, suffix = {"images": (save_image_for_runtime, processor.image_token, "png"),
-                                 "audio": (save_audio_for_runtime, processor.audio_token, "wav")}[kind]
+    savers: dict[str, tuple[Callable[[Any, Path], str], str, str]] = {
+        "images": (save_image_for_runtime, processor.image_token, "png"),
+        "audio": (save_audio_for_runtime, processor.audio_token, "wav")}
+    save, placeholder, suffix = savers[kind]
 
     def runtime_text(folder: Path) -> str:
         return PROMPT_HEAD + save(medium, folder / f"{kind}.{suffix}") + tail

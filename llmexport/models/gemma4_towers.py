@@ -6,14 +6,16 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from torch import nn
 
 from llmexport.checkpoint import SafetensorsIndex
+from llmexport.errors import InputError
+from llmexport.models.base import Tower
 from llmexport.models.graph_parts import TensorLookup, const  # noqa: F401 (the towers' graphs import them here)
-from llmexport.models.tensor_checks import check_finite
+from llmexport.models.tensor_checks import check_finite, count_limit
 from llmexport.ops import PlaceholderLinear
 from llmexport.spec import LinearRole, LinearSource, LinearSpec
 
@@ -57,14 +59,39 @@ def tower_linear(weights: SafetensorsIndex, base: str, in_features: int, out_fea
     return TowerLinear(spec, weight, f"{base}.bias" if bias else None, clip)
 
 
+def token_ids(config: dict[str, Any], keys: dict[str, tuple[str, ...]], what: str) -> dict[str, int]:
+    """name -> the id under the first of its config ``keys`` that is set (transformers spells some
+    two ways); ``what`` names the checkpoint in the error when one is missing."""
+    ids = {}
+    for name, spellings in keys.items():
+        value = next((config[key] for key in spellings if config.get(key) is not None), None)
+        if value is None:
+            first = [spellings[0] for spellings in keys.values()]
+            raise InputError(f"{what} needs {', '.join(first[:-1])} and {first[-1]}")
+        ids[name] = int(value)
+    return ids
+
+
 def clip_buffer_names(base: str) -> list[str]:
     return [f"{base}.{key}" for key in ("input_min", "input_max", "output_min", "output_max")]
 
 
-class TowerLinears:
-    """Weight bookkeeping shared by the towers: ``self._linears`` (TowerLinear), ``self.checkpoint``."""
+class Gemma4Tower(Tower):
+    """What both Gemma4 towers hold: the architecture and its checkpoint, the tower's parsed config
+    (``args``), the token ids its runtime keys name (``ids``) and its linears (``TowerLinear``)."""
 
-    _linears: list[TowerLinear]
+    def __init__(self, arch, tower_config: dict[str, Any], parse: Callable[..., Any],
+                 linears: Callable[[Any, SafetensorsIndex], list[TowerLinear]], token_keys: dict[str, tuple[str, ...]],
+                 what: str):
+        self.arch = arch
+        self.checkpoint = arch.checkpoint
+        where = str(self.checkpoint.path / "config.json")
+        self.args = parse(tower_config, arch.args.hidden_size, where, count_limit(self.checkpoint.weights))
+        self.ids = token_ids(self.checkpoint.config, token_keys, f"{where}: {what} checkpoint")
+        self._linears: list[TowerLinear] = linears(self.args, self.checkpoint.weights)
+
+    def runtime_config(self) -> dict[str, Any]:
+        return mllm_runtime_config()
 
     def linears(self) -> list[LinearSpec]:
         return [linear.spec for linear in self._linears]

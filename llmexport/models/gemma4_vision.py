@@ -30,20 +30,18 @@ from torch import nn
 
 from llmexport.errors import InputError
 from llmexport.media.image import processed_size, synthetic_image
-from llmexport.models.base import Tower
 from llmexport.models.config_values import flag_value, float_value, int_value, str_value
 from llmexport.models.gemma4_media import MEDIA_MARK
 from llmexport.models.gemma4_tower_checks import hf_processor, media_prompt, tower_check
 from llmexport.models.gemma4_towers import (
     ClippedLinear,
+    Gemma4Tower,
     TowerLinear,
-    TowerLinears,
     const,
     encoder_attention,
-    mllm_runtime_config,
     tower_linear,
 )
-from llmexport.models.tensor_checks import count_limit, finite_lookup
+from llmexport.models.tensor_checks import finite_lookup
 from llmexport.models.tower_check import FeatureCase, Measure, PromptCase, TowerCheck
 from llmexport.ops import gelu_tanh, rms_norm
 from llmexport.spec import GraphInputs, LinearRole
@@ -55,6 +53,8 @@ EMBEDDER = "model.embed_vision.embedding_projection"
 RUNTIME_IMAGE_SCALE = 1.0 / 39.25  # omni.cpp gemma4VisionProcess: imageEmbedding * (1.0f / 39.25f)
 VERIFY_SIZES = ((300, 300), (200, 640), (317, 451))  # square, wide, sides not multiples of 48
 FEATURE_BOUND = 1e-3  # max relative error of visual.mnn vs HF image features (stored weights)
+# the token ids the runtime keys name, under their Gemma4Config keys
+VISION_TOKENS: dict[str, tuple[str, ...]] = {key: (key,) for key in ("boi_token_id", "eoi_token_id", "image_token_id")}
 PROMPT_TAIL = "Describe this picture in a few words.<turn|>\n<|turn>model\n"
 
 
@@ -264,21 +264,11 @@ def trace_positions(grid_h: int, grid_w: int, pad: int) -> torch.Tensor:
     return torch.cat([pos, torch.full((pad, 2), -1)]).to(torch.int32).unsqueeze(0)
 
 
-class Gemma4VisionTower(TowerLinears, Tower):
+class Gemma4VisionTower(Gemma4Tower):
     name = "visual"
 
     def __init__(self, arch, vision_config: dict[str, Any]):
-        self.arch = arch
-        self.checkpoint = arch.checkpoint
-        where = str(self.checkpoint.path / "config.json")
-        self.args = parse_vision_args(vision_config, arch.args.hidden_size, where,
-                                      count_limit(self.checkpoint.weights))
-        config = self.checkpoint.config
-        self.ids = {key: int(config[key]) for key in ("boi_token_id", "eoi_token_id", "image_token_id")
-                    if config.get(key) is not None}
-        if len(self.ids) != 3:
-            raise InputError(f"{where}: a vision checkpoint needs boi_token_id, eoi_token_id and image_token_id")
-        self._linears = vision_linears(self.args, self.checkpoint.weights)
+        super().__init__(arch, vision_config, parse_vision_args, vision_linears, VISION_TOKENS, "a vision")
 
     # --- weights ----------------------------------------------------------------------------
     def expected_tensors(self) -> dict[str, tuple[int, ...] | None]:
@@ -307,9 +297,6 @@ class Gemma4VisionTower(TowerLinears, Tower):
                 "image_size": 768,
                 "vision_start": self.ids["boi_token_id"], "vision_end": self.ids["eoi_token_id"],
                 "image_pad": self.ids["image_token_id"]}
-
-    def runtime_config(self) -> dict[str, Any]:
-        return mllm_runtime_config()
 
     # --- verification -----------------------------------------------------------------------
     @property
