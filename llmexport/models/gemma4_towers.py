@@ -47,13 +47,15 @@ def tower_linear(weights: SafetensorsIndex, base: str, in_features: int, out_fea
     """
     clip = None
     if clippable and clipped:
-        values = []
+        where = weights.folder if weights.folder is not None else "checkpoint"
+        values: list[float | None] = []
         for key in ("input_min", "input_max", "output_min", "output_max"):
             name = f"{base}.{key}"
-            value = float(check_finite(name, weights.tensor(name).float(), weights.folder, allow_inf=True)) \
+            value = float(check_finite(name, weights.tensor(name).float(), where, allow_inf=True)) \
                 if name in weights else math.inf
             values.append(value if math.isfinite(value) else None)
-        clip = tuple(values) if any(v is not None for v in values) else None
+        in_min, in_max, out_min, out_max = values
+        clip = (in_min, in_max, out_min, out_max) if any(v is not None for v in values) else None
     weight = f"{base}.linear.weight" if clippable else f"{base}.weight"
     spec = LinearSpec(base, in_features, out_features, role, bias)
     return TowerLinear(spec, weight, f"{base}.bias" if bias else None, clip)

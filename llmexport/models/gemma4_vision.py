@@ -201,6 +201,8 @@ class VisionGraph(nn.Module):
     -> image_embeds [1, N/9, text_hidden] (pooled tokens in row-major pooled-grid order, then the
     padding tokens), multiplied by ``output_scale``."""
 
+    inv_freq: torch.Tensor
+
     def __init__(self, args: VisionArgs, linears: list[TowerLinear], lookup, output_scale: float = 1.0):
         super().__init__()
         by_name = {linear.spec.name: linear for linear in linears}
