@@ -1,0 +1,139 @@
+"""The package's layers import one way: cli -> api -> pipeline -> {importers, models, quant, mnn,
+verification}, all on the neutral vocabulary of llmexport.spec.
+
+Every module's imports are read with ``ast`` (top level and inside functions, which is where
+slow imports hide), so a back-edge fails here rather than in review. docs/code-layout.md draws
+the same picture.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parents[1] / "llmexport"
+
+#: module prefix -> llmexport modules it may import (prefixes; the most specific prefix rules)
+ALLOWED: dict[str, tuple[str, ...]] = {
+    "llmexport.spec": (),
+    "llmexport.errors": (),
+    "llmexport.input_files": ("llmexport.errors",),
+    "llmexport.checkpoint": ("llmexport.errors", "llmexport.input_files", "llmexport.spec"),
+    "llmexport.quant": ("llmexport.quant", "llmexport.spec", "llmexport.errors"),
+    "llmexport.importers": ("llmexport.importers", "llmexport.spec", "llmexport.errors", "llmexport.checkpoint",
+                            "llmexport.quant"),
+    "llmexport.mnn": ("llmexport.mnn", "llmexport.spec", "llmexport.errors", "llmexport.quant",
+                      "llmexport.input_files", "llmexport.options", "llmexport.ops"),
+    "llmexport.ops": ("llmexport.spec",),
+    "llmexport.media": ("llmexport.media", "llmexport.errors"),
+    "llmexport.reference": ("llmexport.reference",),
+    "llmexport.models": ("llmexport.models", "llmexport.spec", "llmexport.errors", "llmexport.checkpoint",
+                         "llmexport.input_files", "llmexport.ops", "llmexport.media", "llmexport.reference"),
+    "llmexport.tiny": ("llmexport.tiny", "llmexport.reference", "llmexport.mnn.tokenizer_pipeline"),
+    "llmexport.options": ("llmexport.options", "llmexport.errors", "llmexport.spec", "llmexport.quant"),
+}
+#: what nothing below the entry points may import
+ENTRY_POINTS = {"llmexport.cli": 0, "llmexport.api": 1, "llmexport.pipeline": 2}
+
+
+def _modules() -> list[tuple[str, Path]]:
+    out = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+        out.append((".".join(parts[:-1] if parts[-1] == "__init__" else parts), path))
+    return out
+
+
+def _type_checking_only(tree: ast.Module) -> set[int]:
+    """ids of the nodes inside ``if TYPE_CHECKING:`` blocks (annotations only, never run)."""
+    ids: set[int] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and isinstance(node.test, ast.Name) and node.test.id == "TYPE_CHECKING":
+            ids.update(id(n) for stmt in node.body for n in ast.walk(stmt))
+    return ids
+
+
+def _imports(module: str, path: Path) -> set[str]:
+    found = set()
+    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+    tree = ast.parse(path.read_text())
+    annotations_only = _type_checking_only(tree)
+    for node in ast.walk(tree):
+        if id(node) in annotations_only:
+            continue
+        if isinstance(node, ast.Import):
+            found.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join(anchor + ([base] if base else []))
+            found.add(base)
+            found.update(f"{base}.{a.name}" for a in node.names if base == "llmexport")
+        elif isinstance(node, ast.Call) and node.args and isinstance(node.args[0], ast.Constant) \
+                and isinstance(node.args[0].value, str):  # importlib.import_module("x"), __import__("x")
+            func = node.func
+            if (func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", None)) in (
+                    "import_module", "__import__"):
+                found.add(node.args[0].value)
+    return {name for name in found if name == "llmexport" or name.startswith("llmexport.")}
+
+
+def _rule(module: str) -> tuple[str, ...] | None:
+    prefixes = [p for p in ALLOWED if module == p or module.startswith(p + ".")]
+    return ALLOWED[max(prefixes, key=len)] if prefixes else None
+
+
+def _within(name: str, prefixes: tuple[str, ...]) -> bool:
+    return any(name == p or name.startswith(p + ".") for p in prefixes)
+
+
+MODULES = _modules()
+RULED = [(m, p) for m, p in MODULES if _rule(m) is not None]
+
+
+@pytest.mark.parametrize("module,path", RULED, ids=[m for m, _ in RULED])
+def test_module_imports_only_its_layer_and_below(module, path):
+    allowed = _rule(module)
+    assert allowed is not None
+    bad = sorted(name for name in _imports(module, path) if not _within(name, allowed + (module,)))
+    assert not bad, f"{module} imports {bad}; its layer may import only {list(allowed)}"
+
+
+BELOW_FACADE = [(m, p) for m, p in MODULES if m != "llmexport"]  # the package re-exports the API
+
+
+@pytest.mark.parametrize("module,path", BELOW_FACADE, ids=[m for m, _ in BELOW_FACADE])
+def test_nothing_imports_an_entry_point_above_it(module, path):
+    rank = min((r for name, r in ENTRY_POINTS.items() if module == name), default=len(ENTRY_POINTS))
+    bad = sorted(name for name in _imports(module, path)
+                 for entry, r in ENTRY_POINTS.items() if r < rank and _within(name, (entry,)))
+    assert not bad, f"{module} imports {bad}: the flow is cli -> api -> pipeline, never back"
+
+
+def test_rules_cover_the_lower_layers():
+    """Every module below the entry points and verification has a rule: a new subpackage must say
+    where it stands."""
+    upper = ("llmexport", "llmexport.cli", "llmexport.api", "llmexport.pipeline", "llmexport.export_plan",
+             "llmexport.loading", "llmexport.weight_sources", "llmexport.stored_checkpoint",
+             "llmexport.verification", "llmexport.verification_media", "llmexport.verification_towers",
+             "llmexport.results", "llmexport.onnx_export", "llmexport.eager", "llmexport.staging",
+             "llmexport.progress")
+    missing = [m for m, _ in MODULES if _rule(m) is None and m not in upper and not m.startswith("llmexport.verification")]
+    assert not missing, f"modules without a layer rule: {missing}"
+
+
+def test_the_reader_sees_every_form_of_import(tmp_path):
+    """The check itself: imports inside functions, relative ones, ``from llmexport import x``, and
+    literal ``importlib.import_module`` are found; those only for type checking are not."""
+    source = tmp_path / "llmexport" / "models"
+    source.mkdir(parents=True)
+    path = source / "x.py"
+    path.write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from llmexport.api import z\n"
+                    "def f():\n    from llmexport.mnn.runtime import run_module\nfrom ..verification import y\n"
+                    "import llmexport.ops\nfrom llmexport import cli\n"
+                    "def g():\n    import importlib\n    importlib.import_module('llmexport.mnn.convert')\n")
+    assert _imports("llmexport.models.x", path) == {"llmexport.mnn.runtime", "llmexport.verification", "llmexport.ops",
+                                                    "llmexport", "llmexport.cli", "llmexport.mnn.convert"}
