@@ -28,7 +28,7 @@ lint: install
 	$(BIN)/python -m mypy
 
 # pytest exits 5 when it collects nothing: that is a failure here.
-test: install
+test: install lint
 	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -q; code=$$?; \
 		if [ $$code -eq 5 ]; then echo "pytest collected no tests" >&2; exit 1; fi; exit $$code
 

@@ -108,7 +108,8 @@ def kernel_floor(checkpoint: Path, bits: int, block: int, embed_bit: int) -> flo
     scheme, elapsed = QuantScheme(bits, block), 0.0
     for spec in arch.linears():
         elapsed += timed(arch.linear_weight(spec.name)[0], bits, scheme.block_for(spec.in_features), torch.float16)
-    tables = [t for t in ([] if arch.tied_embedding else [arch.embedding_table()]) + [arch.ple_table()] if t is not None]
+    candidates = ([] if arch.tied_embedding else [arch.embedding_table()]) + [arch.ple_table()]
+    tables = [t for t in candidates if t is not None]
     for table in tables:
         for chunk in table.row_chunks():
             elapsed += timed(chunk, embed_bit, block, torch.float32)

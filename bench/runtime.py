@@ -72,7 +72,7 @@ def runtime_speed(export_dir: Path, threads: int, prompt: int = PROMPT_TOKENS, s
     cmd = (prefix or []) + [sys.executable, "-c", SPEED_CHILD, str(export_dir / "config.json"), config, str(prompt),
                             str(steps)]
     proc = subprocess.run(cmd, capture_output=True, text=True)
-    line = next((l for l in proc.stdout.splitlines() if l.startswith("{")), None)
+    line = next((text for text in proc.stdout.splitlines() if text.startswith("{")), None)
     return json.loads(line) if line else {"error": (proc.stdout + proc.stderr)[-800:]}
 
 
@@ -137,12 +137,7 @@ def _fidelity(checkpoint: Path, exports: dict[str, Path], work: Path, steps: int
     from llmexport.loading import open_architecture
     from llmexport.mnn.runtime import run_runtime
     from llmexport.stored_checkpoint import write_stored_checkpoint
-    from llmexport.verification import (
-        _reference_greedy,
-        default_prompt,
-        step_stats,
-        summarize,
-    )
+    from llmexport.verification import _reference_greedy, default_prompt, step_stats, summarize
 
     arch = open_architecture(Checkpoint.open(checkpoint))
     prompt = default_prompt(AutoTokenizer.from_pretrained(checkpoint), PROMPT_TOKENS)

@@ -65,8 +65,13 @@ class _Weights(dict):
 
 def build_model(seed: int):
     """HF Gemma4 with the default (E2B-sized) towers and a one-layer text model."""
-    from transformers import Gemma4AudioConfig, Gemma4Config, Gemma4ForConditionalGeneration, Gemma4TextConfig
-    from transformers import Gemma4VisionConfig
+    from transformers import (
+        Gemma4AudioConfig,
+        Gemma4Config,
+        Gemma4ForConditionalGeneration,
+        Gemma4TextConfig,
+        Gemma4VisionConfig,
+    )
 
     text = Gemma4TextConfig(vocab_size=512, vocab_size_per_layer_input=512, hidden_size=TEXT_HIDDEN,
                             intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,

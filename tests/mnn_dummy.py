@@ -23,8 +23,8 @@ DUMMY_HIDDEN = 4
 
 
 def _build_graph(path: Path, vocab_size: int, hidden: int) -> None:
-    import numpy as np
     import MNN.expr as F
+    import numpy as np
 
     input_ids = F.placeholder([-1, 1, hidden], F.NCHW, F.float)
     input_ids.name = "input_ids"
@@ -37,7 +37,8 @@ def _build_graph(path: Path, vocab_size: int, hidden: int) -> None:
 
     pooled = F.reduce_mean(F.reshape(input_ids, [-1, hidden]), [0], True)
     weight = F.const(np.zeros(hidden * vocab_size, np.float32).tolist(), [hidden, vocab_size], F.NCHW, F.float)
-    unused = F.reduce_sum(attention_mask) * 0.0 + F.cast(F.reduce_sum(position_ids) + F.reduce_sum(logits_index), F.float) * 0.0
+    indices = F.reduce_sum(position_ids) + F.reduce_sum(logits_index)
+    unused = F.reduce_sum(attention_mask) * 0.0 + F.cast(indices, F.float) * 0.0
     logits = F.reshape(F.matmul(pooled, weight) + unused, [1, 1, vocab_size])
     logits.name = "logits"
     F.save([logits], str(path))
@@ -106,5 +107,6 @@ def run_mnn_script(body: str, payload: dict, timeout: float = 120) -> dict:
     env = dict(os.environ, HF_HUB_OFFLINE="1")
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=timeout, env=env)
     if not result_path.exists():
-        raise RuntimeError(f"MNN child process failed (rc={proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}")
+        raise RuntimeError(f"MNN child process failed (rc={proc.returncode}):\n"
+                           f"{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}")
     return json.loads(result_path.read_text(encoding="utf-8"))

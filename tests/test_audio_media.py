@@ -7,9 +7,23 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from llmexport.media.audio import (FRAME, HOP, MAX_SAMPLES, RUNTIME_TAIL, audio_for_runtime, audio_tokens,
-                                   hf_frame_count, log_mel, read_wav, runtime_frame_count, runtime_log_mel,
-                                   samples_for_tokens, save_audio_for_runtime, synthetic_clip, write_wav)
+from llmexport.media.audio import (
+    FRAME,
+    HOP,
+    MAX_SAMPLES,
+    RUNTIME_TAIL,
+    audio_for_runtime,
+    audio_tokens,
+    hf_frame_count,
+    log_mel,
+    read_wav,
+    runtime_frame_count,
+    runtime_log_mel,
+    samples_for_tokens,
+    save_audio_for_runtime,
+    synthetic_clip,
+    write_wav,
+)
 
 # shorter than a tiny chunk (3 tokens), not a multiple of it (9), several chunks (22), 1 s, and a
 # length with samples % 160 in [1, 31] (where the runtime loses two frames)

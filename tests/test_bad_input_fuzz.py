@@ -17,8 +17,12 @@ from llmexport.errors import LlmExportError
 from llmexport.loading import open_architecture
 
 JUNK = st.one_of(st.none(), st.booleans(), st.integers(-3, 10**6), st.floats(allow_nan=True),
-                 st.text(max_size=6), st.lists(st.integers(-1, 4), max_size=3), st.dictionaries(st.text(max_size=3),
-                                                                                                  st.integers(), max_size=2))
+                 st.text(max_size=6), st.lists(st.integers(-1, 4), max_size=3),
+                 st.dictionaries(st.text(max_size=3), st.integers(), max_size=2))
+#: FUZZ_EXAMPLES=N runs N random examples (else a fixed, derandomized 60)
+FUZZ_SETTINGS = settings(max_examples=int(os.environ.get("FUZZ_EXAMPLES", 60)), deadline=None,
+                         derandomize=not os.environ.get("FUZZ_EXAMPLES"),
+                         suppress_health_check=[HealthCheck.function_scoped_fixture])
 TEXT_KEYS = ["num_hidden_layers", "hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim",
              "intermediate_size", "layer_types", "per_layer_config", "num_kv_shared_layers", "rope_parameters",
              "vocab_size", "hidden_size_per_layer_input", "vocab_size_per_layer_input", "sliding_window",
@@ -37,7 +41,7 @@ def _run(path) -> None:
         assert message and "Traceback" not in message
 
 
-@settings(max_examples=int(os.environ.get("FUZZ_EXAMPLES", 60)), deadline=None, derandomize=not os.environ.get("FUZZ_EXAMPLES"), suppress_health_check=[HealthCheck.function_scoped_fixture])
+@FUZZ_SETTINGS
 @given(key=st.sampled_from(TEXT_KEYS + ["model_type", "text_config"]), value=JUNK, delete=st.booleans())
 def test_mutated_config_gives_typed_errors(tiny_gemma4, tmp_path_factory, key, value, delete):
     path = tmp_path_factory.mktemp("fuzz")
@@ -52,7 +56,7 @@ def test_mutated_config_gives_typed_errors(tiny_gemma4, tmp_path_factory, key, v
     _run(path)
 
 
-@settings(max_examples=int(os.environ.get("FUZZ_EXAMPLES", 60)), deadline=None, derandomize=not os.environ.get("FUZZ_EXAMPLES"), suppress_health_check=[HealthCheck.function_scoped_fixture])
+@FUZZ_SETTINGS
 @given(index=st.integers(0, 200), field=st.sampled_from(HEADER_FIELDS), value=JUNK, truncate=st.integers(0, 3))
 def test_mutated_safetensors_header_gives_typed_errors(tiny_gemma4, tmp_path_factory, index, field, value, truncate):
     path = tmp_path_factory.mktemp("fuzz")
@@ -91,9 +95,11 @@ FUZZ = settings(max_examples=EXAMPLES, deadline=None, derandomize=not os.environ
 SAME_SIZE_NON_FLOAT = {1: ["I8", "U8", "BOOL"], 2: ["I16"], 4: ["I32", "U32"], 8: ["I64", "F64"]}
 ITEMSIZE = {"F32": 4, "F16": 2, "BF16": 2, "F64": 8}
 ESCAPING_SHARDS = st.one_of(
-    st.builds(lambda n, name: "../" * n + name, st.integers(1, 4), st.sampled_from(["x.safetensors", "model.safetensors"])),
+    st.builds(lambda n, name: "../" * n + name, st.integers(1, 4),
+              st.sampled_from(["x.safetensors", "model.safetensors"])),
     st.builds(lambda name: "/" + name, st.sampled_from(["etc/passwd", "dev/zero", "tmp/model.safetensors"])),
-    st.builds(lambda a, n: f"{a}/" + "../" * n + "model.safetensors", st.sampled_from(["sub", "a/b"]), st.integers(2, 4)),
+    st.builds(lambda a, n: f"{a}/" + "../" * n + "model.safetensors", st.sampled_from(["sub", "a/b"]),
+              st.integers(2, 4)),
     st.sampled_from(["", "..", ".", "a\\..\\..\\model.safetensors", "model.bin", "model.safetensors\x00.txt"]),
 )
 

@@ -8,11 +8,12 @@ import struct
 
 import pytest
 import torch
-from helpers import rewrite_safetensors_header
 
 from llmexport.checkpoint import Checkpoint
 from llmexport.errors import InputError
 from llmexport.loading import open_architecture
+
+from helpers import rewrite_safetensors_header
 
 
 @pytest.fixture()

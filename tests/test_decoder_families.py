@@ -9,8 +9,6 @@ import shutil
 
 import pytest
 import torch
-from families import parametrize
-from helpers import assert_reference_onnx_matches_eager, custom_nodes, edit_checkpoint
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -21,12 +19,10 @@ from llmexport.loading import open_architecture
 from llmexport.quant.recipes import recipe
 from llmexport.quant.scheme import QuantScheme
 from llmexport.spec import LinearRole
-from llmexport.tiny.decoders import (
-    FAMILIES,
-    VARIANTS,
-    build_decoder_checkpoint,
-    random_config,
-)
+from llmexport.tiny.decoders import FAMILIES, VARIANTS, build_decoder_checkpoint, random_config
+
+from families import parametrize
+from helpers import assert_reference_onnx_matches_eager, custom_nodes, edit_checkpoint
 
 MODEL_TYPE = {variant: family for variant, (family, _) in VARIANTS.items()}
 RANDOM_POINTS = [(family, seed) for family in sorted(FAMILIES) for seed in range(300, 304)]
@@ -56,7 +52,8 @@ def test_rewrite_matches_hf(tiny_decoder, variant):
 
 @pytest.mark.parametrize("variant, alter", [
     ("qwen3", lambda g: g.layers[2].self_attn.k_norm.weight.mul_(1.05)),
-    ("llama3", lambda g: g.inv_freq.copy_(1.0 / 500000.0 ** (torch.arange(0, 16, 2).float() / 16))),  # no llama3 scaling
+    # the inverse frequencies without Llama-3's scaling
+    ("llama3", lambda g: g.inv_freq.copy_(1.0 / 500000.0 ** (torch.arange(0, 16, 2).float() / 16))),
     ("qwen3-moe", lambda g: g.layers[1].mlp.gate.weight.mul_(1.5)),
 ])
 def test_parity_check_detects_a_change(tiny_decoder, variant, alter):
@@ -79,7 +76,8 @@ def test_random_configs_match_hf(tmp_path, family, seed):
     ids = torch.randint(5, 440, (13,))
     arch, _, ours, ref = _rewrite_and_reference(path, ids)
     reference = arch.load_reference(None)
-    sparse = [i for i, layer in enumerate(reference.model.layers) if type(layer.mlp).__name__.endswith("SparseMoeBlock")]
+    sparse = [i for i, layer in enumerate(reference.model.layers)
+              if type(layer.mlp).__name__.endswith("SparseMoeBlock")]
     assert sparse == [layer.index for layer in arch.args.layers if layer.sparse]
     assert (ours - ref).abs().max().item() < 1e-4, config
 
@@ -112,7 +110,8 @@ def test_roles_and_recipes(tiny_decoder):
     specs = {spec.name: spec for spec in arch.linears()}
     plan = recipe("mlp4-attn8", QuantScheme(4, 64))
     # Qwen3-MoE's router stays fp16 like every router (llmexport/quant/recipes.py)
-    assert specs["model.layers.1.mlp.gate"].role is LinearRole.ROUTER and plan.scheme_for(specs["model.layers.1.mlp.gate"]).bits == 16
+    router = specs["model.layers.1.mlp.gate"]
+    assert router.role is LinearRole.ROUTER and plan.scheme_for(router).bits == 16
     assert specs["model.layers.1.mlp.experts.7.down_proj"].role is LinearRole.EXPERT
     assert plan.scheme_for(specs["model.layers.1.mlp.experts.7.down_proj"]).bits == 4
     assert plan.scheme_for(specs["model.layers.0.mlp.up_proj"]).bits == 4
@@ -128,7 +127,8 @@ def test_runtime_files_describe_the_family(tiny_decoder, variant):
     assert "<|im_start|>" in config["jinja"]["chat_template"] if variant.startswith("qwen") else \
         "<|start_header_id|>" in config["jinja"]["chat_template"]
     assert arch.runtime_config() == {"precision": "normal"}
-    assert arch.end_of_turn_tokens() == (("<|im_end|>",) if variant.startswith("qwen") else ("<|eot_id|>", "<|eom_id|>"))
+    expected_stops = ("<|im_end|>",) if variant.startswith("qwen") else ("<|eot_id|>", "<|eom_id|>")
+    assert arch.end_of_turn_tokens() == expected_stops
 
 
 def test_transformers_4_config_keys_read_the_same(tiny_decoder, tmp_path):
@@ -167,7 +167,8 @@ def test_checkpoint_problems_are_input_errors(tiny_decoder, tmp_path, variant, e
 
 
 _JUNK = st.one_of(st.none(), st.booleans(), st.integers(-3, 10**6), st.floats(allow_nan=True), st.text(max_size=6),
-                  st.lists(st.integers(-1, 4), max_size=3), st.dictionaries(st.text(max_size=3), st.integers(), max_size=2))
+                  st.lists(st.integers(-1, 4), max_size=3),
+                  st.dictionaries(st.text(max_size=3), st.integers(), max_size=2))
 _KEYS = ["num_hidden_layers", "hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim",
          "intermediate_size", "vocab_size", "rms_norm_eps", "rope_parameters", "rope_theta", "rope_scaling",
          "tie_word_embeddings", "attention_bias", "mlp_bias", "hidden_act", "max_position_embeddings", "layer_types",

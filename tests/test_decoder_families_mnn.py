@@ -13,7 +13,6 @@ import sys
 
 import pytest
 
-from families import parametrize
 from llmexport import ExportOptions, export
 from llmexport.mnn.convert import mnn_to_json
 from llmexport.mnn.readback import linear_records
@@ -24,6 +23,8 @@ from llmexport.tiny.byte_level_tokenizer import STYLES
 from llmexport.tiny.decoders import VARIANTS, build_decoder_checkpoint, random_config
 from llmexport.tiny.k2_horizon import build_tiny_k2_horizon
 from llmexport.verification import summary_line, verify_export
+
+from families import parametrize
 
 MODEL_TYPE = {variant: family for variant, (family, _) in VARIANTS.items()}
 

@@ -7,12 +7,13 @@ import json
 
 import pytest
 
-from conftest import GEMMA4_SHAPES
-from families import parametrize
 from llmexport import ExportOptions, export
 from llmexport.options import RuntimeProfile
 from llmexport.quant.scheme import QuantScheme
 from llmexport.verification import summary_line, verify_export
+
+from conftest import GEMMA4_SHAPES
+from families import parametrize
 
 RUNTIME_FILES = {"config.json", "llm_config.json", "llm.mnn", "llm.mnn.weight", "tokenizer.mtok"}
 

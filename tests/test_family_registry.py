@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import importlib
 
-import families
 import pytest
 
 from llmexport.checkpoint import Checkpoint
@@ -16,6 +15,8 @@ from llmexport.loading import open_architecture
 from llmexport.models import registered_families
 from llmexport.models.base import Architecture
 from llmexport.tiny.registry import TINY_BUILDERS
+
+import families
 
 
 def _missing(registry: dict[str, type], builders, coverage: dict[str, set[str]]) -> list[str]:

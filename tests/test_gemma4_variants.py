@@ -5,12 +5,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-from gemma4_variants import random_text_config
 
 from llmexport.checkpoint import Checkpoint
 from llmexport.eager import bind_weights, prompt_inputs
 from llmexport.loading import open_architecture
 from llmexport.tiny.gemma4 import build_gemma4_checkpoint
+
+from gemma4_variants import random_text_config
 
 SEEDS = list(range(100, 124))
 

@@ -17,10 +17,22 @@ import pytest
 import torch
 from click.testing import CliRunner
 
-from helpers import rewrite_safetensors_header
-from hostile import (assert_refused, copy_model, make_old_dst, nested_json, overlap_offsets, poison, replace_tensor,
-                     run_cli, snapshot, tensor_names, write_index)
 from llmexport.cli import main
+
+from helpers import rewrite_safetensors_header
+from hostile import (
+    assert_refused,
+    copy_model,
+    make_old_dst,
+    nested_json,
+    overlap_offsets,
+    poison,
+    replace_tensor,
+    run_cli,
+    snapshot,
+    tensor_names,
+    write_index,
+)
 
 Q = "model.layers.0.self_attn.q_proj.weight"  # text-only checkpoints: prefix "model."
 NORM = "model.layers.0.input_layernorm.weight"
@@ -93,7 +105,8 @@ def test_index_shards_outside_the_checkpoint_are_refused(case, shard):
 
 def test_index_listing_a_tensor_its_shard_lacks_is_refused(case):
     model, dst = case()
-    write_index(model, {**{n: "model.safetensors" for n in tensor_names(model)}, "model.extra.weight": "model.safetensors"})
+    listed = {n: "model.safetensors" for n in tensor_names(model)}
+    write_index(model, {**listed, "model.extra.weight": "model.safetensors"})
     before = snapshot(model.parent)
     _refused(_export(model, dst), model.parent, before, "'model.extra.weight'", "not in its shard", codes=(3,))
 
@@ -319,7 +332,8 @@ def test_tokenizer_vocab_id_far_beyond_the_vocabulary_is_an_input_error(case):
 
 # --- tokenizer files: named, and checked before the heavy work -------------------------------------------
 @pytest.mark.parametrize("name, content", [
-    ("tokenizer.json", "{broken"), ("tokenizer_config.json", "[1, 2"), ("generation_config.json", "{\"eos_token_id\": "),
+    ("tokenizer.json", "{broken"), ("tokenizer_config.json", "[1, 2"),
+    ("generation_config.json", "{\"eos_token_id\": "),
     ("generation_config.json", "{\"eos_token_id\": \"x\"}"), ("tokenizer.json", "{\"model\": 5}"),
     ("tokenizer.json", "{\"model\": {\"type\": \"WordPiece\", \"vocab\": {}}}"),
 ])

@@ -12,7 +12,6 @@ from unittest import mock
 
 import pytest
 
-from families import parametrize
 from llmexport import ExportOptions, export
 from llmexport.mnn.convert import mnn_to_json
 from llmexport.mnn.readback import linear_records
@@ -22,6 +21,8 @@ from llmexport.quant.scheme import QuantScheme
 from llmexport.results import VerifyReport
 from llmexport.tiny.k2_horizon import build_k2_horizon_checkpoint, random_config
 from llmexport.verification import summary_line, verify_export
+
+from families import parametrize
 
 VARIANTS = ("dense", "sparse", "sparse-qknorm")
 

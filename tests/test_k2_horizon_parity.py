@@ -7,8 +7,6 @@ from unittest import mock
 
 import pytest
 import torch
-from families import parametrize
-from helpers import assert_reference_onnx_matches_eager, custom_nodes, edit_checkpoint
 
 from llmexport.checkpoint import Checkpoint
 from llmexport.eager import bind_weights, prompt_inputs
@@ -16,6 +14,9 @@ from llmexport.errors import InputError
 from llmexport.loading import open_architecture
 from llmexport.models.k2_horizon import K2Horizon
 from llmexport.tiny.k2_horizon import build_k2_horizon_checkpoint, random_config
+
+from families import parametrize
+from helpers import assert_reference_onnx_matches_eager, custom_nodes, edit_checkpoint
 
 VARIANTS = ("dense", "sparse", "sparse-qknorm")
 SEEDS = list(range(200, 212))
@@ -100,7 +101,8 @@ def test_dense_mova_runs_every_value_expert_in_the_main_graph(tiny_k2_horizon, t
         nodes = custom_nodes(arch, tmp_path / "dense.onnx")
         assert [t.marker for t in arch.expert_templates()] == ["@expert@"]
     assert sorted(m["layer_id"] for m in nodes["MoE"]) == [1, 3]
-    assert {f"model.layers.1.self_attn.v_experts.{e}" for e in range(8)} <= {m["name"].decode() for m in nodes["Linear"]}
+    linears = {m["name"].decode() for m in nodes["Linear"]}
+    assert {f"model.layers.1.self_attn.v_experts.{e}" for e in range(8)} <= linears
 
 
 def test_routers_are_router_role_and_stay_fp16(tiny_k2_horizon):

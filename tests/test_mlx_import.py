@@ -27,11 +27,7 @@ mlx_convert = pytest.importorskip("mlx_lm.convert", reason="mlx-lm cannot be ins
 
 from llmexport import ExportOptions, export, plan  # noqa: E402
 from llmexport.errors import InputError  # noqa: E402
-from llmexport.importers.mlx import (  # noqa: E402
-    MlxQuantConfig,
-    mlx_quantization,
-    unpack_levels,
-)
+from llmexport.importers.mlx import MlxQuantConfig, mlx_quantization, unpack_levels  # noqa: E402
 from llmexport.mnn.readback import linear_records  # noqa: E402
 from llmexport.mnn.weight_reader import read_levels, read_linear  # noqa: E402
 from llmexport.mnn.weights import WeightFileWriter  # noqa: E402

@@ -3,14 +3,15 @@
 from __future__ import annotations
 
 import onnx
-from conftest import GEMMA4_SHAPES
-from families import parametrize
-from helpers import assert_reference_onnx_matches_eager
 
 from llmexport.checkpoint import Checkpoint
 from llmexport.eager import bind_weights
 from llmexport.loading import open_architecture
 from llmexport.onnx_export import export_onnx
+
+from conftest import GEMMA4_SHAPES
+from families import parametrize
+from helpers import assert_reference_onnx_matches_eager
 
 
 @parametrize("onnx", "shape", GEMMA4_SHAPES, "gemma4")

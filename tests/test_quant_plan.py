@@ -68,7 +68,8 @@ def test_a_rule_naming_routers_quantizes_them_at_8_bits_or_more(rule, how):
 
 
 def test_first_matching_rule_wins():
-    plan = QuantPlan(DEFAULT, (QuantRule("*.mlp.down_proj", QuantScheme(8, 128)), QuantRule("role:mlp", QuantScheme(2, 32))))
+    plan = QuantPlan(DEFAULT, (QuantRule("*.mlp.down_proj", QuantScheme(8, 128)),
+                               QuantRule("role:mlp", QuantScheme(2, 32))))
     assert plan.scheme_for(MLP) == QuantScheme(8, 128)
     assert plan.scheme_for(spec("m.layers.0.mlp.up_proj", LinearRole.MLP)) == QuantScheme(2, 32)
     assert plan.scheme_for(ATTN) == DEFAULT

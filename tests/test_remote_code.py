@@ -7,9 +7,10 @@ import pytest
 import torch
 from click.testing import CliRunner
 
-from hostile import assert_refused, copy_model, make_old_dst, snapshot
 from llmexport.cli import main
 from llmexport.errors import UsageError
+
+from hostile import assert_refused, copy_model, make_old_dst, snapshot
 
 
 def test_verify_of_a_remote_code_family_needs_trust_remote_code(tiny_k2_horizon, tmp_path, monkeypatch):

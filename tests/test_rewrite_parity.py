@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import GEMMA4_SHAPES
-from families import parametrize
 
 from llmexport.checkpoint import Checkpoint
 from llmexport.eager import bind_weights, prompt_inputs
 from llmexport.loading import open_architecture
+
+from conftest import GEMMA4_SHAPES
+from families import parametrize
 
 
 def _rewrite_and_reference(path, ids):

@@ -14,8 +14,9 @@ from pathlib import Path
 
 import pytest
 
-from hostile import CLI, SENTINEL, make_old_dst
 from llmexport.staging import StagedExport, reap_stale
+
+from hostile import CLI, SENTINEL, make_old_dst
 
 
 def _leftovers(dst: Path) -> list[str]:

@@ -18,6 +18,7 @@ from llmexport.mnn.tokenizer import write_mnn_tokenizer
 from llmexport.mnn.tokenizer_pipeline import GPT2_PATTERN, byte_level_chars
 from llmexport.mnn.tokenizer_regex import RegexCheck, UnsupportedRegex, check_split_regex, class_differences
 from llmexport.tiny.byte_level_tokenizer import LLAMA3_PATTERN, QWEN_PATTERN
+
 from mnn_tokenizer_server import MnnTokenizer
 
 ALL_CODE_POINTS = [cp for cp in range(1, 0x110000) if not 0xD800 <= cp < 0xE000]
@@ -78,7 +79,8 @@ class Probe:
 # --- what the validator accepts and refuses ------------------------------------------------------
 
 @pytest.mark.parametrize("pattern", [GPT2_PATTERN, LLAMA3_PATTERN, QWEN_PATTERN,
-                                     r"[!\"#$%&'()*+,\-./:;<=>?@\[\\\]^_`{|}~][A-Za-z]+|[^\r\n\p{L}\p{P}\p{S}]?[\p{L}\p{M}]+| ?[\p{P}\p{S}]+[\r\n]*",
+                                     r"[!\"#$%&'()*+,\-./:;<=>?@\[\\\]^_`{|}~][A-Za-z]+|[^\r\n\p{L}\p{P}\p{S}]?"
+                                     r"[\p{L}\p{M}]+| ?[\p{P}\p{S}]+[\r\n]*",
                                      r"\s+(?!\S)|\s+", r"(?:ab|a)+", r".", r"\P{N}{2,}", r"x{3}|y{1,}"])
 def test_accepts_patterns_it_reads_like_hf(pattern):
     assert isinstance(check_split_regex(pattern), RegexCheck)

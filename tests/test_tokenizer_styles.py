@@ -21,14 +21,15 @@ from types import SimpleNamespace
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from test_tokenizer import CHATS, FIXED_TEXTS
 from transformers import AutoTokenizer
 
 from llmexport.mnn.tokenizer import write_mnn_tokenizer
 from llmexport.mnn.tokenizer_pipeline import NFC_NOTE, byte_level_chars
 from llmexport.tiny.byte_level_tokenizer import EXTRA_CORPUS, STYLES, build_byte_level_tokenizer
 from llmexport.tiny.tokenizer import TRAINING_CORPUS
+
 from mnn_tokenizer_server import MnnTokenizer
-from test_tokenizer import CHATS, FIXED_TEXTS
 
 CONTRACTIONS = ["'s", "'S", "'t", "'T", "'re", "'RE", "'Re", "'rE", "'ve", "'VE", "'vE", "'m", "'M", "'ll", "'LL",
                 "'Ll", "'d", "'D", "'x", "'"]

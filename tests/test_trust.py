@@ -12,8 +12,9 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from helpers import rewrite_safetensors_header
 from llmexport.cli import main
+
+from helpers import rewrite_safetensors_header
 
 SENTINEL = "old export"
 

@@ -3,12 +3,20 @@
 from __future__ import annotations
 
 import numpy as np
+import PIL  # noqa: E402,F401  (pillow is a dependency)
 import pytest
 
-from llmexport.media.image import (MAX_SOFT_TOKENS, patchify, preprocess, processed_size, resize_to_processed,
-                                   runtime_size, save_image_for_runtime, synthetic_image)
+from llmexport.media.image import (
+    MAX_SOFT_TOKENS,
+    patchify,
+    preprocess,
+    processed_size,
+    resize_to_processed,
+    runtime_size,
+    save_image_for_runtime,
+    synthetic_image,
+)
 
-import PIL  # noqa: E402,F401  (pillow is a dependency)
 # square, wide, sides not multiples of 48, tall and thin, already at a processed size, tiny
 SIZES = [(300, 300), (200, 640), (317, 451), (1000, 40), (768, 768), (20, 30)]
 

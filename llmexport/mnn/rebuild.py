@@ -149,8 +149,8 @@ class _Rebuilder:
         from llmexport.quant.hqq import quantizer_for
 
         # STORED linears carry their own integers (llmexport.quant.transcode): no quantizer
-        self.quantizers: dict[QuantMethod, Quantizer] = {m: on_best_device(quantizer_for(m), enabled=use_gpu) for m in QuantMethod
-                           if m is not QuantMethod.STORED}
+        self.quantizers: dict[QuantMethod, Quantizer] = {
+            m: on_best_device(quantizer_for(m), enabled=use_gpu) for m in QuantMethod if m is not QuantMethod.STORED}
         self.specs = {spec.name: spec for spec in linears}
         self.writer = WeightFileWriter(weight_file, offset=0)
         self.weight_fn, self.scheme_fn, self.progress = weight_fn, scheme_fn, progress

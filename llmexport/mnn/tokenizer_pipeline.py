@@ -281,7 +281,8 @@ def _bpe_model(model: dict, added: list[dict], body: Body) -> bytes:
     # byte_level 0: the pre-tokenizer, not the model, maps bytes to characters.
     out = [u8(_MODEL_BPE), u32(len(rows)), u8(int(bool(model.get("byte_fallback")))), u8(0), u32(len(rank_of))]
     out += [string(piece) + u32(idx) for piece, idx in rows]
-    out += [u32(a) + u32(b) + u32(r) for (a, b), r in sorted(rank_of.items(), key=lambda kv: (kv[0][0] << 32) | kv[0][1])]
+    merges = sorted(rank_of.items(), key=lambda kv: (kv[0][0] << 32) | kv[0][1])
+    out += [u32(a) + u32(b) + u32(r) for (a, b), r in merges]
     return b"".join(out)
 
 
@@ -341,7 +342,7 @@ def encode_body(tj: dict) -> Body:
         bad = unreachable_words(tj)
         if bad:
             raise Unsupported(
-                f"BPE model with ignore_merges=true: {len(bad)} vocabulary word(s) such as {sorted(bad)[:3]} are single "
-                "tokens in HF but not reachable by merges, and MNN 3.6.1's BPE has no whole-word lookup")
+                f"BPE model with ignore_merges=true: {len(bad)} vocabulary word(s) such as {sorted(bad)[:3]} are "
+                "single tokens in HF but not reachable by merges, and MNN 3.6.1's BPE has no whole-word lookup")
     body.data = b"".join(parts)
     return body

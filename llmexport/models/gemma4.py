@@ -18,11 +18,11 @@ from torch import nn
 from llmexport.checkpoint import Checkpoint, LazyTensor
 from llmexport.errors import InputError
 from llmexport.models import register
+from llmexport.models.base import Tower
 from llmexport.models.decoder import DecoderFamily, Shapes
 from llmexport.models.gemma4_args import SLIDING, Gemma4TextArgs, parse_text_args
 from llmexport.models.gemma4_graph import Expert, Gemma4TextGraph
 from llmexport.models.tensor_checks import count_limit, finite_lookup, require_stacked
-from llmexport.models.base import Tower
 from llmexport.spec import ExpertTemplate, GraphInputs, LinearRole, LinearSpec, StoredWeights
 
 log = logging.getLogger(__name__)

@@ -125,7 +125,7 @@ def _train(style: str, budget: int) -> tuple[dict[str, int], list[tuple[str, str
     for piece, _ in sorted(data["model"]["vocab"].items(), key=lambda kv: kv[1]):
         vocab.setdefault(piece, len(vocab))
     merges = [tuple(m) if isinstance(m, list) else tuple(m.split(" ", 1)) for m in data["model"]["merges"]]
-    return vocab, merges  # type: ignore[return-value]
+    return vocab, merges
 
 
 def _build(style: TokenizerStyle, vocab_size: int) -> Tokenizer:

@@ -112,7 +112,8 @@ def build_decoder_checkpoint(out_dir: Path | str, family: str, config_kwargs: di
     return out
 
 
-def build_tiny_decoder(out_dir: Path | str, variant: str, *, seed: int = 0, dtype: torch.dtype = torch.bfloat16) -> Path:
+def build_tiny_decoder(out_dir: Path | str, variant: str, *, seed: int = 0,
+                       dtype: torch.dtype = torch.bfloat16) -> Path:
     """Write one of ``VARIANTS`` as a tiny random checkpoint to ``out_dir``."""
     family, config = variant_config(variant)
     return build_decoder_checkpoint(out_dir, family, config, seed=seed, dtype=dtype)

@@ -130,7 +130,7 @@ def _train_merges(budget: int) -> tuple[list[str], list[tuple[str, str]]]:
     vocab: dict[str, int] = data["model"]["vocab"]
     pieces = [tok for tok, _ in sorted(vocab.items(), key=lambda kv: kv[1])]
     merges = [tuple(m) if isinstance(m, list) else tuple(m.split(" ", 1)) for m in data["model"]["merges"]]
-    return pieces, merges  # type: ignore[return-value]
+    return pieces, merges
 
 
 def _build_tokenizer(vocab_size: int) -> Tokenizer:
@@ -155,7 +155,8 @@ def _build_tokenizer(vocab_size: int) -> Tokenizer:
     tok.pre_tokenizer = pre_tokenizers.Split(pattern=" ", behavior="merged_with_previous", invert=False)
     tok.decoder = decoders.Sequence([decoders.Replace(_SPACE_PIECE, " "), decoders.ByteFallback(), decoders.Fuse()])
     tok.add_special_tokens(
-        [AddedToken(text, special=True, normalized=False) for text, _ in sorted(SPECIAL_TOKENS.values(), key=lambda t: t[1])]
+        [AddedToken(text, special=True, normalized=False)
+         for text, _ in sorted(SPECIAL_TOKENS.values(), key=lambda t: t[1])]
     )
     bos, bos_id = SPECIAL_TOKENS["bos"]
     tok.post_processor = processors.TemplateProcessing(
@@ -202,5 +203,6 @@ def build_tiny_gemma_tokenizer(out_dir: Path, vocab_size: int = 512) -> None:
             "video_token": name["video"],
         },
     }
-    (out_dir / "tokenizer_config.json").write_text(json.dumps(config, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
+    (out_dir / "tokenizer_config.json").write_text(json.dumps(config, indent=2, ensure_ascii=False) + "\n",
+                                                  encoding="utf-8")
     (out_dir / "chat_template.jinja").write_text(GEMMA4_CHAT_TEMPLATE, encoding="utf-8")

@@ -29,12 +29,7 @@ comes from ``Architecture.mlx_layout``; which linears keep their integers is dec
 
 from llmexport.importers.mlx.checkpoint import MlxCheckpoint, adapt_checkpoint
 from llmexport.importers.mlx.compare import compare_with_source
-from llmexport.importers.mlx.format import (
-           MlxQuantConfig,
-           mlx_quantization,
-           stored_format,
-           unpack_levels,
-)
+from llmexport.importers.mlx.format import MlxQuantConfig, mlx_quantization, stored_format, unpack_levels
 from llmexport.importers.mlx.weights import MlxLazy, MlxWeights
 
 __all__ = ["MlxCheckpoint", "MlxLazy", "MlxQuantConfig", "MlxWeights", "adapt_checkpoint", "compare_with_source",
