@@ -40,6 +40,17 @@ class AttentionShape:
         return self.kv_heads * self.head_dim
 
 
+def pre_norm_shapes(prefix: str, hidden: int, qk_widths: tuple[int, int] | None) -> Shapes:
+    """One pre-norm layer's RMSNorm gammas: input and post-attention norms, and the q/k norms
+    (``qk_widths``: their widths, None without them)."""
+    shapes: Shapes = {prefix + "input_layernorm.weight": (hidden,),
+                      prefix + "post_attention_layernorm.weight": (hidden,)}
+    if qk_widths is not None:
+        shapes[prefix + "self_attn.q_norm.weight"] = (qk_widths[0],)
+        shapes[prefix + "self_attn.k_norm.weight"] = (qk_widths[1],)
+    return shapes
+
+
 def attention_specs(prefix: str, hidden: int, q_width: int, kv_width: int, bias: bool,
                     values: list[LinearSpec] | None = None) -> list[LinearSpec]:
     """``{prefix}{q,k}_proj``, the value projection(s) (default ``v_proj``), ``o_proj``."""

@@ -16,7 +16,7 @@ from torch import nn
 
 from llmexport.checkpoint import Checkpoint
 from llmexport.models import register
-from llmexport.models.decoder import DecoderFamily, Shapes, attention_specs, mlp_specs, routed_specs
+from llmexport.models.decoder import DecoderFamily, Shapes, attention_specs, mlp_specs, pre_norm_shapes, routed_specs
 from llmexport.models.k2_horizon_args import K2HorizonArgs, parse_args
 from llmexport.models.k2_horizon_graph import K2HorizonGraph, Mlp, ValueExpert, mova_layer_id
 from llmexport.models.tensor_checks import count_limit, finite_lookup
@@ -71,12 +71,10 @@ class K2Horizon(DecoderFamily):
         """Norm gammas and router biases: graph constants, with their expected shapes."""
         a = self.args
         shapes: Shapes = {"model.norm.weight": (a.hidden_size,)}
+        qk = (a.num_heads * a.head_dim, a.kv_width) if a.qk_norm else None  # grouped over all heads
         for layer in a.layers:
             p = f"model.layers.{layer.index}."
-            shapes[p + "input_layernorm.weight"] = shapes[p + "post_attention_layernorm.weight"] = (a.hidden_size,)
-            if a.qk_norm:
-                shapes[p + "self_attn.q_norm.weight"] = (a.num_heads * a.head_dim,)
-                shapes[p + "self_attn.k_norm.weight"] = (a.kv_width,)
+            shapes.update(pre_norm_shapes(p, a.hidden_size, qk))
             if layer.mova and a.mova is not None:
                 shapes[p + "self_attn.v_router.e_score_correction_bias"] = (a.mova.num_experts,)
             if layer.sparse and a.moe is not None:

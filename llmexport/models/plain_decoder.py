@@ -17,7 +17,7 @@ from typing import Any
 from torch import nn
 
 from llmexport.checkpoint import Checkpoint
-from llmexport.models.decoder import DecoderFamily, Shapes, attention_specs, mlp_specs, routed_specs
+from llmexport.models.decoder import DecoderFamily, Shapes, attention_specs, mlp_specs, pre_norm_shapes, routed_specs
 from llmexport.models.decoder_args import DecoderArgs, parse_decoder_args, resolve_config
 from llmexport.models.decoder_graph import DenseDecoderGraph, SwiGlu
 from llmexport.models.tensor_checks import count_limit, finite_lookup
@@ -66,11 +66,9 @@ class PlainDecoder(DecoderFamily):
     def constant_shapes(self) -> Shapes:
         a = self.args
         shapes: Shapes = {"model.norm.weight": (a.hidden_size,)}
+        qk = (a.head_dim, a.head_dim) if a.qk_norm else None  # per-head norms
         for layer in a.layers:
-            p = f"model.layers.{layer.index}."
-            shapes[p + "input_layernorm.weight"] = shapes[p + "post_attention_layernorm.weight"] = (a.hidden_size,)
-            if a.qk_norm:
-                shapes[p + "self_attn.q_norm.weight"] = shapes[p + "self_attn.k_norm.weight"] = (a.head_dim,)
+            shapes.update(pre_norm_shapes(f"model.layers.{layer.index}.", a.hidden_size, qk))
         return shapes
 
     # --- graph ------------------------------------------------------------------------------
