@@ -3,7 +3,8 @@
 ``prompt_inputs`` mirrors MNN 3.6.1 ``Llm::embedding`` / ``gen_attention_mask`` /
 ``gen_position_ids`` (transformers/llm/engine/src/llm.cpp) for one prompt without a cache:
 unscaled embeddings as [seq, 1, hidden], a float mask (stacked full + sliding for "mix"),
-int32 positions, PLE rows multiplied by ``ple_embed_scale``.
+int32 positions; with per-layer embeddings each row is the token's embedding followed by its
+(unscaled) PLE row, as the runtime reads them from one table (mnn/token_table.py).
 """
 
 from __future__ import annotations
@@ -53,13 +54,12 @@ def prompt_inputs(arch: Architecture, ids: torch.Tensor, embedding: torch.Tensor
     seq = int(ids.numel())
     ids = ids.view(-1).long()
     embeds = _rows(embedding, ids).float().view(seq, 1, -1)
+    if ple is not None:
+        embeds = torch.cat([embeds, _rows(ple, ids).float().view(seq, 1, -1)], dim=-1)
     if config.get("attention_type") == "mix":
         mask = torch.stack([_causal(seq, None), _causal(seq, int(config["sliding_window"]))])
     else:
         mask = _causal(seq, None)
     positions = torch.arange(seq, dtype=torch.int32).view(1, -1)
     logits_index = torch.tensor([0 if all_logits else -1], dtype=torch.int32)
-    args = [embeds, mask, positions, logits_index]
-    if ple is not None:
-        args.append(_rows(ple, ids).float().view(1, seq, -1) * float(config["ple_embed_scale"]))
-    return tuple(args)
+    return embeds, mask, positions, logits_index

@@ -107,8 +107,10 @@ def _export_mnn(arch: Architecture, graph, tokenizer: bytes, out: Path, options:
                             sources.scheme, out, work, options, timings, _convert_expert_templates(arch, work),
                             source_of=arch.linear_source)
     files: dict[str, Any] = {}
-    for tower in arch.towers():
-        _export_graph(tower.name, tower.build_graph(), tower.graph_inputs(), tower.linears(), tower.linear_weight,
+    towers = arch.towers()
+    tail = _media_token_tail(arch, sources) if towers else None
+    for tower in towers:
+        _export_graph(tower.name, tower.build_graph(tail), tower.graph_inputs(), tower.linears(), tower.linear_weight,
                       lambda spec, t=tower: options.tower_scheme(t.name), out, work, options, timings,
                       source_of=tower.linear_source)
         family_llm.update(tower.llm_config())
@@ -177,32 +179,42 @@ def _convert_expert_templates(arch: Architecture, work: Path) -> list:
 
 def _write_tables(arch: Architecture, out: Path, sources: WeightSources, records,
                   files: dict[str, Any]) -> str | None:
-    """Embedding and PLE files; returns the embedding file name config.json must name."""
-    embedding_file = None
+    """The token table (mnn/token_table.py); returns the embedding file name config.json must name."""
     tables = sources.tables()
-    if arch.tied_embedding:
+    if "embedding" not in tables:  # the runtime reads the tied lm_head record
         lm = records["lm_head"]
         files["tie_embeddings"] = {
             "weight_offset": lm.weight_offset, "alpha_offset": lm.alpha_offset, "alpha_size": lm.alpha_bytes,
             "quant_bit": lm.bits, "quant_block": lm.block, "alpha_dtype": "fp32" if lm.alpha_fp32 else "fp16"}
-    else:
-        table, choice = tables["embedding"]
-        embedding_file = mnn_config.embedding_file_name(choice.bits)
-        with open(out / embedding_file, "wb") as f:
-            rec = _table(f, table, choice, "embedding")
-        if choice.bits != 16:
-            files["tie_embeddings"] = {
-                "weight_offset": 0, "alpha_offset": rec.weight_bytes, "alpha_size": rec.alpha_bytes,
-                "quant_bit": rec.bits, "quant_block": rec.block, "alpha_dtype": "fp32"}
-    if "ple" in tables:
-        table, choice = tables["ple"]
-        name = mnn_config.ple_file_name(choice.bits)
-        with open(out / name, "wb") as f:
-            rec = _table(f, table, choice, "PLE")
-        files["ple_embed_file"] = name
-        if choice.bits != 16:
-            files["ple_quant"] = [0, rec.weight_bytes, rec.alpha_bytes, rec.bits, rec.block]
+        return None
+    table, choice = tables["embedding"]
+    embedding_file = mnn_config.embedding_file_name(choice.bits)
+    with open(out / embedding_file, "wb") as f:
+        rec = _table(f, table, choice, "embedding")
+    files["hidden_size"] = rec.dim  # the width the runtime reads a row at (embedding + PLE)
+    if choice.bits != 16:
+        files["tie_embeddings"] = {
+            "weight_offset": 0, "alpha_offset": rec.weight_bytes, "alpha_size": rec.alpha_bytes,
+            "quant_bit": rec.bits, "quant_block": rec.block, "alpha_dtype": "fp32"}
     return embedding_file
+
+
+def _media_token_tail(arch: Architecture, sources: WeightSources):
+    """What a soft token carries after its features: the PLE columns of the media id's row as
+    the token table stores it (mnn/token_table.py); None when the table has no such columns."""
+    from llmexport.mnn.token_table import split_rows, stored_row
+
+    tables = sources.tables()
+    if "embedding" not in tables or arch.ple_table() is None:
+        return None
+    table, choice = tables["embedding"]
+    try:
+        row = stored_row(table, arch.media_ple_id(), choice.bits, choice.block, choice.quantizer)
+    except NonFiniteError as exc:
+        raise InputError(f"embedding table {table.name!r}: {exc}") from None
+    except ValueError as exc:
+        raise InputError(f"--embed_bit/--quant_block: embedding table of width {table.shape[-1]}: {exc}") from None
+    return split_rows(arch, row)[1]
 
 
 def _table(fileobj, table, choice, what: str):

@@ -66,6 +66,8 @@ def measure(check: TowerCheck, output: np.ndarray, ref: torch.Tensor, ref32: tor
     """The graph's ``output`` [1, rows, hidden] against HF's features ``ref`` (stored weights) and
     ``ref32`` (fp32), in HF's scale; errors are infinite when the shapes differ."""
     mnn = output[0, :ref.shape[0]] if check.keeps_first_rows else output[0]
+    if check.feature_columns is not None:
+        mnn = mnn[..., :check.feature_columns]
     mnn = mnn / check.output_scale
     same = mnn.shape == tuple(ref.shape)
     return {Measure.ROWS: int(ref.shape[0]), Measure.MNN_ROWS: int(mnn.shape[0]),

@@ -28,6 +28,7 @@ import torch
 
 from llmexport.checkpoint import LazyTensor
 from llmexport.importers.mlx import MlxLazy, MlxWeights, stored_format
+from llmexport.mnn.token_table import JoinedColumns, token_table
 from llmexport.models.base import Architecture
 from llmexport.options import ExportOptions
 from llmexport.quant.scheme import ALLOWED_BLOCKS, FP16_BITS, QUANT_BITS, QuantMethod, QuantScheme
@@ -145,15 +146,19 @@ class WeightSources:
             return TableChoice(16, 0, lazy.row_chunks, None, stored)
         return TableChoice(info.bits, info.group, lazy.quantized_chunks, transcode, stored)
 
-    def tables(self) -> dict[str, tuple[LazyTensor, TableChoice]]:
-        """The embedding (untied models) and PLE tables with how each is written."""
-        out = {}
-        if not self.arch.tied_embedding:
-            out["embedding"] = self.arch.embedding_table()
-        ple = self.arch.ple_table()
-        if ple is not None:
-            out["ple"] = ple
-        return {name: (lazy, self.table(lazy)) for name, lazy in out.items()}
+    def tables(self) -> dict[str, tuple[Any, TableChoice]]:
+        """The table the runtime reads per token (mnn/token_table.py: the embedding of untied
+        models, joined with the PLE rows where there are any) with how it is written."""
+        table = token_table(self.arch)
+        if table is None:
+            return {}
+        choice = self.table(table)
+        if isinstance(table, JoinedColumns) and any(isinstance(p, MlxLazy) for p in table.parts):
+            stored = " + ".join(stored_format(p.quantization) if isinstance(p, MlxLazy) else "unquantized"
+                                for p in table.parts)
+            choice = TableChoice(choice.bits, choice.block, choice.chunks, None, stored,
+                                 "joined with the PLE rows into one table (docs/output-format.md)")
+        return {"embedding": (table, choice)}
 
     # --- report ----------------------------------------------------------------------------------
     def summary(self) -> dict[str, Any] | None:

@@ -61,14 +61,16 @@ def test_4bit_export_agrees_with_read_back_weights(exported, shape):
 def test_export_folder_holds_what_the_runtime_reads(exported):
     out, result, _ = exported("e2b", 16)
     names = {p.name for p in out.iterdir()}
-    assert RUNTIME_FILES | {"ple_embeddings_bf16.bin"} <= names
-    assert not any(name.startswith(".") for name in names)  # no staging leftovers
+    assert RUNTIME_FILES | {"embeddings_bf16.bin"} <= names
+    assert not any(name.startswith((".", "ple_")) for name in names)  # no staging leftovers, no PLE file
     llm_config = json.loads((out / "llm_config.json").read_text())
     assert llm_config["attention_type"] == "mix" and llm_config["sliding_window"] == 8
     assert llm_config["attn_scale"] == 1.0
-    assert llm_config["ple_embed_dim"] == 8 * 16 and llm_config["ple_embed_scale"] == 4.0
-    assert llm_config["tie_embeddings"]["quant_bit"] == 16
-    assert json.loads((out / "config.json").read_text())["precision"] == "normal"
+    # the token table's rows are [embedding 64 | PLE 8 x 16], bf16; the tied lm_head keeps its record
+    assert llm_config["hidden_size"] == 64 + 8 * 16 and not any(key.startswith("ple_") for key in llm_config)
+    assert "tie_embeddings" not in llm_config and (out / "embeddings_bf16.bin").stat().st_size == 512 * 192 * 2
+    config = json.loads((out / "config.json").read_text())
+    assert config["precision"] == "normal" and config["embedding_file"] == "embeddings_bf16.bin"
 
 
 @pytest.mark.slow

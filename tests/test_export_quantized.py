@@ -6,9 +6,12 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 from llmexport import ExportOptions, export
-from llmexport.mnn.embeddings import read_embedding_table
+from llmexport.checkpoint import Checkpoint
+from llmexport.loading import open_architecture
+from llmexport.mnn.embeddings import read_embedding_table, write_embedding_table
 from llmexport.quant.scheme import QuantMethod, QuantScheme
 from llmexport.verification import summary_line, verify_export
 
@@ -38,20 +41,31 @@ def test_quantized_export_agrees_with_read_back_oracle(tiny_gemma4, tmp_path, sh
 
 
 @pytest.mark.slow
-def test_quantized_ple_table_is_described_and_readable(tiny_gemma4, tmp_path):
+def test_quantized_token_table_holds_embedding_and_ple_rows(tiny_gemma4, tmp_path):
+    """One table [embedding | PLE] per token (mnn/token_table.py), described as the runtime reads it."""
     out = tmp_path / "out"
     export(tiny_gemma4("e2b"), out, ExportOptions(quant=QuantScheme(4, 64), embed_bit=4))
     llm_config = json.loads((out / "llm_config.json").read_text())
-    offset, alpha_offset, alpha_bytes, bits, block = llm_config["ple_quant"]
-    assert (offset, bits, block) == (0, 4, 64) and llm_config["ple_embed_file"] == "ple_embeddings_int4.bin"
-    table = read_embedding_table(out / "ple_embeddings_int4.bin", 512, 128, 4, 64, alpha_bytes=alpha_bytes)
-    assert alpha_offset == 512 * 128 // 2 and table.shape == (512, 128)
+    assert not any(key.startswith("ple_") for key in llm_config)
+    assert llm_config["hidden_size"] == 64 + 8 * 16
+    tie = llm_config["tie_embeddings"]
+    assert (tie["weight_offset"], tie["quant_bit"], tie["quant_block"]) == (0, 4, 64)
+    assert json.loads((out / "config.json").read_text())["embedding_file"] == "embeddings_int4.bin"
+    assert tie["alpha_offset"] == 512 * 192 // 2 and tie["alpha_size"] == 512 * 3 * 2 * 4
+    table = read_embedding_table(out / "embeddings_int4.bin", 512, 192, 4, 64, alpha_bytes=tie["alpha_size"])
+    arch = open_architecture(Checkpoint.open(tiny_gemma4("e2b")))
+    joined = torch.cat([arch.embedding_table().read().float(), arch.ple_table().read().float()], dim=1)
+    expected = tmp_path / "expected.bin"
+    with open(expected, "wb") as f:
+        write_embedding_table(f, joined, 4, 64)
+    assert torch.equal(table, read_embedding_table(expected, 512, 192, 4, 64))
+    assert not list(out.glob("ple_*"))
 
 
 def test_embedding_block_that_does_not_divide_the_table_is_an_error(tiny_gemma4, tmp_path):
     from llmexport.errors import InputError
 
-    # e4b's PLE table is 12 layers x 8 = 96 wide: block 64 does not divide it.
-    with pytest.raises(InputError, match="PLE table of width 96"):
+    # e4b's token table is 64 + 12 layers x 8 = 160 wide: block 64 does not divide it.
+    with pytest.raises(InputError, match="embedding table of width 160"):
         export(tiny_gemma4("e4b"), tmp_path / "out", ExportOptions(quant=QuantScheme(4, 64), embed_bit=4))
     assert not (tmp_path / "out").exists()

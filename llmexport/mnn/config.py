@@ -17,10 +17,6 @@ def embedding_file_name(bits: int) -> str:
     return "embeddings_bf16.bin" if bits == 16 else f"embeddings_int{bits}.bin"
 
 
-def ple_file_name(bits: int) -> str:
-    return "ple_embeddings_bf16.bin" if bits == 16 else f"ple_embeddings_int{bits}.bin"
-
-
 # What each runtime profile sets in config.json. MNN 3.6.1's CPU backend with ``memory: low``
 # keeps quantized weights packed and runs int8 x int4/int8 kernels on inputs it quantizes per
 # call; ``memory: normal`` dequantizes every weight to float when the model loads.
@@ -70,7 +66,7 @@ def runtime_config(overrides: dict[str, Any], thread_num: int, embedding_file: s
 
 def llm_config(family: dict[str, Any], files: dict[str, Any]) -> dict[str, Any]:
     """llm_config.json: the family's keys (hidden_size, layer_nums, attention type, ...) plus
-    what the export wrote (tie_embeddings / ple_embed_file / ple_quant)."""
+    what the export wrote (the token table's hidden_size and tie_embeddings)."""
     config: dict[str, Any] = {"attention_mask": "float", "is_mrope": False}
     config.update(family)
     config.update(files)

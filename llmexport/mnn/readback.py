@@ -2,7 +2,8 @@
 
 The graph is converted to JSON to find each linear's record (``external`` offsets and
 ``quanParameter``) and decoded with the independent reader; embedding and PLE tables are
-decoded as the runtime's DiskEmbedding does. The result is the fair oracle's weights.
+decoded as the runtime's DiskEmbedding does (the embedding and PLE rows share one table,
+mnn/token_table.py). The result is the fair oracle's weights.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import torch
 from llmexport.mnn.config import LLM_MODEL, LLM_WEIGHT
 from llmexport.mnn.convert import mnn_to_json
 from llmexport.mnn.embeddings import read_embedding_table
+from llmexport.mnn.token_table import split_rows, token_table
 from llmexport.mnn.weight_reader import read_linear
 from llmexport.spec import ModelTables, StoredWeights
 
@@ -47,20 +49,15 @@ class StoredTable:
 
 
 def stored_tables(export_dir: Path, arch: ModelTables) -> dict[str, StoredTable]:
-    """The tables the runtime reads from their own files: "embedding" (untied models), "ple"."""
+    """The table the runtime reads per token from its own file (mnn/token_table.py), as "embedding"."""
+    table = token_table(arch)
+    if table is None:
+        return {}
     llm_config = json.loads((export_dir / "llm_config.json").read_text())
     config = json.loads((export_dir / "config.json").read_text())
-    tables = {}
-    if not arch.tied_embedding:
-        tie = llm_config.get("tie_embeddings")
-        layout = (16, 0, None) if tie is None else (tie["quant_bit"], tie["quant_block"], tie["alpha_size"])
-        tables["embedding"] = _table(export_dir / config["embedding_file"], arch.embedding_table().shape, layout)
-    ple = arch.ple_table()
-    if ple is not None:
-        quant = llm_config.get("ple_quant")
-        layout = (16, 0, None) if not quant else (quant[3], quant[4], quant[2])
-        tables["ple"] = _table(export_dir / llm_config["ple_embed_file"], ple.shape, layout)
-    return tables
+    tie = llm_config.get("tie_embeddings")
+    layout = (16, 0, None) if tie is None else (tie["quant_bit"], tie["quant_block"], tie["alpha_size"])
+    return {"embedding": _table(export_dir / config["embedding_file"], table.shape, layout)}
 
 
 def _table(path: Path, shape, layout: tuple[int, int, int | None]) -> StoredTable:
@@ -75,5 +72,8 @@ def read_stored(export_dir: Path, arch: ModelTables) -> StoredWeights:
     linears = {}
     for name, rec in linear_records(export_dir).items():
         linears[name], _ = read_linear(weight_file, rec["external"], rec["quanParameter"], rec["oc"], rec["ic"])
-    tables = {name: table.read(0, table.rows) for name, table in stored_tables(export_dir, arch).items()}
-    return StoredWeights(linears, tables.get("embedding"), tables.get("ple"))
+    tables = stored_tables(export_dir, arch)
+    if "embedding" not in tables:
+        return StoredWeights(linears, None, None)
+    rows = tables["embedding"].read(0, tables["embedding"].rows)
+    return StoredWeights(linears, *split_rows(arch, rows))

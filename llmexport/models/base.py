@@ -41,7 +41,10 @@ class Tower(abc.ABC):
     def linear_source(self, name: str) -> "LinearSource": ...
 
     @abc.abstractmethod
-    def build_graph(self) -> nn.Module: ...
+    def build_graph(self, token_tail: torch.Tensor | None = None) -> nn.Module:
+        """The tower's graph; ``token_tail``: what the runtime's token input holds after the
+        embedding columns at a soft token's position (the stored PLE row of HF's id for media
+        positions, mnn/token_table.py), which each soft token must carry; None: nothing."""
 
     @abc.abstractmethod
     def graph_inputs(self) -> "GraphInputs": ...
@@ -104,6 +107,10 @@ class Architecture(abc.ABC):
     def ple_table(self) -> LazyTensor | None:
         """A per-layer-embedding table [vocab, layers * dim], if the family has one."""
         return None
+
+    def media_ple_id(self) -> int:
+        """The token whose PLE row HF reads at media (soft-token) positions."""
+        return 0
 
     # --- graph -------------------------------------------------------------------------
     @abc.abstractmethod

@@ -208,11 +208,18 @@ class DecoderFamily(Architecture):
         return model
 
     def stored_targets(self, stored: StoredWeights) -> list[tuple[str, int | None, torch.Tensor]]:
-        """(checkpoint tensor, expert row, value) for everything the export stored."""
-        targets = [(*self.checkpoint_name(name), value) for name, value in stored.linears.items()]
-        if stored.embedding is not None and not self.tied_embedding:
+        """(checkpoint tensor, expert row, value) for everything the export stored. A tied model
+        whose token table the export stored apart from the lm_head record (mnn/token_table.py)
+        gets both: the reference is untied first (``apply_stored``)."""
+        untie = self._stored_apart(stored)
+        targets = [(*(("lm_head.weight", None) if untie and name == "lm_head" else self.checkpoint_name(name)),
+                    value) for name, value in stored.linears.items()]
+        if stored.embedding is not None:
             targets.append((self.embedding_name, None, stored.embedding))
         return targets
+
+    def _stored_apart(self, stored: StoredWeights) -> bool:
+        return self.tied_embedding and stored.embedding is not None
 
     def reference_parameter(self, params: dict[str, nn.Parameter], tensor: str, row: int | None) -> torch.Tensor:
         """The part of the reference's parameters that holds a checkpoint tensor (row)."""
@@ -220,6 +227,8 @@ class DecoderFamily(Architecture):
         return param if row is None else param[row]
 
     def apply_stored(self, model: nn.Module, stored: StoredWeights) -> None:
+        if self._stored_apart(stored):
+            untie_lm_head(model)
         params = dict(model.named_parameters(remove_duplicate=False))
         with torch.no_grad():
             for tensor, row, value in self.stored_targets(stored):
@@ -228,3 +237,13 @@ class DecoderFamily(Architecture):
     def reference_logits(self, model: nn.Module, ids: torch.Tensor) -> torch.Tensor:
         with torch.no_grad():
             return model(input_ids=ids.view(1, -1), use_cache=False).logits[0].float()
+
+
+def untie_lm_head(model: Any) -> None:
+    """Give an HF model's lm_head its own copy of the tied embedding (and keep transformers from
+    tying them again)."""
+    head = model.get_output_embeddings()
+    head.weight = nn.Parameter(head.weight.detach().clone(), requires_grad=False)
+    for config in (model.config, getattr(model.config, "text_config", None)):
+        if config is not None and hasattr(config, "tie_word_embeddings"):
+            config.tie_word_embeddings = False

@@ -8,7 +8,6 @@ as their own graphs (gemma4_vision.py, gemma4_audio.py).
 from __future__ import annotations
 
 import logging
-import math
 import re
 from typing import Any, cast
 
@@ -158,9 +157,6 @@ class Gemma4(DecoderFamily):
             from llmexport.models.gemma4_audio import Gemma4AudioTower
 
             towers.append(Gemma4AudioTower(self, config["audio_config"]))
-        if towers and self.args.ple_dim and self.args.pad_token_id != 0:
-            log.warning("pad_token_id is %d: MNN's runtime looks up PLE row 0 at media positions (HF: the pad "
-                        "row), so media prompts will differ", self.args.pad_token_id)
         return towers
 
     def towers(self) -> list:
@@ -178,12 +174,16 @@ class Gemma4(DecoderFamily):
         MNN 3.6.1 does the same with id 0 in ``Omni::embedding``). The PLE projection input there
         is the merged embedding, i.e. the soft token (HF passes the merged ``inputs_embeds`` to
         ``project_per_layer_inputs``; its pad-embedding copy only reaches ``get_per_layer_inputs``,
-        which ignores it when ids are given), and so is the runtime's."""
+        which ignores it when ids are given), and so is the runtime's. The exported towers append
+        the pad id's stored PLE row to each soft token (mnn/token_table.py)."""
         media = torch.tensor(self.media_token_ids(), dtype=ids.dtype)
         return torch.where(torch.isin(ids, media), torch.full_like(ids, self.args.pad_token_id), ids)
 
     def linears(self) -> list[LinearSpec]:
         return list(self._linears)
+
+    def media_ple_id(self) -> int:
+        return self.args.pad_token_id
 
     def ple_table(self) -> LazyTensor | None:
         if not self.args.ple_dim:
@@ -205,16 +205,12 @@ class Gemma4(DecoderFamily):
     def graph_inputs(self, seq_len: int) -> GraphInputs:
         a = self.args
         mask_shape = [2, 1, 1, seq_len, seq_len] if len(a.rope) > 1 else [1, 1, seq_len, seq_len]
-        args = [torch.randn(seq_len, 1, a.hidden_size), torch.zeros(mask_shape),
+        args = [torch.randn(seq_len, 1, a.hidden_size + a.num_layers * a.ple_dim), torch.zeros(mask_shape),
                 torch.arange(seq_len, dtype=torch.int32).view(1, -1), torch.tensor([-1], dtype=torch.int32)]
         names = ["input_ids", "attention_mask", "position_ids", "logits_index"]
         axes = {"input_ids": {0: "seq_len"}, "attention_mask": {len(mask_shape) - 2: "seq_len",
                                                                 len(mask_shape) - 1: "kv_len"},
                 "position_ids": {1: "seq_len"}}
-        if a.ple_dim:
-            args.append(torch.randn(1, seq_len, a.num_layers * a.ple_dim))
-            names.append("ple_embeddings")
-            axes["ple_embeddings"] = {1: "seq_len"}
         return GraphInputs(tuple(args), names, axes, ["logits", "hidden_states"])
 
     def expert_templates(self) -> list[ExpertTemplate]:
@@ -254,9 +250,6 @@ class Gemma4(DecoderFamily):
         }
         if len(a.rope) > 1 and a.sliding_window:
             config["sliding_window"] = a.sliding_window
-        if a.ple_dim:
-            config["ple_embed_scale"] = math.sqrt(a.ple_dim)
-            config["ple_embed_dim"] = a.num_layers * a.ple_dim
         return config
 
     def runtime_config(self) -> dict[str, Any]:

@@ -40,7 +40,7 @@ from llmexport.media.audio import (
 )
 from llmexport.models.config_values import FP32_MAX, flag_value, float_value, int_value, str_value
 from llmexport.models.gemma4_tower_checks import hf_processor, media_prompt, tower_check
-from llmexport.models.gemma4_towers import ClippedLinear, Gemma4Tower, TowerLinear, const, tower_linear
+from llmexport.models.gemma4_towers import ClippedLinear, Gemma4Tower, TokenTail, TowerLinear, const, tower_linear
 from llmexport.models.tensor_checks import finite_lookup
 from llmexport.models.tower_check import FeatureCase, Measure, PromptCase, TowerCheck
 from llmexport.ops import rms_norm
@@ -339,10 +339,12 @@ class _Subsample(nn.Module):
 class AudioGraph(nn.Module):
     """input_features [1, T, 128] log-mel -> audio_embeds [1, ceil(ceil(T/2)/2), text_hidden]."""
 
-    def __init__(self, args: AudioArgs, linears: list[TowerLinear], lookup):
+    def __init__(self, args: AudioArgs, linears: list[TowerLinear], lookup, output_scale: float = 1.0,
+                 token_tail: torch.Tensor | None = None, tail_scale: float = 1.0):
         super().__init__()
         by_name = {linear.spec.name: linear for linear in linears}
         self.args = args
+        self.out = TokenTail(token_tail, output_scale, tail_scale)
         self.subsample = _Subsample(args, by_name, lookup)
         self.layers = nn.ModuleList(_ConformerLayer(args, by_name, i, lookup) for i in range(args.layers))
         self.output_proj = ClippedLinear(by_name[PREFIX + "output_proj"])
@@ -353,7 +355,7 @@ class AudioGraph(nn.Module):
         for layer in self.layers:
             x = layer(x)
         x = self.output_proj(x)
-        return self.embedding_projection(rms_norm(x, None, self.args.eps))
+        return self.out(self.embedding_projection(rms_norm(x, None, self.args.eps)))
 
 
 class Gemma4AudioTower(Gemma4Tower):
@@ -365,8 +367,20 @@ class Gemma4AudioTower(Gemma4Tower):
     def expected_tensors(self) -> dict[str, tuple[int, ...] | None]:
         return {**audio_constants(self.args), **self.linear_tensors(self.args.clipped, PREFIX + "layers.")}
 
-    def build_graph(self) -> nn.Module:
-        return AudioGraph(self.args, self._linears, finite_lookup(self.checkpoint.weights, self.checkpoint.path)).eval()
+    def build_graph(self, token_tail: torch.Tensor | None = None) -> nn.Module:
+        """With a token tail the runtime's rows are wider than the text hidden size and its
+        1/sqrt(hidden_size) (omni.cpp, "usm" audio) no longer cancels the text graph's sqrt(hidden):
+        the graph scales its features by ``output_scale`` and its tail by sqrt(hidden_size)."""
+        lookup = finite_lookup(self.checkpoint.weights, self.checkpoint.path)
+        if token_tail is None:
+            return AudioGraph(self.args, self._linears, lookup).eval()
+        return AudioGraph(self.args, self._linears, lookup, self.output_scale, token_tail,
+                          math.sqrt(self.token_width)).eval()
+
+    @property
+    def output_scale(self) -> float:
+        """What the exported ``audio.mnn`` multiplies HF's audio features by."""
+        return math.sqrt(self.token_width / self.arch.args.hidden_size)
 
     def graph_inputs(self) -> GraphInputs:
         # 37 frames -> 10 encoder frames: several blocks, the last one partial; T is dynamic.
@@ -408,7 +422,8 @@ class Gemma4AudioTower(Gemma4Tower):
             features=lambda model: [audio_features(model, *f) for f in hf],
             measures={"tokens": Measure.ROWS, "mnn_tokens": Measure.MNN_ROWS, "rel_err": Measure.REL_ERR,
                       "rel_err_fp32": Measure.REL_ERR_FP32},
-            feature_bound=FEATURE_BOUND, prompts=tuple(prompts))
+            feature_bound=FEATURE_BOUND, prompts=tuple(prompts), output_scale=self.output_scale,
+            feature_columns=self.feature_columns)
 
 
 def audio_features(model, features: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

@@ -170,10 +170,17 @@ class DecoderLayer(nn.Module):
 
 
 class Gemma4TextGraph(nn.Module):
-    """Inputs (runtime layout): input_ids = embeddings [seq, 1, hidden] (unscaled),
+    """Inputs (runtime layout): input_ids = token-table rows [seq, 1, hidden (+ layers * ple_dim)]
+    (unscaled: the embedding, then, with per-layer embeddings, the PLE row of the same token),
     attention_mask [2, 1, 1, seq, kv] (full, sliding) or [1, 1, seq, kv], position_ids int32
-    [1, seq], logits_index int32 [1], ple_embeddings [1, seq, layers * ple_dim] (scaled).
+    [1, seq], logits_index int32 [1].
     Outputs: logits [1, n, vocab], hidden_states [1, n, hidden] (final-normed, sliced).
+
+    The PLE rows ride in the token table rather than in MNN's separate ``ple_embeddings`` input:
+    MNN 3.6.1 (and its current sources) refresh that input only when it is null or for one-token
+    steps, and ``reset()`` keeps it (``Llm::embedding`` in transformers/llm/engine/src/llm.cpp),
+    so a second multi-token forward (a chat's second turn) read a stale one. Rows of the token
+    table are read afresh for every forward (mnn/token_table.py).
     With ``media_spans`` the input carries marked image soft tokens (gemma4_media.py): they are
     unmarked, and each image run attends to itself both ways on sliding layers."""
 
@@ -197,18 +204,25 @@ class Gemma4TextGraph(nn.Module):
     def _rope(self, position_ids, kind):
         return rope_cos_sin(position_ids, getattr(self, f"inv_freq_{kind}"))
 
-    def _per_layer_inputs(self, x, ple_embeddings):
+    def _per_layer_inputs(self, x, ple_rows):
+        """HF ``project_per_layer_inputs``; ``ple_rows`` [seq, 1, layers * ple_dim] unscaled
+        (HF ``get_per_layer_inputs`` multiplies the table by sqrt(ple_dim))."""
         a = self.args
         proj = self.per_layer_model_projection(x) * (a.hidden_size ** -0.5)
         proj = self.per_layer_projection_norm(proj.view(1, -1, a.num_layers, a.ple_dim))
-        return (proj + ple_embeddings.view(1, -1, a.num_layers, a.ple_dim)) * (2.0 ** -0.5)
+        ple = ple_rows.view(1, -1, a.num_layers, a.ple_dim) * math.sqrt(a.ple_dim)
+        return (proj + ple) * (2.0 ** -0.5)
 
-    def forward(self, input_ids, attention_mask, position_ids, logits_index, ple_embeddings=None):
+    def forward(self, input_ids, attention_mask, position_ids, logits_index):
         a = self.args
         if self.media_spans:
             input_ids, marked = unmark_media(input_ids)
-        x = input_ids.view(1, -1, a.hidden_size) * math.sqrt(a.hidden_size)
-        ple = self._per_layer_inputs(x, ple_embeddings) if a.ple_dim else None
+        if a.ple_dim:
+            embeds, ple_rows = input_ids.split([a.hidden_size, a.num_layers * a.ple_dim], dim=-1)
+        else:
+            embeds, ple_rows = input_ids, None
+        x = embeds.reshape(1, -1, a.hidden_size) * math.sqrt(a.hidden_size)
+        ple = self._per_layer_inputs(x, ple_rows) if ple_rows is not None else None
         ropes = {kind: self._rope(position_ids, kind) for kind in a.rope}
         # unbind (one Split op) rather than indexing: traced, each index costs a Gather and ~10 shape ops
         masks = dict(zip((FULL, SLIDING), attention_mask.unbind(0))) if self.mixed else None

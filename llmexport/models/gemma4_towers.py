@@ -95,6 +95,18 @@ class Gemma4Tower(Tower):
     def runtime_config(self) -> dict[str, Any]:
         return mllm_runtime_config()
 
+    @property
+    def token_width(self) -> int:
+        """The width of the runtime's token input rows (llm_config.json ``hidden_size``)."""
+        a = self.arch.args
+        return a.hidden_size + a.num_layers * a.ple_dim
+
+    @property
+    def feature_columns(self) -> int | None:
+        """Columns of a soft token that are HF's features; None: all (no PLE tail)."""
+        a = self.arch.args
+        return a.hidden_size if a.ple_dim else None
+
     def linears(self) -> list[LinearSpec]:
         return [linear.spec for linear in self._linears]
 
@@ -118,6 +130,25 @@ class Gemma4Tower(Tower):
             if clipped and s.name.startswith(clip_prefix):
                 expected.update({name: None for name in clip_buffer_names(s.name)})
         return expected
+
+
+class TokenTail(nn.Module):
+    """Appends the runtime token input's tail (mnn/token_table.py) to every soft token:
+    ``[features * feature_scale | tail * tail_scale]``; the scales undo what the runtime and the
+    text graph do to the row (the runtime's own scaling of tower outputs, the media mark)."""
+
+    def __init__(self, tail: torch.Tensor | None, feature_scale: float, tail_scale: float):
+        super().__init__()
+        self.feature_scale = feature_scale
+        self.tail = None if tail is None else nn.Parameter((tail.float() * tail_scale).view(1, 1, -1),
+                                                           requires_grad=False)
+
+    def forward(self, features: torch.Tensor) -> torch.Tensor:
+        out = features * self.feature_scale if self.feature_scale != 1.0 else features
+        if self.tail is None:
+            return out
+        # zeros [1, rows, 1] + tail [1, 1, width]: the rows are dynamic, the width is not
+        return torch.cat([out, torch.zeros_like(out[..., :1]) + self.tail], dim=-1)
 
 
 class ClippedLinear(nn.Module):

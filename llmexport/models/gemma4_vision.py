@@ -36,6 +36,7 @@ from llmexport.models.gemma4_tower_checks import hf_processor, media_prompt, tow
 from llmexport.models.gemma4_towers import (
     ClippedLinear,
     Gemma4Tower,
+    TokenTail,
     TowerLinear,
     const,
     encoder_attention,
@@ -203,10 +204,12 @@ class VisionGraph(nn.Module):
 
     inv_freq: torch.Tensor
 
-    def __init__(self, args: VisionArgs, linears: list[TowerLinear], lookup, output_scale: float = 1.0):
+    def __init__(self, args: VisionArgs, linears: list[TowerLinear], lookup, output_scale: float = 1.0,
+                 token_tail: torch.Tensor | None = None, tail_scale: float = 1.0):
         super().__init__()
         by_name = {linear.spec.name: linear for linear in linears}
-        self.args, self.output_scale = args, output_scale
+        self.args = args
+        self.out = TokenTail(token_tail, output_scale, tail_scale)
         self.input_proj = ClippedLinear(by_name[PREFIX + "patch_embedder.input_proj"])
         self.position_table = const(lookup, PREFIX + "patch_embedder.position_embedding_table")
         self.layers = nn.ModuleList(_EncoderLayer(args, by_name, i, lookup) for i in range(args.layers))
@@ -256,8 +259,7 @@ class VisionGraph(nn.Module):
         pooled = self._pool(x, positions) * math.sqrt(a.hidden)
         if a.standardize:
             pooled = (pooled - self.std_bias) * self.std_scale
-        out = self.embedding_projection(rms_norm(pooled, None, a.eps))
-        return out * self.output_scale if self.output_scale != 1.0 else out
+        return self.out(self.embedding_projection(rms_norm(pooled, None, a.eps)))
 
 
 def trace_positions(grid_h: int, grid_w: int, pad: int) -> torch.Tensor:
@@ -278,10 +280,12 @@ class Gemma4VisionTower(Gemma4Tower):
         return {**vision_constants(self.args), **self.linear_tensors(self.args.clipped, PREFIX + "encoder.")}
 
     # --- graph ------------------------------------------------------------------------------
-    def build_graph(self, output_scale: float | None = None) -> nn.Module:
+    def build_graph(self, token_tail: torch.Tensor | None = None, output_scale: float | None = None) -> nn.Module:
         scale = self.output_scale if output_scale is None else output_scale
+        # The tail meets the runtime's 1/39.25 and the text graph's unmarking, not sqrt(hidden).
+        tail_scale = (MEDIA_MARK if self.arch.marks_images else 1.0) / RUNTIME_IMAGE_SCALE
         return VisionGraph(self.args, self._linears, finite_lookup(self.checkpoint.weights, self.checkpoint.path),
-                           scale).eval()
+                           scale, token_tail, tail_scale).eval()
 
     def graph_inputs(self) -> GraphInputs:
         positions = trace_positions(6, 6, 9)  # 36 real patches + 9 padding, traced with dynamic N
@@ -332,7 +336,8 @@ class Gemma4VisionTower(Gemma4Tower):
             measures={"soft_tokens": Measure.ROWS, "rel_err": Measure.REL_ERR, "max_abs_err": Measure.MAX_ABS_ERR,
                       "rel_err_fp32": Measure.REL_ERR_FP32},
             feature_bound=FEATURE_BOUND, prompts=tuple(prompts), output_scale=self.output_scale,
-            keeps_first_rows=True, notes={"output_scale": self.output_scale, "marks_images": self.arch.marks_images})
+            feature_columns=self.feature_columns, keeps_first_rows=True,
+            notes={"output_scale": self.output_scale, "marks_images": self.arch.marks_images})
 
 
 def image_features(model, pixel_values: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:

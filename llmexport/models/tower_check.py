@@ -80,5 +80,6 @@ class TowerCheck:
     stop_ids: frozenset[int]  # generated ids that end a prompt's comparison (media tokens)
     bos_id: int  # the runtime's prompt must hold it exactly once
     output_scale: float = 1.0
+    feature_columns: int | None = None  # the rows' first columns are the features; the rest is a token tail
     keeps_first_rows: bool = False
     notes: dict[str, Any] = field(default_factory=dict)  # section fields reported as they are
