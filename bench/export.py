@@ -89,6 +89,7 @@ def kernel_floor(checkpoint: Path, bits: int, block: int, embed_bit: int) -> flo
 
     from llmexport.checkpoint import Checkpoint
     from llmexport.loading import open_architecture
+    from llmexport.mnn.token_table import token_table
     from llmexport.mnn.weights import _row_slices
     from llmexport.quant.rtn import quantize_rtn
     from llmexport.quant.scheme import QuantScheme
@@ -108,8 +109,8 @@ def kernel_floor(checkpoint: Path, bits: int, block: int, embed_bit: int) -> flo
     scheme, elapsed = QuantScheme(bits, block), 0.0
     for spec in arch.linears():
         elapsed += timed(arch.linear_weight(spec.name)[0], bits, scheme.block_for(spec.in_features), torch.float16)
-    candidates = ([] if arch.tied_embedding else [arch.embedding_table()]) + [arch.ple_table()]
-    tables = [t for t in candidates if t is not None]
+    table = token_table(arch)
+    tables = [] if table is None else [table]
     for table in tables:
         for chunk in table.row_chunks():
             elapsed += timed(chunk, embed_bit, block, torch.float32)

@@ -129,6 +129,7 @@ def main(argv: list[str] | None = None) -> None:
     from llmexport.eager import prompt_inputs
     from llmexport.loading import open_architecture
     from llmexport.mnn.runtime import run_module
+    from llmexport.mnn.token_table import token_table
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("export", type=Path)
@@ -138,11 +139,12 @@ def main(argv: list[str] | None = None) -> None:
     arch = open_architecture(Checkpoint.open(args.checkpoint))
     scale = float(json.loads((args.export / "llm_config.json").read_text()).get("attn_scale", 0) or 0)
     ids = random_ids(arch.args.vocab_size, args.tokens, seed=args.tokens)
-    embedding = next(w for n, w, _ in stored_linears(args.export) if n == "lm_head") if arch.tied_embedding \
-        else arch.embedding_table()
+    # without a token table (mnn/token_table.py) the runtime reads a tied embedding out of the lm_head record
+    embedding = next(w for n, w, _ in stored_linears(args.export) if n == "lm_head") \
+        if token_table(arch) is None else arch.embedding_table()
     inputs = prompt_inputs(arch, torch.tensor(ids), embedding, arch.ple_table(), all_logits=False)
     del embedding
-    feed = dict(zip(["input_ids", "attention_mask", "position_ids", "logits_index", "ple_embeddings"],
+    feed = dict(zip(["input_ids", "attention_mask", "position_ids", "logits_index"],
                     (a.numpy() for a in inputs)))
     with tempfile.TemporaryDirectory(prefix="llmexport-layers-") as tmp:
         layers = arch.args.layers

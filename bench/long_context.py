@@ -70,31 +70,37 @@ def stored_linears(export_dir: Path):
 
 
 def _is_checkpoint_table(path: Path, table) -> bool:
+    """Whether a 16-bit table file holds exactly the checkpoint's values (bf16 sources)."""
     stored, offset = np.memmap(path, dtype="<u2", mode="r"), 0
     for chunk in table.row_chunks():
-        raw = chunk.contiguous().view(torch.int16).numpy().view("<u2").reshape(-1)
-        if chunk.dtype != torch.bfloat16 or not np.array_equal(stored[offset:offset + raw.size], raw):
+        as_bf16 = chunk.to(torch.bfloat16)
+        if not torch.equal(as_bf16.float(), chunk.float()):
+            return False
+        raw = as_bf16.contiguous().view(torch.int16).numpy().view("<u2").reshape(-1)
+        if not np.array_equal(stored[offset:offset + raw.size], raw):
             return False
         offset += raw.size
     return offset == stored.size
 
 
 def stored_tables(export_dir: Path, arch) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-    """(untied embedding, PLE) as stored, where they differ from the checkpoint's (a 16-bit table
-    file is raw bf16: a bf16 checkpoint's table is stored unchanged, None is returned)."""
+    """(embedding, PLE) rows of the token table as stored, where they differ from the checkpoint's
+    (a 16-bit table file is raw bf16: a bf16 checkpoint's tables are stored unchanged, and
+    (None, None) is returned). A tied model without PLE has no token table: the runtime reads
+    the lm_head record."""
     from llmexport.mnn.embeddings import read_embedding_table
+    from llmexport.mnn.token_table import split_rows, token_table
 
+    table = token_table(arch)
+    if table is None:
+        return None, None
     llm_config = json.loads((export_dir / "llm_config.json").read_text())
-    runtime = json.loads((export_dir / "config.json").read_text())
-    if "ple_quant" in llm_config or (not arch.tied_embedding and "tie_embeddings" in llm_config):
+    if "tie_embeddings" in llm_config:
         raise SystemExit("the references read 16-bit tables: export with --embed_bit 16")
-    out = []
-    for name, table in ((None if arch.tied_embedding else runtime.get("embedding_file"),
-                         None if arch.tied_embedding else arch.embedding_table()),
-                        (llm_config.get("ple_embed_file"), arch.ple_table())):
-        keep = table is None or _is_checkpoint_table(export_dir / name, table)
-        out.append(None if keep else read_embedding_table(export_dir / name, *table.shape, 16, 0))
-    return out[0], out[1]
+    path = export_dir / json.loads((export_dir / "config.json").read_text())["embedding_file"]
+    if _is_checkpoint_table(path, table):
+        return None, None
+    return split_rows(arch, read_embedding_table(path, *table.shape, 16, 0))
 
 
 # --- MNN ---------------------------------------------------------------------------------------
@@ -171,9 +177,11 @@ def exact_graph(arch, export_dir: Path, tables):
         by_name[name].bind(weight.double(), None if bias is None else bias.double())
     graph = as_fp64(graph)
     graph.lm_head = _ChunkedHead(head)
-    # the runtime reads a tied embedding out of the lm_head record
+    # without a token table (mnn/token_table.py) the runtime reads a tied embedding out of the lm_head record
+    from llmexport.mnn.token_table import token_table
+
     embedding, ple = tables
-    embedding = head if arch.tied_embedding else (embedding if embedding is not None else arch.embedding_table())
+    embedding = head if token_table(arch) is None else (embedding if embedding is not None else arch.embedding_table())
     return graph, embedding, ple if ple is not None else arch.ple_table()
 
 
