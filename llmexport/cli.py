@@ -60,6 +60,9 @@ def _configure_logging(quiet: bool) -> None:
 @click.option("--runtime_profile", type=click.Choice(["fast", "exact"]), default="fast", show_default=True,
               help="fast: MNN's low-memory int4/int8 kernels (activations quantized to 8 bits on the fly); "
                    "exact: weights dequantized to float at load (slower, the stored weights' logits).")
+@click.option("--chat_thinking", type=click.Choice(["default", "off", "on"]), default="default", show_default=True,
+              help="Chat template thinking mode written to llm_config.json (jinja.context.enable_thinking); "
+                   "default: the template's own (Gemma4: off, an empty thought channel ends the generation prompt).")
 @click.option("--dry-run", "dry_run", is_flag=True, help="Print the plan (layers, schemes, size) and write nothing.")
 @click.option("--verify", is_flag=True, help="Run the export in MNN's runtime next to HF; fail on disagreement.")
 @click.option("--trust_remote_code", is_flag=True,
@@ -70,7 +73,7 @@ def _configure_logging(quiet: bool) -> None:
 def main(path: str, export_format: str, dst_path: str, quant_bit: int, quant_block: int, sym: bool, hqq: bool,
          quant_config: str | None, lm_quant_bit: int | None, lm_quant_block: int | None, embed_bit: int | None,
          visual_quant_bit: int, audio_quant_bit: int, requantize: bool, thread_num: int, runtime_profile: str,
-         dry_run: bool, verify: bool, trust_remote_code: bool, quiet: bool) -> None:
+         chat_thinking: str, dry_run: bool, verify: bool, trust_remote_code: bool, quiet: bool) -> None:
     """Export a HuggingFace LLM checkpoint to MNN (or ONNX), optionally verified."""
     _configure_logging(quiet)
     from llmexport.errors import LlmExportError
@@ -79,7 +82,7 @@ def main(path: str, export_format: str, dst_path: str, quant_bit: int, quant_blo
         with _termination_as_interrupt():
             result = _run(path, dst_path, dry_run, export_format, quant_bit, quant_block, sym, hqq, quant_config,
                           lm_quant_bit, lm_quant_block, embed_bit, verify, quiet, thread_num, visual_quant_bit,
-                          audio_quant_bit, requantize, trust_remote_code, runtime_profile)
+                          audio_quant_bit, requantize, trust_remote_code, runtime_profile, chat_thinking)
     except LlmExportError as exc:
         click.echo(f"llmexport: error: {exc}", err=True)
         sys.exit(exc.exit_code)
@@ -137,11 +140,11 @@ def _termination_as_interrupt():
 
 def _options(export_format, quant_bit, quant_block, sym, hqq, quant_config, lm_quant_bit, lm_quant_block,
              embed_bit, verify, quiet, thread_num, visual_quant_bit=16, audio_quant_bit=16, requantize=False,
-             trust_remote_code=False, runtime_profile="fast"):
+             trust_remote_code=False, runtime_profile="fast", chat_thinking="default"):
     from pathlib import Path
 
     from llmexport.errors import UsageError
-    from llmexport.options import ExportFormat, ExportOptions, RuntimeProfile
+    from llmexport.options import ChatThinking, ExportFormat, ExportOptions, RuntimeProfile
     from llmexport.quant.recipes import RECIPES, load_quant_config, recipe
     from llmexport.quant.scheme import QuantMethod, QuantScheme
 
@@ -154,7 +157,8 @@ def _options(export_format, quant_bit, quant_block, sym, hqq, quant_config, lm_q
     options = ExportOptions(export=ExportFormat(export_format), quant=default, lm_quant=lm, embed_bit=embed_bit,
                             verify=verify, quiet=quiet, thread_num=thread_num, visual_quant_bit=visual_quant_bit,
                             audio_quant_bit=audio_quant_bit, requantize=requantize,
-                            trust_remote_code=trust_remote_code, runtime_profile=RuntimeProfile(runtime_profile))
+                            trust_remote_code=trust_remote_code, runtime_profile=RuntimeProfile(runtime_profile),
+                            chat_thinking=ChatThinking(chat_thinking))
     if quant_config is None:
         return options
     try:

@@ -31,6 +31,22 @@ class RuntimeProfile(str, Enum):
     EXACT = "exact"
 
 
+class ChatThinking(str, Enum):
+    """The chat template's thinking mode, written to llm_config.json as ``jinja.context.enable_thinking``
+    (the variable Gemma4's and Qwen3's templates read; see llmexport.models.gemma4_chat_template).
+    ``DEFAULT`` writes nothing: the template's own default (Gemma4: off, its generation prompt ends
+    with an empty thought channel; Qwen3: on). The runtime can switch it later with
+    ``Llm.set_config({"jinja": {"context": {"enable_thinking": ...}}})``."""
+
+    DEFAULT = "default"
+    OFF = "off"
+    ON = "on"
+
+    def template_context(self) -> dict[str, bool]:
+        """The chat template variables this choice sets."""
+        return {} if self is ChatThinking.DEFAULT else {"enable_thinking": self is ChatThinking.ON}
+
+
 @dataclass(frozen=True)
 class ExportOptions:
     """Everything that decides what an export writes.
@@ -65,6 +81,7 @@ class ExportOptions:
     requantize: bool = False
     trust_remote_code: bool = False
     runtime_profile: RuntimeProfile = RuntimeProfile.FAST
+    chat_thinking: ChatThinking = ChatThinking.DEFAULT
 
     #: fields that change how the export talks, never what it writes (left out of manifest.json)
     PRESENTATION = ("quiet",)
@@ -88,6 +105,9 @@ class ExportOptions:
         if not isinstance(self.runtime_profile, RuntimeProfile):
             raise UsageError(f"--runtime_profile: {self.runtime_profile!r} is not one of "
                              f"{', '.join(p.value for p in RuntimeProfile)}")
+        if not isinstance(self.chat_thinking, ChatThinking):
+            raise UsageError(f"--chat_thinking: {self.chat_thinking!r} is not one of "
+                             f"{', '.join(t.value for t in ChatThinking)}")
         return self
 
     @property

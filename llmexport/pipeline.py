@@ -118,7 +118,10 @@ def _export_mnn(arch: Architecture, graph, tokenizer: bytes, out: Path, options:
     with _stage(timings, "embeddings"):
         embedding_file = _write_tables(arch, out, sources, rebuilt.records, files)
     with _stage(timings, "configs"):
-        mnn_config.write_json(out / "llm_config.json", mnn_config.llm_config(family_llm, files))
+        if options.chat_thinking.template_context() and "jinja" not in family_llm:
+            log.warning("--chat_thinking: the checkpoint has no chat template; nothing to set")
+        mnn_config.write_json(out / "llm_config.json", mnn_config.llm_config(
+            family_llm, files, options.chat_thinking.template_context()))
         mnn_config.write_json(out / "config.json", mnn_config.runtime_config(
             family_runtime, options.thread_num, embedding_file, options.runtime_profile))
     with _stage(timings, "tokenizer"):

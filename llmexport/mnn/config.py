@@ -64,12 +64,18 @@ def runtime_config(overrides: dict[str, Any], thread_num: int, embedding_file: s
     return config
 
 
-def llm_config(family: dict[str, Any], files: dict[str, Any]) -> dict[str, Any]:
+def llm_config(family: dict[str, Any], files: dict[str, Any],
+               template_context: dict[str, Any] | None = None) -> dict[str, Any]:
     """llm_config.json: the family's keys (hidden_size, layer_nums, attention type, ...) plus
-    what the export wrote (the token table's hidden_size and tie_embeddings)."""
+    what the export wrote (the token table's hidden_size and tie_embeddings), and the chat
+    template's variables (``jinja.context``: the runtime passes its keys to the template)."""
     config: dict[str, Any] = {"attention_mask": "float", "is_mrope": False}
     config.update(family)
     config.update(files)
+    if template_context and isinstance(config.get("jinja"), dict):
+        jinja = dict(config["jinja"])
+        jinja["context"] = {**jinja.get("context", {}), **template_context}
+        config["jinja"] = jinja
     return config
 
 

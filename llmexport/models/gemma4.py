@@ -26,18 +26,10 @@ from llmexport.spec import ExpertTemplate, GraphInputs, LinearRole, LinearSpec, 
 
 log = logging.getLogger(__name__)
 
-# The full HF Gemma4 template is beyond MNN's minja engine; this renders the same text for
-# system/user/assistant turns (role "assistant" is written "model").
-MINJA_CHAT_TEMPLATE = (
-    "{{ bos_token }}"
-    "{% for message in messages %}"
-    "{% if message['role'] == 'assistant' %}<|turn>model\n"
-    "{% else %}<|turn>{{ message['role'] }}\n"
-    "{% endif %}"
-    "{{ message['content'] }}<turn|>\n"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}<|turn>model\n{% endif %}"
-)
+# The checkpoint's chat template in the form MNN's runtime renders like transformers (the
+# built-in MINJA_CHAT_TEMPLATE only when the checkpoint has none): gemma4_chat_template.py.
+from llmexport.models.gemma4_chat_template import MINJA_CHAT_TEMPLATE, gemma4_jinja  # noqa: E402,F401
+
 # Gemma4's turn end, and Gemma 1-3's, which some tokenizers keep.
 END_OF_TURN_TOKENS = ("<turn|>", "<end_of_turn>")
 _EXPERT = re.compile(r"^(?P<p>.*layers\.\d+\.experts\.)(?P<e>\d+)\.(?P<w>gate_up_proj|down_proj)$")
@@ -246,7 +238,7 @@ class Gemma4(DecoderFamily):
             "attention_type": "mix" if len(a.rope) > 1 else "full",
             "attn_scale": 1.0,
             "max_position_embeddings": a.max_position_embeddings,
-            "jinja": {"chat_template": MINJA_CHAT_TEMPLATE, "bos": "<bos>", "eos": "<turn|>"},
+            "jinja": gemma4_jinja(self.checkpoint_chat_template()),
         }
         if len(a.rope) > 1 and a.sliding_window:
             config["sliding_window"] = a.sliding_window

@@ -1,0 +1,592 @@
+"""Gemma4's chat template for MNN's runtime, and the check that it renders what transformers renders.
+
+MNN's runtime (3.6.1) renders ``llm_config.json``'s ``jinja.chat_template`` with its own small
+Jinja engine (``transformers/llm/engine/src/tokenizer/jinja.hpp``; ``Tokenizer::apply_chat_template``
+in ``tokenizer.cpp`` feeds it). The variables a template sees there:
+
+* ``messages``: from ``Llm.apply_chat_template(list of {"role", "content"} dicts)``, content a
+  string; a message whose role is ``"json"`` has its content parsed as a JSON object and used as
+  the whole message (the only way to pass tool calls, tool responses or typed content parts);
+* ``bos_token`` (the tokenizer file's bos string) and ``eos_token`` (``jinja.eos``);
+* ``add_generation_prompt``: always true through ``Llm.apply_chat_template``;
+* every key of ``jinja.context`` (``llm_config.json``, or later ``Llm.set_config({"jinja":
+  {"context": ...}})``, which merges): ``enable_thinking`` and ``tools`` reach the template only
+  this way; the call itself passes no tools.
+
+Gemma4's own template (``GEMMA4_TEMPLATE_SHA256``, 12,045 characters) mostly renders unchanged in
+that engine, but not all of it: ``| dictsort`` and ``| default(...)`` are unknown filters there
+(passed through: ``for key, value in d | dictsort`` yields keys and an undefined value, so tool
+call arguments render as ``{}``), macro parameter defaults are ignored (``escape_keys=True``),
+``x if c`` without ``else`` always yields ``x``, ``map('upper')`` maps an attribute, ``none``
+prints ``null``, and ``trim`` strips only space/tab/CR/LF (``True``/``False``/``None`` are
+undefined names too, harmless where this template uses them). ``derive_runtime_template``
+rewrites exactly the harmful constructs (``REWRITES``);
+the result renders what transformers renders for the conversations ``unsupported`` accepts, which
+tests/test_gemma4_chat_template.py measures on a corpus. What stays different is refused by
+``unsupported``/``check_conversation`` with a reason: floats the runtime's JSON parser
+(RapidJSON, normal precision) may change, mapping keys whose byte order differs from dictsort's
+case-insensitive order, non-ASCII whitespace at the edges of trimmed text, values transformers
+itself would render as Python reprs.
+
+Thinking is the template's ``enable_thinking`` variable: it is written to ``jinja.context`` at
+export (``--chat_thinking``; off, the template's default, ends the generation prompt with an
+empty thought channel ``<|channel>thought\\n<channel|>``) and can be changed at run time with
+``set_config``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import math
+import re
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable, Sequence
+
+from llmexport.errors import InputError
+
+log = logging.getLogger(__name__)
+
+#: SHA-256 of Gemma4's chat template as HF's tokenizer ships it (``tokenizer.chat_template`` of
+#: llama.cpp's ``ggml-vocab-gemma-4.gguf``, 12,045 characters), trailing whitespace removed.
+GEMMA4_TEMPLATE_SHA256 = "58c66fdee4afa29786fa0925a4c3659c8ebc28a2db93da6ae479d7d5886ce48f"
+
+# The full HF Gemma4 template needs the rewrites below; without a checkpoint template this one
+# renders system/user/assistant turns with string content (role "assistant" is written "model").
+MINJA_CHAT_TEMPLATE = (
+    "{{ bos_token }}"
+    "{% for message in messages %}"
+    "{% if message['role'] == 'assistant' %}<|turn>model\n"
+    "{% else %}<|turn>{{ message['role'] }}\n"
+    "{% endif %}"
+    "{{ message['content'] }}<turn|>\n"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<|turn>model\n{% endif %}"
+)
+
+#: the ASCII characters Python's ``str.strip()`` removes (what Jinja2's ``trim`` removes, beside
+#: non-ASCII whitespace); the runtime's ``trim`` removes only space, tab, CR and LF
+ASCII_WHITESPACE = "".join(c for c in map(chr, range(128)) if c.isspace())
+# As a Jinja string literal both engines read alike: escapes for tab/LF/CR/FF (Jinja2 would turn a
+# raw CR into LF), the others raw (MNN's lexer knows no \v or \x escapes).
+_WS_LITERAL = "' \\t\\n\\r\\f\x0b\x1c\x1d\x1e\x1f'"
+
+
+@dataclass(frozen=True)
+class Rewrite:
+    """Replace ``old`` (which must occur exactly ``count`` times) with ``new``."""
+
+    why: str
+    old: str
+    new: str
+    count: int = 1
+
+
+def _keyed_loop(key: str, value: str, mapping: str) -> Rewrite:
+    return Rewrite(
+        "dictsort is unknown to the runtime (the loop would get keys and an undefined value); "
+        "a loop over a mapping there visits its keys in sorted (byte) order",
+        f"{{%- for {key}, {value} in {mapping} | dictsort -%}}",
+        f"{{%- for {key} in {mapping} -%}}{{%- set {value} = {mapping}[{key}] -%}}")
+
+
+def _trimmed(expr: str) -> Rewrite:
+    # (the guard keeps Jinja2 from failing on a missing key, which the runtime reads as '')
+    return Rewrite("the runtime's trim strips only space/tab/CR/LF; strip() with the ASCII whitespace set",
+                   f"{{{{- {expr} | trim -}}}}",
+                   f"{{{{- {expr}.strip({_WS_LITERAL}) if {expr} is string else '' -}}}}")
+
+
+REWRITES: tuple[Rewrite, ...] = (
+    _keyed_loop("key", "value", "properties"),
+    _keyed_loop("item_key", "item_value", "value['items']"),
+    _keyed_loop("key", "value", "argument"),
+    _keyed_loop("key", "value", "function['arguments']"),
+    _keyed_loop("key", "value", "tool_response['response']"),
+    Rewrite("default() is unknown to the runtime, and a missing key reads as '' there",
+            "tool_response['name'] | default('unknown')",
+            "(tool_response['name'] if 'name' in tool_response else 'unknown')", count=2),
+    Rewrite("macro parameter defaults are ignored by the runtime (escape_keys=True)",
+            "format_argument(value['enum'])", "format_argument(value['enum'], escape_keys=true)"),
+    Rewrite("macro parameter defaults are ignored by the runtime (escape_keys=True)",
+            "{{ item_key }}:{{ format_argument(item_value) }}",
+            "{{ item_key }}:{{ format_argument(item_value, escape_keys=true) }}"),
+    Rewrite("map('upper') maps an attribute in the runtime, and | list is unknown there",
+            "type:{{ format_argument(item_value | map('upper') | list) }}",
+            "type:[{%- for t in item_value -%}<|\"|>{{- t | upper -}}<|\"|>{%- if not loop.last -%},{%- endif -%}"
+            "{%- endfor -%}]"),
+    Rewrite("'x if c' without else always yields x in the runtime",
+            "{{- ',' if not loop.last -}}", "{{- ',' if not loop.last else '' -}}"),
+    Rewrite("the runtime prints none as null, Jinja2 as None",
+            "    {%- else -%}\n        {{- argument -}}\n",
+            "    {%- elif argument is none -%}\n        {{- 'None' -}}\n    {%- else -%}\n        {{- argument -}}\n"),
+    _trimmed("ns.result"),
+    _trimmed("messages[0]['content']"),
+    _trimmed("message['content']"),
+    _trimmed("item['text']"),
+)
+
+
+class TemplateNotDerivable(ValueError):
+    """The source template lacks a construct ``REWRITES`` expects (it is not Gemma4's template)."""
+
+
+def template_sha256(template: str) -> str:
+    return hashlib.sha256(template.rstrip().encode("utf-8")).hexdigest()
+
+
+def is_gemma4_template(template: str) -> bool:
+    """True for the exact template the rewrites were proven on (trailing whitespace aside)."""
+    return template_sha256(template) == GEMMA4_TEMPLATE_SHA256
+
+
+def derive_runtime_template(source: str) -> str:
+    """``source`` with every ``REWRITES`` entry applied; raises TemplateNotDerivable when one of
+    them does not occur exactly as often as expected."""
+    out = source
+    for rewrite in REWRITES:
+        found = out.count(rewrite.old)
+        if found != rewrite.count:
+            raise TemplateNotDerivable(f"expected {rewrite.count} x {rewrite.old!r}, found {found}")
+        out = out.replace(rewrite.old, rewrite.new)
+    return out
+
+
+#: constructs the runtime's engine (MNN 3.6.1) does not render like Jinja2 (a heuristic lint)
+_LINT = (
+    (re.compile(r"\|\s*dictsort\b"), "dictsort filter (unknown to the runtime)"),
+    (re.compile(r"\|\s*default\s*\("), "default() filter (unknown to the runtime)"),
+    (re.compile(r"\|\s*(join|sort|unique|reverse|first|last|list|selectattr|rejectattr|batch)\b"),
+     "a filter the runtime does not know (passed through unchanged)"),
+    (re.compile(r"\{%-?\s*macro\s+\w+\([^)]*="), "macro parameter default (ignored by the runtime)"),
+    (re.compile(r"(?<![\w'\"])(True|False|None)(?![\w'\"])"), "True/False/None (undefined names in the runtime)"),
+    (re.compile(r"\.items\(\)"), "dict.items() (unknown method in the runtime)"),
+)
+
+
+def runtime_template_warnings(template: str) -> list[str]:
+    """Constructs in ``template`` that MNN 3.6.1's engine renders differently (heuristic)."""
+    return [why for pattern, why in _LINT if pattern.search(template)]
+
+
+@dataclass(frozen=True)
+class RuntimeChatTemplate:
+    """The template written to ``jinja.chat_template`` and where it came from.
+
+    ``kind``: ``"gemma4"`` (Gemma4's own template, derived and proven on the test corpus),
+    ``"derived"`` (an unknown template the rewrites applied to: not proven), ``"checkpoint"``
+    (an unknown template passed through), ``"builtin"`` (no template in the checkpoint)."""
+
+    template: str
+    kind: str
+    notes: tuple[str, ...] = ()
+
+
+def runtime_chat_template(checkpoint_template: str | None) -> RuntimeChatTemplate:
+    if not checkpoint_template:
+        return RuntimeChatTemplate(MINJA_CHAT_TEMPLATE, "builtin", (
+            "the checkpoint has no chat template: the built-in one renders string turns only",))
+    try:
+        derived = derive_runtime_template(checkpoint_template)
+    except TemplateNotDerivable:
+        notes = tuple(f"chat template passed through; it uses {w}; check with --verify"
+                      for w in runtime_template_warnings(checkpoint_template))
+        return RuntimeChatTemplate(checkpoint_template, "checkpoint", notes)
+    if is_gemma4_template(checkpoint_template):
+        return RuntimeChatTemplate(derived, "gemma4")
+    return RuntimeChatTemplate(derived, "derived", (
+        "the checkpoint's chat template is not the Gemma4 template the runtime rewrite was proven on "
+        f"(sha256 {template_sha256(checkpoint_template)[:12]}...); check with --verify",))
+
+
+def gemma4_jinja(checkpoint: dict[str, str] | None) -> dict[str, Any]:
+    """``llm_config.json``'s ``jinja`` block: the runtime form of the checkpoint's chat template
+    (``checkpoint``: ``DecoderFamily.checkpoint_chat_template()``) and bos/eos strings; the
+    template's variables (``context``, e.g. ``enable_thinking``) come from the export's options
+    (``mnn.config.llm_config``)."""
+    chosen = runtime_chat_template((checkpoint or {}).get("chat_template"))
+    for note in chosen.notes:
+        log.warning("chat template: %s", note)
+    return {"chat_template": chosen.template, "bos": "<bos>", "eos": "<turn|>"}
+
+
+# --- conversations --------------------------------------------------------------------------
+
+Messages = Sequence[dict[str, Any]]
+
+_INT_RANGE = (-(2 ** 63), 2 ** 64)  # RapidJSON keeps these integers exact; others become doubles
+
+
+def _float_ok(x: float) -> bool:
+    # Measured on MNN 3.6.1 (tests/test_gemma4_chat_template.py): integral values below 1e15 and
+    # multiples of 1/256 below 1e6 print as Python prints them; ~22% of other floats change a digit.
+    if not math.isfinite(x) or "e" in repr(x):
+        return False
+    return (x.is_integer() and abs(x) < 1e15) or ((x * 256).is_integer() and abs(x) < 1e6)
+
+
+def _strip_thinking(text: str) -> str:
+    parts = text.split("<channel|>")
+    return "".join(p.split("<|channel>")[0] if "<|channel>" in p else p for p in parts)
+
+
+class _Checker:
+    def __init__(self) -> None:
+        self.reasons: list[str] = []
+
+    def fail(self, where: str, why: str) -> None:
+        self.reasons.append(f"{where}: {why}")
+
+    def trimmed(self, where: str, text: Any) -> None:
+        if not isinstance(text, str):
+            self.fail(where, f"{type(text).__name__} where the template trims a string")
+        elif text.strip() != text.strip(ASCII_WHITESPACE):
+            self.fail(where, "non-ASCII whitespace at an edge: transformers strips it (str.strip), "
+                             "the runtime's engine does not")
+
+    def mapping_keys(self, where: str, mapping: dict) -> list[str]:
+        keys = list(mapping)
+        if not all(isinstance(k, str) for k in keys):
+            self.fail(where, "a mapping with non-string keys")
+            return []
+        if sorted(keys) != sorted(keys, key=str.lower):
+            self.fail(where, f"keys {sorted(keys, key=str.lower)} sort differently by bytes (the runtime) "
+                             "and case-insensitively (dictsort)")
+        return keys
+
+    def value(self, where: str, value: Any) -> None:
+        """A value printed by the template's format_argument."""
+        if value is None or isinstance(value, (bool, str)):
+            return
+        if isinstance(value, int):
+            if not _INT_RANGE[0] <= value < _INT_RANGE[1]:
+                self.fail(where, f"integer {value} outside the runtime's 64-bit range")
+        elif isinstance(value, float):
+            if not _float_ok(value):
+                self.fail(where, f"float {value!r}: the runtime's JSON parser/printer may change its digits "
+                                 "(exact: integral below 1e15, or a multiple of 1/256 below 1e6)")
+        elif isinstance(value, dict):
+            for key in self.mapping_keys(where, value):
+                self.value(f"{where}.{key}", value[key])
+        elif isinstance(value, (list, tuple)):
+            for i, item in enumerate(value):
+                self.value(f"{where}[{i}]", item)
+        else:
+            self.fail(where, f"{type(value).__name__} value (not JSON)")
+
+    def message(self, i: int, message: Any, first: bool) -> None:
+        where = f"messages[{i}]"
+        if not isinstance(message, dict):
+            self.fail(where, "not a dict")
+            return
+        message = _without_none(message)
+        role = message.get("role")
+        if not isinstance(role, str):
+            self.fail(where, "role is not a string")
+            return
+        if role == "json":
+            self.fail(where, "role 'json' means 'parse content as the message' to the runtime")
+        content = message.get("content")
+        if first and role in ("system", "developer"):
+            if "content" in message:  # a missing key renders '' in both
+                self.trimmed(f"{where}.content", content)
+            return
+        model = role in ("assistant", "model")
+        if isinstance(content, str):
+            self.trimmed(f"{where}.content", _strip_thinking(content) if model else content)
+        elif isinstance(content, (list, tuple)):
+            for j, part in enumerate(content):
+                if isinstance(part, dict) and part.get("type") == "text" and "text" in part:
+                    text = part["text"]
+                    self.trimmed(f"{where}.content[{j}].text", _strip_thinking(text) if model and
+                                 isinstance(text, str) else text)
+        # other content (None, numbers, mappings) renders nothing in both engines
+        for j, call in enumerate(message.get("tool_calls") or ()):
+            self.tool_call(f"{where}.tool_calls[{j}]", call)
+        for j, response in enumerate(message.get("tool_responses") or ()):
+            self.tool_response(f"{where}.tool_responses[{j}]", response)
+
+    def tool_call(self, where: str, call: Any) -> None:
+        function = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+            self.fail(where, "a tool call needs function.name (a string)")
+            return
+        arguments = function.get("arguments")
+        if isinstance(arguments, dict):  # other non-string arguments render nothing in both engines
+            for key in self.mapping_keys(f"{where}.arguments", arguments):
+                self.value(f"{where}.arguments.{key}", arguments[key])
+
+    def tool_response(self, where: str, response: Any) -> None:
+        if not isinstance(response, dict):
+            self.fail(where, "a tool response that is not a dict")
+            return
+        if "name" in response and not isinstance(response["name"], str):
+            self.fail(f"{where}.name", "not a string")
+        if "response" not in response:
+            self.fail(f"{where}.response", "missing (transformers renders an undefined value as [])")
+            return
+        body = response["response"]
+        if isinstance(body, dict):
+            for key in self.mapping_keys(f"{where}.response", body):
+                self.value(f"{where}.response.{key}", body[key])
+        else:
+            self.value(f"{where}.response", body)
+
+    def ascii_type(self, where: str, kind: Any) -> None:
+        if kind is not None and not (isinstance(kind, str) and kind.isascii()):
+            self.fail(where, "a type that is not an ASCII string (upper() differs)")
+
+    def parameters(self, where: str, properties: Any) -> None:
+        if not isinstance(properties, dict):
+            self.fail(where, "properties that are not a mapping")
+            return
+        for key in self.mapping_keys(where, properties):
+            spec = properties[key]
+            at = f"{where}.{key}"
+            if not isinstance(spec, dict):
+                self.fail(at, "a property that is not a mapping")
+                continue
+            if not isinstance(spec.get("description", ""), str):
+                self.fail(f"{at}.description", "not a string")
+            self.ascii_type(f"{at}.type", spec.get("type"))
+            if "enum" in spec:
+                self.value(f"{at}.enum", spec["enum"])
+            if isinstance(spec.get("properties"), dict):
+                self.parameters(f"{at}.properties", spec["properties"])
+            items = spec.get("items")
+            if isinstance(items, dict):
+                for item_key in self.mapping_keys(f"{at}.items", items):
+                    item = items[item_key]
+                    if item_key == "properties":
+                        self.parameters(f"{at}.items.properties", item)
+                    elif item_key == "type":
+                        kinds = item if isinstance(item, list) else [item]
+                        for kind in kinds:
+                            self.ascii_type(f"{at}.items.type", kind)
+                    elif item_key != "required":
+                        self.value(f"{at}.items.{item_key}", item)
+
+    def tool(self, i: int, tool: Any) -> None:
+        where = f"tools[{i}]"
+        function = tool.get("function") if isinstance(tool, dict) else None
+        if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+            self.fail(where, "a tool needs function.name (a string)")
+            return
+        if not isinstance(function.get("description", ""), str):
+            self.fail(f"{where}.description", "not a string")
+        params = function.get("parameters")
+        if isinstance(params, dict):
+            if "properties" in params:
+                self.parameters(f"{where}.parameters.properties", params["properties"])
+            self.ascii_type(f"{where}.parameters.type", params.get("type"))
+        response = function.get("response")
+        if isinstance(response, dict):
+            self.ascii_type(f"{where}.response.type", response.get("type"))
+
+
+def _strings(value: Any) -> Iterable[str]:
+    if isinstance(value, str):
+        yield value
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            yield from _strings(key)
+            yield from _strings(item)
+    elif isinstance(value, (list, tuple)):
+        for item in value:
+            yield from _strings(item)
+
+
+def unsupported(messages: Messages, tools: Sequence[dict[str, Any]] | None = None) -> list[str]:
+    """Why the runtime's rendering of this conversation (derived Gemma4 template) may differ from
+    transformers'; empty when it renders identically (as measured by the test corpus)."""
+    check = _Checker()
+    for text in _strings([list(messages), list(tools or ())]):
+        if "\x00" in text:
+            check.fail("conversation", "a NUL character (the runtime cuts the text there)")
+            break
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError:
+            check.fail("conversation", "a string that is not valid Unicode (lone surrogate)")
+            break
+    if not messages:
+        check.fail("messages", "empty (the template reads messages[0])")
+    for i, message in enumerate(messages):
+        check.message(i, message, first=i == 0)
+    for i, tool in enumerate(tools or ()):
+        check.tool(i, tool)
+    try:
+        json.dumps(list(messages), default=_placeholder, allow_nan=False)
+        json.dumps(list(tools or ()), allow_nan=False)
+    except (TypeError, ValueError) as exc:
+        check.fail("conversation", f"not JSON-serialisable for the runtime ({exc})")
+    return check.reasons
+
+
+def check_conversation(messages: Messages, tools: Sequence[dict[str, Any]] | None = None) -> None:
+    """Raise InputError naming what the runtime would render differently from transformers."""
+    reasons = unsupported(messages, tools)
+    if reasons:
+        raise InputError("the runtime's chat template would not render this conversation as transformers does: "
+                         + "; ".join(reasons))
+
+
+def _placeholder(value: Any) -> str:
+    # media objects in content parts (images, arrays): the template reads only the part's type
+    return f"<{type(value).__name__}>"
+
+
+def _without_none(message: dict[str, Any]) -> dict[str, Any]:
+    # transformers drops a message's None-valued keys before rendering (content=None from OpenAI-style APIs)
+    return {key: value for key, value in message.items() if value is not None}
+
+
+def runtime_messages(messages: Messages) -> list[dict[str, str]]:
+    """``messages`` as ``Llm.apply_chat_template`` takes them: plain {"role", "content"} string
+    pairs as they are, anything else as role "json" with the message as a JSON string. Keys whose
+    value is None are dropped first, as transformers does."""
+    out = []
+    for message in map(_without_none, messages):
+        if set(message) == {"role", "content"} and all(isinstance(message[k], str) for k in ("role", "content")):
+            out.append({"role": message["role"], "content": message["content"]})
+        else:
+            out.append({"role": "json", "content": json.dumps(message, ensure_ascii=False, default=_placeholder)})
+    return out
+
+
+def runtime_context(thinking: bool, tools: Sequence[dict[str, Any]] | None = None) -> dict[str, Any]:
+    """``jinja.context`` for one rendering (``Llm.set_config({"jinja": {"context": ...}})``);
+    ``tools`` is always set so that a merge clears an earlier conversation's tools."""
+    return {"enable_thinking": bool(thinking), "tools": list(tools or [])}
+
+
+def hf_render(tokenizer: Any, template: str, messages: Messages, thinking: bool,
+              tools: Sequence[dict[str, Any]] | None = None) -> str:
+    """transformers' rendering (``tokenizer.apply_chat_template``, generation prompt on); thinking
+    off leaves ``enable_thinking`` undefined, the template's default."""
+    kwargs: dict[str, Any] = {"enable_thinking": True} if thinking else {}
+    text = tokenizer.apply_chat_template(list(messages), chat_template=template, tools=list(tools) if tools else None,
+                                         tokenize=False, add_generation_prompt=True, **kwargs)
+    assert isinstance(text, str)
+    return text
+
+
+# --- comparison -----------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class ChatCase:
+    name: str
+    messages: list[dict[str, Any]]
+    tools: list[dict[str, Any]] | None = None
+
+
+@dataclass(frozen=True)
+class ChatResult:
+    """One conversation in one thinking mode. ``status``: ``equal``, ``differs`` (a supported
+    conversation rendered differently: a defect), ``refused`` (``unsupported`` names reasons;
+    ``same`` says whether the two renderings happened to agree) or ``invalid`` (transformers
+    itself raised)."""
+
+    name: str
+    thinking: bool
+    status: str
+    hf: str | None
+    runtime: str | None
+    reasons: tuple[str, ...] = ()
+
+    @property
+    def same(self) -> bool:
+        return self.hf is not None and self.hf == self.runtime
+
+    def first_difference(self) -> str:
+        a, b = self.hf or "", self.runtime or ""
+        i = next((k for k, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+        return f"at {i}: transformers {a[max(0, i - 20):i + 40]!r} vs runtime {b[max(0, i - 20):i + 40]!r}"
+
+
+@dataclass
+class ChatTemplateReport:
+    results: list[ChatResult] = field(default_factory=list)
+
+    def count(self, status: str) -> int:
+        return sum(r.status == status for r in self.results)
+
+    @property
+    def ok(self) -> bool:
+        return self.count("differs") == 0
+
+    def summary(self) -> str:
+        refused_diff = sum(r.status == "refused" and not r.same for r in self.results)
+        return (f"{len(self.results)} renderings: {self.count('equal')} identical, {self.count('differs')} different, "
+                f"{self.count('refused')} refused ({refused_diff} of them do differ), {self.count('invalid')} invalid")
+
+
+RuntimeRender = Callable[[list[dict[str, str]], dict[str, Any]], str]
+HfRender = Callable[[Messages, bool, Sequence[dict[str, Any]] | None], str]
+
+
+def compare_chat_template(cases: Iterable[ChatCase], render_hf: HfRender, render_runtime: RuntimeRender,
+                          thinking_modes: Sequence[bool] = (False, True)) -> ChatTemplateReport:
+    """Render every case in every thinking mode with transformers (``render_hf(messages, thinking,
+    tools)``, e.g. ``hf_render`` bound to a tokenizer and the checkpoint's template) and with the
+    runtime (``render_runtime(runtime_messages(...), runtime_context(...))``: set the context, then
+    ``Llm.apply_chat_template``), and classify each pair."""
+    report = ChatTemplateReport()
+    for case in cases:
+        reasons = tuple(unsupported(case.messages, case.tools))
+        for thinking in thinking_modes:
+            try:
+                hf: str | None = render_hf(case.messages, thinking, case.tools)
+            except Exception as exc:  # transformers' own error: nothing to compare with
+                report.results.append(ChatResult(case.name, thinking, "invalid", None, None,
+                                                 (f"transformers: {type(exc).__name__}: {exc}",) + reasons))
+                continue
+            runtime = render_runtime(runtime_messages(case.messages), runtime_context(thinking, case.tools))
+            status = "refused" if reasons else ("equal" if runtime == hf else "differs")
+            report.results.append(ChatResult(case.name, thinking, status, hf, runtime, reasons))
+    return report
+
+
+def runtime_renderer(llm: Any) -> RuntimeRender:
+    """``render_runtime`` for ``compare_chat_template`` from a loaded ``MNN.llm`` model: each call
+    merges the context into the model's config (``set_config``), then renders. The context stays
+    merged afterwards: verify on an instance of its own, or set the exported context back."""
+    def render(messages: list[dict[str, str]], context: dict[str, Any]) -> str:
+        llm.set_config({"jinja": {"context": context}})
+        text = llm.apply_chat_template(messages)
+        assert isinstance(text, str)
+        return text
+    return render
+
+
+def standard_cases() -> list[ChatCase]:
+    """A small corpus for a verifier: the template's branches with ordinary content (system and
+    developer turns, history with thoughts, tool declarations, calls and responses, image and audio
+    parts, whitespace the template trims). Every case is supported (``unsupported`` is empty)."""
+    tool = {"type": "function", "function": {
+        "name": "get_weather", "description": "Weather for a city.",
+        "parameters": {"type": "object", "properties": {
+            "city": {"type": "string", "description": "City name"},
+            "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]},
+            "hours": {"type": "array", "items": {"type": "integer"}}}, "required": ["city"]}}}
+    call = {"role": "assistant", "tool_calls": [{"type": "function", "function": {
+        "name": "get_weather", "arguments": {"city": "Paris", "hours": [9, 12], "unit": "celsius", "exact": True,
+                                             "hint": None, "where": {"lat": 48.5, "lon": 2.25}}}}]}
+    response = {"role": "tool", "tool_responses": [{"name": "get_weather", "response": {
+        "temperature": 21, "conditions": "sunny", "hourly": [20, 21, 22]}}]}
+    return [
+        ChatCase("user", [{"role": "user", "content": "Hello!"}]),
+        ChatCase("system", [{"role": "system", "content": " You are terse. "},
+                            {"role": "user", "content": "Wie geht's? 你好 😀"}]),
+        ChatCase("multi_turn", [{"role": "developer", "content": "One word."},
+                                {"role": "user", "content": "Capital of France?"},
+                                {"role": "assistant", "content": "<|channel>thought\nEasy.<channel|>Paris"},
+                                {"role": "user", "content": "And of\tGermany?\n"}]),
+        ChatCase("tools", [{"role": "user", "content": "Weather in Paris?"}, call, response], tools=[tool]),
+        ChatCase("tool_answer", [{"role": "user", "content": "Weather?"}, call, response,
+                                 {"role": "assistant", "content": "Sunny, 21 C."}, {"role": "user", "content": "Ok"}]),
+        ChatCase("media", [{"role": "user", "content": [
+            {"type": "text", "text": "Compare "}, {"type": "image"}, {"type": "text", "text": "with"},
+            {"type": "audio"}]}]),
+    ]
