@@ -43,7 +43,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from llmexport.input_files import TOKENIZER_LIMIT, read_json, read_optional_json
-from llmexport.mnn.tokenizer_pipeline import Body, Unsupported, byte_level_chars, encode_body, string, u8, u32
+from llmexport.mnn.tokenizer_pipeline import (
+    Body,
+    Unsupported,
+    byte_level_chars,
+    decoder_has_byte_level,
+    encode_body,
+    string,
+    u8,
+    u32,
+)
 
 __all__ = ["write_mnn_tokenizer", "mnn_tokenizer_bytes", "convert_tokenizer", "MnnTokenizerFile",
            "MNN_TOKENIZER_MAGIC", "MNN_TOKENIZER_PIPELINE"]
@@ -59,13 +68,16 @@ class MnnTokenizerFile:
     """The file's bytes, its stop ids, and where the runtime's encode differs from HF's.
 
     ``unsafe_chars``: text characters on which the runtime's regex split may differ from HF's
-    (tokenizer_regex.py); ``notes``: other inputs it encodes differently (e.g. text not in NFC).
+    (tokenizer_regex.py); ``notes``: other inputs it encodes differently (e.g. text not in NFC);
+    ``pieces``: id -> the vocabulary row written, which the runtime's single-id decode (what
+    generation streams) starts from (tokenizer_stream.py).
     """
 
     data: bytes
     stop_ids: tuple[int, ...]
     unsafe_chars: frozenset[str] = field(default_factory=frozenset)
     notes: tuple[str, ...] = ()
+    pieces: tuple[str, ...] = ()
 
 
 def _token_text(value) -> str:
@@ -171,12 +183,13 @@ def mnn_tokenizer_bytes(hf_tokenizer_dir: Path, **options) -> bytes:
 def _encode_body(tj: dict, tj_path: Path, added: list[dict]) -> tuple[Body, list[dict]]:
     """The pipeline body and the special tokens the runtime's special list may hold."""
     try:
-        body = encode_body(tj)
+        byte_level_decoder = decoder_has_byte_level(tj.get("decoder"))
+        specials = [tok for tok in added if tok.get("special")
+                    and _runtime_decodes_verbatim(tok["content"], byte_level_decoder)]
+        body = encode_body(tj, keep_ids=frozenset(tok["id"] for tok in specials))
         normalize = _hf_normalizer(tj_path) if tj.get("normalizer") is not None else None
         for tok in added:
             _check_added_token(tok, normalize)
-        specials = [tok for tok in added if tok.get("special")
-                    and _runtime_decodes_verbatim(tok["content"], body.byte_level_decoder)]
         _check_added_overlaps(specials, added)
     except Unsupported as exc:
         raise ValueError(f"{tj_path}: unsupported {exc}") from None
@@ -256,7 +269,7 @@ def convert_tokenizer(
     trailer = u32(len(template)) + template + string(eos_text) + u8(flags) + string(bos_text)
 
     converted = MnnTokenizerFile(header + body.data + b"".join(added_block) + trailer, tuple(stop_ids),
-                                 frozenset(body.unsafe_chars), tuple(body.notes))
+                                 frozenset(body.unsafe_chars), tuple(body.notes), tuple(body.pieces))
     for note in converted.notes:
         log.warning("tokenizer: %s", note)
     if converted.unsafe_chars:

@@ -18,6 +18,9 @@ What the runtime does (tokenizer.cpp, unicode.cpp) that decides the rules here:
   fallback or a ByteLevel pre-tokenizer whose 256 byte characters are all in the vocabulary.
 * Decoder type 0 is ByteLevel (and switches single-id decoding to the byte map), so "no
   decoder" is written as an empty Sequence.
+* Single-id decoding (what generation streams) ignores the decoder chain: see tokenizer_stream.py.
+  The vocabulary row of an added token outside the model vocabulary is only read by that decode,
+  so it is respelled where needed to make the runtime stream what HF's decoder gives for it.
 """
 
 from __future__ import annotations
@@ -28,8 +31,8 @@ from dataclasses import dataclass, field
 
 from llmexport.mnn.tokenizer_regex import UnsupportedRegex, check_split_regex, escape_literal
 
-__all__ = ["Body", "Unsupported", "encode_body", "unreachable_words", "byte_level_chars", "GPT2_PATTERN", "NFC_NOTE",
-           "u8", "u32", "string"]
+__all__ = ["Body", "Unsupported", "encode_body", "unreachable_words", "byte_level_chars", "decoder_has_byte_level",
+           "GPT2_PATTERN", "NFC_NOTE", "u8", "u32", "string"]
 
 _NORM_NONE, _NORM_PREPEND, _NORM_REPLACE, _NORM_SEQUENCE = 0, 2, 3, 4
 _PRE_NONE, _PRE_BYTE_LEVEL, _PRE_SPLIT, _PRE_SEQUENCE = 0, 1, 4, 6
@@ -81,6 +84,7 @@ class Body:
     """The encoded pipeline and what the rest of the file needs to know about it."""
 
     data: bytes = b""
+    pieces: list[str] = field(default_factory=list)  # id -> the vocabulary row the file holds
     byte_level: bool = False  # ByteLevel pre-tokenizer: words are byte characters
     byte_level_decoder: bool = False  # the runtime decodes single ids through the byte map
     unsafe_chars: set[str] = field(default_factory=set)  # text characters the regexes may split differently
@@ -260,7 +264,45 @@ def _check_byte_coverage(model: dict, vocab: dict[str, int], body: Body) -> None
                           "(the runtime drops unknown characters instead of <unk>)")
 
 
-def _bpe_model(model: dict, added: list[dict], body: Body) -> bytes:
+def _respell_added_rows(model: dict, added: list[dict], by_id: dict[int, str], merge_ids: set[int],
+                        decoder: dict | None, keep_ids: frozenset[int]) -> None:
+    """Respell, in ``by_id``, the rows of added tokens outside the model vocabulary whose
+    single-id decode in the runtime would differ from HF's decoder on that token (for example
+    ``<｜fim▁hole｜>`` in a ByteLevel vocabulary, which HF keeps verbatim and the runtime would
+    stream with a space). Such a row is read by nothing but the runtime's single-id decode: BPE
+    reaches rows by merges or single characters only, and the new spelling is checked to be no
+    other row's text. ``keep_ids`` (the header's special list, matched by their decoded text) keep
+    their content."""
+    from llmexport.mnn.tokenizer_stream import hf_piece_bytes, runtime_piece_bytes, runtime_spelling
+
+    model_ids = set((model.get("vocab") or {}).values())
+    byte_level = decoder_has_byte_level(decoder)
+    taken = set(by_id.values())
+    for tok in added:
+        idx, content = tok["id"], tok["content"]
+        if idx in model_ids or idx in merge_ids or idx in keep_ids or by_id.get(idx) != content:
+            continue
+        target = hf_piece_bytes(content, decoder)
+        if target is None or runtime_piece_bytes(content, byte_level=byte_level) == target:
+            continue
+        spelled = runtime_spelling(target, byte_level=byte_level)
+        if spelled is None or spelled in taken or len(spelled) == 1:  # BPE looks single characters up
+            continue
+        by_id[idx] = spelled
+        taken.add(spelled)
+
+
+def decoder_has_byte_level(node: dict | None) -> bool:
+    """The decoder holds ByteLevel: the runtime's single-id decode then maps byte characters."""
+    if not node:
+        return False
+    if node.get("type") == "Sequence":
+        return any(decoder_has_byte_level(c) for c in node.get("decoders", []))
+    return node.get("type") == "ByteLevel"
+
+
+def _bpe_model(model: dict, added: list[dict], body: Body, decoder: dict | None = None,
+               keep_ids: frozenset[int] = frozenset()) -> bytes:
     for key in ("continuing_subword_prefix", "end_of_word_suffix"):
         if model.get(key):
             raise Unsupported(f"BPE model with {key}={model[key]!r}")
@@ -270,12 +312,16 @@ def _bpe_model(model: dict, added: list[dict], body: Body) -> bytes:
     _check_byte_coverage(model, vocab, body)
 
     rank_of: dict[tuple[int, int], int] = {}
+    merge_ids: set[int] = set()  # rows BPE reaches through merges
     for rank, merge in enumerate(model.get("merges", [])):
         left, right = _merge_pair(merge)
         if left not in vocab or right not in vocab or left + right not in vocab:
             raise Unsupported(f"merge {left!r} + {right!r} refers to pieces outside the vocabulary")
         rank_of[(vocab[left], vocab[right])] = rank  # a later duplicate wins, as in `tokenizers`
+        merge_ids.update((vocab[left], vocab[right], vocab[left + right]))
 
+    _respell_added_rows(model, added, by_id, merge_ids, decoder, keep_ids)
+    body.pieces = [by_id[i] for i in range(len(by_id))]
     rows = sorted((piece.encode("utf-8"), idx) for idx, piece in by_id.items())
     # byte_fallback is not read by the 3.6.1 loader (the model always tries <0xNN> pieces);
     # byte_level 0: the pre-tokenizer, not the model, maps bytes to characters.
@@ -326,8 +372,11 @@ def _has_byte_level(node: dict | None) -> bool:
     return node.get("type") == "ByteLevel"
 
 
-def encode_body(tj: dict) -> Body:
-    """Normalizer + pre-tokenizer + BPE model + decoder of ``tokenizer.json`` in MNN's codes."""
+def encode_body(tj: dict, keep_ids: frozenset[int] = frozenset()) -> Body:
+    """Normalizer + pre-tokenizer + BPE model + decoder of ``tokenizer.json`` in MNN's codes.
+
+    ``keep_ids``: added tokens whose vocabulary row must stay their content (see
+    ``_respell_added_rows``)."""
     body = Body()
     model = tj.get("model") or {}
     mtype = model.get("type") or ("BPE" if "merges" in model else None)
@@ -336,7 +385,7 @@ def encode_body(tj: dict) -> Body:
     normalizer = _normalizer(tj.get("normalizer"), body)
     parts = [normalizer if normalizer is not None else u8(_NORM_NONE),
              _pre_tokenizer(tj.get("pre_tokenizer"), body, _removed_literals(tj.get("normalizer"))),
-             _bpe_model(model, list(tj.get("added_tokens", [])), body),
+             _bpe_model(model, list(tj.get("added_tokens", [])), body, tj.get("decoder"), keep_ids),
              _decoder(tj.get("decoder"), body)]
     if model.get("ignore_merges"):
         bad = unreachable_words(tj)

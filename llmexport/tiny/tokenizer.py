@@ -26,6 +26,9 @@ __all__ = [
     "GEMMA4_CHAT_TEMPLATE",
     "TRAINING_CORPUS",
     "build_tiny_gemma_tokenizer",
+    "LLAMA2_SPECIAL_TOKENS",
+    "PHI3_ADDED_TOKENS",
+    "build_tiny_sentencepiece_tokenizer",
 ]
 
 # name -> (token text, id). Ids are fixed; the byte pieces follow right after them.
@@ -111,14 +114,18 @@ model: hello, how can I help you today?
 """
 
 
-def _train_merges(budget: int) -> tuple[list[str], list[tuple[str, str]]]:
+def _train_merges(budget: int, words: bool = False) -> tuple[list[str], list[tuple[str, str]]]:
     """Learn an alphabet plus merges on the corpus, at most `budget` pieces in total.
 
     The whole alphabet of the corpus is kept (limiting it makes the trainer break ties between
-    equally frequent characters in hash order, which is not reproducible).
+    equally frequent characters in hash order, which is not reproducible). `words`: learn on
+    "▁word" units, as SentencePiece does, instead of on whole lines.
     """
     trainer_tok = Tokenizer(BPE())
-    trainer_tok.normalizer = normalizers.Replace(" ", _SPACE_PIECE)
+    if words:
+        trainer_tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement=_SPACE_PIECE, prepend_scheme="always")
+    else:
+        trainer_tok.normalizer = normalizers.Replace(" ", _SPACE_PIECE)
     trainer = BpeTrainer(
         vocab_size=budget,
         min_frequency=2,
@@ -206,3 +213,58 @@ def build_tiny_gemma_tokenizer(out_dir: Path, vocab_size: int = 512) -> None:
     (out_dir / "tokenizer_config.json").write_text(json.dumps(config, indent=2, ensure_ascii=False) + "\n",
                                                   encoding="utf-8")
     (out_dir / "chat_template.jinja").write_text(GEMMA4_CHAT_TEMPLATE, encoding="utf-8")
+
+
+# Llama-2's fixed ids: <unk>, <s>, </s>, then the 256 byte pieces, then the learned pieces.
+LLAMA2_SPECIAL_TOKENS = ("<unk>", "<s>", "</s>")
+# Phi-3's chat tokens, added after the model vocabulary in Phi-3's order (all special).
+PHI3_ADDED_TOKENS = ("<|endoftext|>", "<|assistant|>", "<|placeholder1|>", "<|placeholder2|>", "<|placeholder3|>",
+                     "<|placeholder4|>", "<|system|>", "<|end|>", "<|placeholder5|>", "<|placeholder6|>", "<|user|>")
+PHI3_GENERATION_EOS = ("<|endoftext|>", "<|assistant|>", "<|end|>")
+
+
+def build_tiny_sentencepiece_tokenizer(out_dir: Path, style: str = "llama2", vocab_size: int = 512) -> None:
+    """A tiny tokenizer with the structure of Llama-2's (``style="llama2"``) or Phi-3's
+    (``"phi3"``) ``tokenizer.json``, trained on the corpus above.
+
+    BPE with byte fallback over ``<unk> <s> </s>``, the 256 byte pieces and the learned pieces;
+    normalizer ``Prepend("▁")`` + ``Replace(" ", "▁")``, no pre-tokenizer; decoder ``Replace("▁",
+    " ")``, ``ByteFallback``, ``Fuse``, ``Strip(" ", 1, 0)`` (the decoded text loses its first
+    space); ``<s>`` prepended by the post-processor. Phi-3 adds its chat tokens after the model
+    vocabulary and ends generation on ``<|endoftext|>``, ``<|assistant|>`` and ``<|end|>``
+    (generation_config.json). tokenizer_config.json names ``PreTrainedTokenizerFast``, so
+    transformers uses this file as written (the real configs name ``LlamaTokenizer``, for which
+    transformers 5 replaces the normalizer by a ``Metaspace(prepend_scheme="first")``
+    pre-tokenizer: the same decoder, but text after a special token encodes without "▁").
+    """
+    if style not in ("llama2", "phi3"):
+        raise ValueError(f"unknown SentencePiece style {style!r}; choose 'llama2' or 'phi3'")
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    vocab: dict[str, int] = {text: i for i, text in enumerate(LLAMA2_SPECIAL_TOKENS)}
+    for b in range(256):
+        vocab[f"<0x{b:02X}>"] = len(LLAMA2_SPECIAL_TOKENS) + b
+    pieces, merges = _train_merges(vocab_size - len(vocab), words=True)
+    for piece in pieces:
+        vocab.setdefault(piece, len(vocab))
+    merges = [(a, b) for a, b in merges if a in vocab and b in vocab and a + b in vocab]
+
+    tok = Tokenizer(BPE(vocab=vocab, merges=merges, unk_token="<unk>", fuse_unk=True, byte_fallback=True))
+    tok.normalizer = normalizers.Sequence([normalizers.Prepend(_SPACE_PIECE), normalizers.Replace(" ", _SPACE_PIECE)])
+    tok.decoder = decoders.Sequence([decoders.Replace(_SPACE_PIECE, " "), decoders.ByteFallback(), decoders.Fuse(),
+                                     decoders.Strip(" ", 1, 0)])
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in LLAMA2_SPECIAL_TOKENS])
+    if style == "phi3":
+        tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in PHI3_ADDED_TOKENS])
+    tok.post_processor = processors.TemplateProcessing(single="<s>:0 $A:0", pair="<s>:0 $A:0 <s>:1 $B:1",
+                                                       special_tokens=[("<s>", 1)])
+    tok.save(str(out_dir / "tokenizer.json"))
+    eos = "<|endoftext|>" if style == "phi3" else "</s>"
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<s>", "eos_token": eos,
+              "unk_token": "<unk>", "pad_token": eos if style == "phi3" else None, "add_bos_token": True,
+              "add_eos_token": False, "clean_up_tokenization_spaces": False, "model_max_length": 4096}
+    (out_dir / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
+    if style == "phi3":
+        ids = [tok.token_to_id(t) for t in PHI3_GENERATION_EOS]
+        (out_dir / "generation_config.json").write_text(json.dumps({"eos_token_id": ids}, indent=2) + "\n",
+                                                        encoding="utf-8")
