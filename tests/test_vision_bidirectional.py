@@ -117,7 +117,10 @@ def test_text_graph_matches_hfs_full_model(bidirectional, sizes):
     slots = (ids == arch.checkpoint.config["image_token_id"]).nonzero().view(-1)
     features = image_features(hf, prompt.inputs["pixel_values"], prompt.inputs["image_position_ids"])
     inputs[0] = inputs[0].clone()
-    inputs[0][slots, 0] = features / math.sqrt(arch.args.hidden_size) * MEDIA_MARK
+    # a soft token fills the embedding columns; the PLE tail (the pad id's row) comes marked too
+    hidden = arch.args.hidden_size
+    inputs[0][slots, 0, :hidden] = features / math.sqrt(hidden)
+    inputs[0][slots, 0] *= MEDIA_MARK
     graph = bind_weights(arch.build_graph(), arch.linear_weight)
     with torch.no_grad():
         ours = graph(*inputs)[0][0]

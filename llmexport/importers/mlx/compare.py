@@ -28,9 +28,14 @@ def compare_with_source(arch: SourcedModel, weights: WeightStore, stored: Stored
             changed[name] = {"stored": stored_format(weights.quantization(source.weight)),
                              "max_abs_diff": float((ref - value).abs().max())}
     tables = {}
-    for name, table in (("embedding", stored.embedding), ("ple", stored.ple)):
-        lazy = arch.embedding_table() if name == "embedding" else arch.ple_table()
-        if table is not None and isinstance(lazy, MlxLazy):
-            diff = float((lazy.read().float() - table).abs().max())
-            tables[name] = {"stored": stored_format(lazy.quantization), "exact": diff == 0.0, "max_abs_diff": diff}
+    # The token table: the embedding rows, joined with the PLE rows where the model has them
+    # (the MNN writer stores them as one table, reported under "embedding").
+    parts = [(arch.embedding_table(), stored.embedding)]
+    if stored.ple is not None:
+        parts.append((arch.ple_table(), stored.ple))
+    if stored.embedding is not None and any(isinstance(lazy, MlxLazy) for lazy, _ in parts):
+        diff = max(float((lazy.read().float() - table).abs().max()) for lazy, table in parts)
+        formats = [stored_format(lazy.quantization) if isinstance(lazy, MlxLazy) else "unquantized"
+                   for lazy, _ in parts]
+        tables["embedding"] = {"stored": " + ".join(formats), "exact": diff == 0.0, "max_abs_diff": diff}
     return {"linears_exact": exact, "linears_changed": changed, "tables": tables}
