@@ -163,14 +163,7 @@ def test_chat_keeps_the_conversation_in_the_kv_cache(exports, tmp_path, name):
     assert two["context_ids"][:len(kept)] == kept
     assert two["stats"]["prompt_tokens"] == len(two["context_ids"]) - len(kept) > 0
     # the cache holds the templated conversation, and a fresh instance given it answers alike
-    want = _runtime(folder, f"""
-        messages = [{{"role": "user", "content": {FIRST!r}}}, {{"role": "assistant", "content": {one["text"]!r}}},
-                    {{"role": "user", "content": {SECOND!r}}}]
-        ids = {two["context_ids"]!r}
-        result = {{"template": c.apply_chat_template(messages),
-                  "cached": b"".join(token_bytes(i) for i in ids).decode("utf-8", "replace"),
-                  "answer": greedy(ids, {len(two["ids"])})}}
-    """)
+    want = _fresh_replay(folder, one, two)
     assert want["cached"] == want["template"]
     assert want["answer"] == two["ids"]
     assert len([line for line in proc.stderr.splitlines() if STATS.match(line)]) == 3
@@ -398,7 +391,14 @@ def test_chat_cuts_the_cache_back_where_the_template_changes_history(exports, tm
     kept = one["context_ids"] + one["ids"]
     reused = len(two["context_ids"]) - two["stats"]["prompt_tokens"]
     assert 0 < reused < len(kept) and two["context_ids"][:reused] == kept[:reused]  # cut back, not reset
-    want = _runtime(folder, f"""
+    want = _fresh_replay(folder, one, two)
+    assert want["cached"] == want["template"] and want["answer"] == two["ids"]
+
+
+def _fresh_replay(folder, one: dict, two: dict) -> dict:
+    """A fresh instance's view of turn two: the template's text of the conversation, the text of
+    the ids the chat's cache held, and its greedy answer from those ids."""
+    return _runtime(folder, f"""
         messages = [{{"role": "user", "content": {FIRST!r}}}, {{"role": "assistant", "content": {one["text"]!r}}},
                     {{"role": "user", "content": {SECOND!r}}}]
         ids = {two["context_ids"]!r}
@@ -406,4 +406,3 @@ def test_chat_cuts_the_cache_back_where_the_template_changes_history(exports, tm
                   "cached": b"".join(token_bytes(i) for i in ids).decode("utf-8", "replace"),
                   "answer": greedy(ids, {len(two["ids"])})}}
     """)
-    assert want["cached"] == want["template"] and want["answer"] == two["ids"]
