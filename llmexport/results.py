@@ -236,6 +236,109 @@ class Bounds(_PlainFields):
 
 
 @dataclass(frozen=True)
+class ConversationTurn:
+    """One chat turn of the conversation check (docs/verification.md#conversations), run in one
+    runtime instance that keeps its KV cache between turns.
+
+    ``prompt_tokens``: the HF rendering of the whole history (the checkpoint's chat template);
+    ``kept_tokens``: what the runtime kept of its cache from earlier turns, ``prefilled_tokens``:
+    what it prefilled for this turn; ``past_window``: the kept history is longer than the sliding
+    window; ``prompt_mismatch_at``: the first position where the runtime's own rendering and
+    tokenization of the history differs from HF's (None: equal); ``streamed_text``: what the
+    runtime streams for its answer; ``decoded_text``: HF's ``decode(answer, skip_special_tokens=True)``
+    of the same ids; ``text_difference``: the kinds of a difference between the two
+    (llmexport.mnn.tokenizer_stream: known ones, or ``unexplained``; empty when equal);
+    ``oracle``: greedy answers (the stored-weights oracle's, the runtime's) and the teacher-forced
+    statistics on the oracle's answer; ``fp32``: the same run against the fp32 HF model;
+    ``exact_kernels``: the exact-kernels run of a fast export with quantized linears.
+    """
+
+    conversation: int
+    turn: int
+    prompt_tokens: int
+    kept_tokens: int
+    prefilled_tokens: int
+    past_window: bool
+    prompt_mismatch_at: int | None
+    streamed_text: str
+    decoded_text: str
+    text_difference: tuple[str, ...]
+    oracle: RunComparison
+    fp32: LogitStats
+    exact_kernels: RunComparison | None = None
+
+    _PLAIN = ("conversation", "turn", "prompt_tokens", "kept_tokens", "prefilled_tokens", "past_window")
+
+    @property
+    def prompt_ids_match(self) -> bool:
+        return self.prompt_mismatch_at is None
+
+    @property
+    def text_match(self) -> bool:
+        return self.streamed_text == self.decoded_text
+
+    @property
+    def label(self) -> str:
+        """How failures name the turn (1-based, as a person counts them)."""
+        return f"conversation {self.conversation + 1} turn {self.turn + 1}"
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> ConversationTurn:
+        kernels = data.get("exact_kernels")
+        turn = cls(**{k: data[k] for k in cls._PLAIN}, prompt_mismatch_at=data["prompt_mismatch_at"],
+                   streamed_text=data["streamed_text"], decoded_text=data["decoded_text"],
+                   text_difference=tuple(data["text_difference"]),
+                   oracle=RunComparison.from_json(data["oracle"]), fp32=LogitStats.from_json(data["fp32"]),
+                   exact_kernels=None if kernels is None else RunComparison.from_json(kernels))
+        for key in ("prompt_ids_match", "text_match"):
+            if getattr(turn, key) != data[key]:
+                raise ValueError(f"{turn.label}: {key}={data[key]} contradicts the recorded ids/texts")
+        return turn
+
+    def to_json(self) -> dict[str, Any]:
+        out = {**{k: getattr(self, k) for k in self._PLAIN}, "prompt_ids_match": self.prompt_ids_match,
+               "prompt_mismatch_at": self.prompt_mismatch_at, "text_match": self.text_match,
+               "streamed_text": self.streamed_text, "decoded_text": self.decoded_text,
+               "text_difference": list(self.text_difference), "oracle": self.oracle.to_json()}
+        if self.exact_kernels is not None:
+            out["exact_kernels"] = self.exact_kernels.to_json()
+        out["fp32"] = self.fp32.to_json()
+        return out
+
+
+@dataclass(frozen=True)
+class ConversationCheck:
+    """The conversation check: turns of several conversations in one runtime instance, with a
+    ``reset()`` between conversations; ``runtime_error``: why the runtime stopped before
+    ``planned_turns`` turns (then the next turn is the one that failed)."""
+
+    sliding_window: int
+    planned_turns: int
+    turns: tuple[ConversationTurn, ...]
+    runtime_error: str | None = None
+
+    @property
+    def top1_agreement(self) -> float:
+        """Over every teacher-forced step of every turn (the shipped run)."""
+        steps = [s for t in self.turns for s in t.oracle.per_step]
+        return sum(s.top1_match for s in steps) / len(steps) if steps else 0.0
+
+    @property
+    def max_abs_err(self) -> float:
+        return max((t.oracle.max_abs_err for t in self.turns), default=0.0)
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> ConversationCheck:
+        return cls(data["sliding_window"], data["planned_turns"],
+                   tuple(ConversationTurn.from_json(t) for t in data["turns"]), data["runtime_error"])
+
+    def to_json(self) -> dict[str, Any]:
+        return {"sliding_window": self.sliding_window, "planned_turns": self.planned_turns,
+                "runtime_error": self.runtime_error, "top1_agreement": self.top1_agreement,
+                "max_abs_err": self.max_abs_err, "turns": [t.to_json() for t in self.turns]}
+
+
+@dataclass(frozen=True)
 class VerifyReport:
     """The verification of an export (docs/verification.md); ``passed`` when nothing failed."""
 
@@ -250,6 +353,7 @@ class VerifyReport:
     towers: Mapping[str, dict[str, Any]] = field(default_factory=dict)
     prequantized: dict[str, Any] | None = None
     exact_kernels: RunComparison | None = None
+    conversation: ConversationCheck | None = None
 
     @property
     def passed(self) -> bool:
@@ -261,7 +365,8 @@ class VerifyReport:
                      RuntimeProfile(data["runtime_profile"]), RunComparison.from_json(data["oracle"]),
                      LogitStats.from_json(data["fp32"]), Bounds.from_json(data["bounds"]), tuple(data["failures"]),
                      dict(data["towers"]), data.get("prequantized"),
-                     None if "exact_kernels" not in data else RunComparison.from_json(data["exact_kernels"]))
+                     None if "exact_kernels" not in data else RunComparison.from_json(data["exact_kernels"]),
+                     None if "conversation" not in data else ConversationCheck.from_json(data["conversation"]))
         if report.passed != data["passed"]:
             raise ValueError(f"verification report: passed={data['passed']} with {len(report.failures)} failure(s)")
         return report
@@ -280,6 +385,8 @@ class VerifyReport:
             out["prequantized"] = self.prequantized
         if self.exact_kernels is not None:
             out["exact_kernels"] = self.exact_kernels.to_json()
+        if self.conversation is not None:
+            out["conversation"] = self.conversation.to_json()
         out.update(bounds=self.bounds.to_json(), failures=list(self.failures), passed=self.passed)
         return out
 

@@ -48,12 +48,19 @@ def write_stored_checkpoint(export_dir: Path | None, arch: Architecture, out: Pa
         if source.bias:
             biases[source.bias] = name
     tables = stored_tables(export_dir, arch) if export_dir is not None else {}
-    lazies = {"embedding": None if arch.tied_embedding else arch.embedding_table(), "ple": arch.ple_table()}
-    table_of = {_name_of(weights, lazies[key]): key for key in tables}
+    columns = _table_columns(weights, arch) if tables else {}
+    # A tied lm_head beside a stored token table is its own tensor in the oracle (untied).
+    head = None
+    embedding = _name_of(weights, arch.embedding_table())
+    if columns and any(record == "lm_head" for record, _ in parts.get(embedding, [])):
+        head = HEAD_TENSOR
+        del parts[embedding]
     out.mkdir(parents=True, exist_ok=True)
     for file in arch.checkpoint.path.iterdir():
         if file.is_file() and not file.name.endswith(".safetensors") and file.name != "model.safetensors.index.json":
             shutil.copy2(file, out / file.name)
+    if head is not None:
+        _untie_config(out / "config.json")
     names = weights.names()
     weight_file = None if export_dir is None else export_dir / LLM_WEIGHT
 
@@ -62,13 +69,15 @@ def write_stored_checkpoint(export_dir: Path | None, arch: Architecture, out: Pa
         rec = records[record_name]
         return read_linear(weight_file, rec["external"], rec["quanParameter"], rec["oc"], rec["ic"])
 
+    extra = {head: (weights.shape(embedding), torch.float32)} if head else {}
     with open(out / FILE_NAME, "wb") as f:
-        f.write(_header(weights, names))
+        f.write(_header(weights, names, extra))
         for name in names:
-            if name in table_of:
-                table = tables[table_of[name]]
+            if name in columns:
+                table = tables["embedding"]
+                start, stop = columns[name]
                 for chunk in _row_chunks(table.rows, table.dim, table.read):
-                    _write(f, chunk)
+                    _write(f, chunk[:, start:stop])
             elif name in parts:
                 _write(f, _assemble(weights.shape(name), parts[name], linear))
             elif name in biases:
@@ -78,15 +87,41 @@ def write_stored_checkpoint(export_dir: Path | None, arch: Architecture, out: Pa
             else:
                 value = weights.tensor(name)
                 _write(f, value.float() if value.is_floating_point() else value)
+        if head is not None:
+            _write(f, linear("lm_head")[0])
     return out
 
 
-def _header(weights: WeightStore, names: list[str]) -> bytes:
-    """The safetensors header (length + JSON, padded to 8 bytes): every float tensor as F32."""
+HEAD_TENSOR = "lm_head.weight"
+
+
+def _table_columns(weights: WeightStore, arch: Architecture) -> dict[str, tuple[int, int]]:
+    """Checkpoint tensor -> its columns in the stored token table (mnn/token_table.py: the
+    embedding, then the PLE rows where the model has them)."""
+    columns, start = {}, 0
+    for lazy in (arch.embedding_table(), arch.ple_table()):
+        if lazy is not None:
+            width = int(lazy.shape[1])
+            columns[_name_of(weights, lazy)] = (start, start + width)
+            start += width
+    return columns
+
+
+def _untie_config(path: Path) -> None:
+    config = json.loads(path.read_text())
+    for cfg in (config, config.get("text_config")):
+        if isinstance(cfg, dict):
+            cfg["tie_word_embeddings"] = False
+    path.write_text(json.dumps(config, indent=2))
+
+
+def _header(weights: WeightStore, names: list[str], extra: dict[str, tuple[tuple[int, ...], torch.dtype]]) -> bytes:
+    """The safetensors header (length + JSON, padded to 8 bytes): every float tensor as F32, then
+    the ``extra`` tensors (name -> shape, dtype)."""
     header, offset = {}, 0
-    for name in names:
-        dtype = _stored_dtype(weights.dtype(name))
-        shape = list(weights.shape(name))
+    entries = [(n, tuple(weights.shape(n)), _stored_dtype(weights.dtype(n))) for n in names]
+    for name, shape_, dtype in entries + [(n, tuple(s), d) for n, (s, d) in extra.items()]:
+        shape = list(shape_)
         size = int(np.prod(shape, dtype=np.int64)) * torch.empty((), dtype=dtype).element_size()
         header[name] = {"dtype": _SAFETENSORS_DTYPES[dtype], "shape": shape, "data_offsets": [offset, offset + size]}
         offset += size

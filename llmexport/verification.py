@@ -22,8 +22,15 @@ from llmexport.loading import open_architecture
 from llmexport.mnn.config import EXACT_KERNELS, profile_of
 from llmexport.mnn.readback import read_stored
 from llmexport.mnn.runtime import run_runtime
+from llmexport.mnn.tokenizer_stream import StreamModel
 from llmexport.options import RuntimeProfile
 from llmexport.results import Bounds, LogitStats, RunComparison, StepStats, TokenizerCheck, VerifyReport
+from llmexport.verification_conversation import (
+    Conversations,
+    conversation_failures,
+    conversation_summary,
+    reference_stop_ids,
+)
 from llmexport.verification_media import prompt_summary
 from llmexport.verification_towers import verify_towers
 
@@ -132,31 +139,39 @@ def verify_export(export_dir: Path, model_path: Path, steps: int = 24, prompt_id
     window = int(arch.llm_config().get("sliding_window") or 0)
     prompt = prompt_ids or default_prompt(tokenizer, window + 8)
     stored = read_stored(export_dir, arch)
+    profile = profile_of(json.loads((export_dir / "config.json").read_text()))
+    # MLX checkpoints: which weights kept their integers
+    prequantized = compare_with_source(arch, arch.checkpoint.weights, stored)
+    bounds = bounds_for_export(_stored_bits(export_dir, prequantized), profile)
+    # the runtime chats first (its answers are the history); HF follows it below
+    chat = Conversations.run(export_dir, tokenizer, window, bounds.kernels_max_abs_err is not None)
     oracle = arch.load_reference(stored, trust_remote_code=trust_remote_code)
     greedy_ref = _reference_greedy(oracle, arch, prompt, steps)
     forced = prompt + greedy_ref[:-1]
     ref_logits = arch.reference_logits(oracle, torch.tensor(forced))[len(prompt) - 1:].numpy()
+    chat.add_oracle(arch, oracle, reference_stop_ids(model_path, tokenizer, arch))
     del oracle
     fp32 = arch.load_reference(None, trust_remote_code=trust_remote_code)
     fp32_logits = arch.reference_logits(fp32, torch.tensor(forced))[len(prompt) - 1:].numpy()
+    chat.add_fp32(arch, fp32)
+    del fp32
     texts = TOKENIZER_SAMPLES + [cast(str, tokenizer.decode(prompt[1:]))]  # one sequence: one string
     run = run_runtime(export_dir, prompt, greedy_ref[:-1], steps, texts=texts)
     tok_cases = {t: (run.encoded[t], tokenizer(t, add_special_tokens=False)["input_ids"]) for t in texts}
     mismatches = tuple(t for t, (m, h) in tok_cases.items() if m != h)
     tokenizer_check = TokenizerCheck(not mismatches, len(tok_cases), mismatches)
-    profile = profile_of(json.loads((export_dir / "config.json").read_text()))
     towers = verify_towers(arch, export_dir, stored)
-    # MLX checkpoints: which weights kept their integers
-    prequantized = compare_with_source(arch, arch.checkpoint.weights, stored)
-    bounds = bounds_for_export(_stored_bits(export_dir, prequantized), profile)
     shipped = RunComparison.of(compare_logits(run.forced_logits, ref_logits), greedy_ref, run.greedy_ids)
     exact = None
     if bounds.kernels_max_abs_err is not None:
         kernels = run_runtime(export_dir, prompt, greedy_ref[:-1], steps, config=EXACT_KERNELS)
         exact = RunComparison.of(compare_logits(kernels.forced_logits, ref_logits), greedy_ref, kernels.greedy_ids)
+    conversation = chat.check(tokenizer, StreamModel.from_folder(model_path))
+    failures = judge(bounds, shipped, tokenizer_check, exact, towers) + tuple(conversation_failures(
+        conversation, bounds.max_abs_err, bounds.mean_abs_err, bounds.kernels_max_abs_err))
     report = VerifyReport(len(prompt), steps, tokenizer_check, profile, shipped,
-                          compare_logits(run.forced_logits, fp32_logits), bounds,
-                          judge(bounds, shipped, tokenizer_check, exact, towers), towers, prequantized, exact)
+                          compare_logits(run.forced_logits, fp32_logits), bounds, failures, towers, prequantized,
+                          exact, conversation)
     (export_dir / "verify.json").write_text(json.dumps(report.to_json(), indent=2))
     log.info("verify: %s", summary_line(report))
     if raise_on_failure and not report.passed:
@@ -181,11 +196,11 @@ def judge(bounds: Bounds, oracle: LogitStats, tokenizer: TokenizerCheck, exact_k
     """The failures of a verification. A run passes when every teacher-forced step agrees on top-1
     (unless the oracle's own top-2 margin is below the error measured at that step: a near-tie)
     and errors stay in bounds; judged for the shipped run and (fast profile) the exact-kernels run."""
-    failures = _run_failures("", oracle, bounds.max_abs_err, bounds.mean_abs_err)
+    failures = run_failures("", oracle, bounds.max_abs_err, bounds.mean_abs_err)
     if exact_kernels is not None:
         if bounds.kernels_max_abs_err is None:
             raise ValueError(f"an exact-kernels run needs a kernels_max_abs_err bound ({bounds})")
-        failures += _run_failures("exact kernels: ", exact_kernels, bounds.kernels_max_abs_err, None)
+        failures += run_failures("exact kernels: ", exact_kernels, bounds.kernels_max_abs_err, None)
     if not tokenizer.agree:
         failures.append(f"tokenizer disagrees on {len(tokenizer.mismatches)} sample(s)")
     for name, tower in (towers or {}).items():
@@ -193,7 +208,7 @@ def judge(bounds: Bounds, oracle: LogitStats, tokenizer: TokenizerCheck, exact_k
     return tuple(failures)
 
 
-def _run_failures(label: str, run: LogitStats, max_abs: float, mean_abs: float | None) -> list[str]:
+def run_failures(label: str, run: LogitStats, max_abs: float, mean_abs: float | None) -> list[str]:
     failures = [f"{label}step {i}: top-1 {s.mnn_top1} != {s.ref_top1} (margin {s.ref_top2_margin:.4f})"
                 for i, s in enumerate(run.per_step) if s.flipped]
     if run.max_abs_err >= max_abs:
@@ -212,4 +227,5 @@ def summary_line(report: VerifyReport) -> str:
             f"max |dlogit| {o.max_abs_err:.2e} (bound {b.max_abs_err}){exact}; vs fp32 HF: "
             f"top-1 {f.top1_agreement:.0%}, max |dlogit| {f.max_abs_err:.2e}; "
             f"tokenizer {'agrees' if report.tokenizer.agree else 'DISAGREES'}"
-            + "".join(f"; {prompt_summary(name, tower)}" for name, tower in report.towers.items()))
+            + "".join(f"; {prompt_summary(name, tower)}" for name, tower in report.towers.items())
+            + (f"; {conversation_summary(report.conversation)}" if report.conversation else ""))

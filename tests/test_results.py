@@ -24,6 +24,8 @@ from llmexport.results import (
     AdjustedBlock,
     ArchitectureSummary,
     Bounds,
+    ConversationCheck,
+    ConversationTurn,
     ExportPlan,
     LogitStats,
     PlannedLinear,
@@ -39,7 +41,7 @@ from llmexport.verification import compare_logits, judge, step_stats, summarize,
 
 # verify.json's keys, in the order it is written (docs/verification.md); [optional] ones in brackets
 REPORT_KEYS = ["prompt_tokens", "steps", "tokenizer", "runtime_profile", "oracle", "fp32", "towers",
-               "[prequantized]", "[exact_kernels]", "bounds", "failures", "passed"]
+               "[prequantized]", "[exact_kernels]", "[conversation]", "bounds", "failures", "passed"]
 RUN_KEYS = ["greedy_ref", "greedy_mnn", "greedy_match", "top1_agreement", "max_abs_err", "mean_abs_err", "per_step"]
 STEP_KEYS = ["max_abs_err", "mean_abs_err", "ref_top2_margin", "top1_match", "mnn_top1", "ref_top1"]
 PLAN_KEYS = ["architecture", "linears", "adjusted_blocks", "tables", "estimated_bytes", "[prequantized]"]
@@ -64,12 +66,15 @@ def runs(draw) -> RunComparison:
     return RunComparison.of(draw(logit_stats), greedy_ref, draw(st.just(greedy_ref) | ids))
 
 
+turns = st.builds(ConversationTurn, small, small, small, small, small, st.booleans(), st.none() | small, names, names,
+                  st.lists(names, max_size=2).map(tuple), runs(), logit_stats, st.none() | runs())
+conversations = st.builds(ConversationCheck, small, small, st.lists(turns, max_size=3).map(tuple), st.none() | names)
 reports = st.builds(
     VerifyReport, small, small, st.builds(TokenizerCheck, st.booleans(), small, st.lists(names, max_size=2).map(tuple)),
     st.sampled_from(RuntimeProfile), runs(), logit_stats,
     st.builds(Bounds, st.sampled_from(["fast", "exact"]), floats, st.none() | floats, st.none() | floats),
     st.lists(names, max_size=3).map(tuple), st.dictionaries(names, json_dicts, max_size=2),
-    st.none() | json_dicts, st.none() | runs())
+    st.none() | json_dicts, st.none() | runs(), st.none() | conversations)
 
 _KNOWN = set(ArchitectureSummary._HEAD + ArchitectureSummary._TAIL)
 architectures = st.builds(ArchitectureSummary, names, names, small, small, small, st.booleans(),

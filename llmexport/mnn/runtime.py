@@ -1,9 +1,10 @@
 """Drive MNN's LLM runtime (``MNN.llm``) and single exported graphs in a child process.
 
-The runtime can crash at interpreter exit and mis-handles a second multi-token forward on a
-PLE model within one instance (MNN 3.6.1), so every request runs in a fresh child process with
-a fresh instance per prompt, and the child ends with ``os._exit``. Results come back as .npy
-files in a temporary folder.
+The runtime can crash at interpreter exit, so every request runs in a child process that ends
+with ``os._exit``; results come back as .npy files in a temporary folder. A single-prompt check
+uses a fresh instance per pass, so it sees nothing of earlier requests; ``run_chat`` checks a
+conversation in one instance (several turns on one KV cache, then ``reset()`` and a new
+conversation). Exports made before the token table (mnn/token_table.py) failed exactly there.
 """
 
 from __future__ import annotations
@@ -93,6 +94,75 @@ def run_module(model: Path, inputs: list[dict[str, np.ndarray]], outputs: list[s
                 for r in range(len(inputs))]
 
 
+@dataclass
+class ChatTurnRun:
+    """One chat turn in a runtime instance that keeps its KV cache between turns.
+
+    ``messages``: the history the turn was asked with (ending with the user's message; earlier
+    answers as the runtime streamed them); ``ids``: the runtime's rendering (``apply_chat_template``)
+    and tokenization of it; ``kept``: the tokens of its KV cache from earlier turns it kept (a common
+    prefix), so ``len(ids) - kept`` were prefilled; ``answer``: its greedy answer through ``generate``
+    (a final stop token included when ``stopped``); ``pieces``: each streamed token's
+    ``tokenizer_decode`` bytes (``ArGeneration`` streams them in turn; the binding's C strings end at
+    a NUL byte, so a piece holding one comes back cut there); ``logits``:
+    ``[len(answer), vocab]``, the same new tokens prefilled again on the same kept cache, then the
+    answer fed token by token (the logits each answer token was chosen from).
+    """
+
+    messages: list[dict[str, str]]
+    ids: list[int]
+    kept: int
+    answer: list[int]
+    stopped: bool
+    pieces: list[bytes]
+    logits: np.ndarray
+
+    @property
+    def streamed(self) -> bytes:
+        return b"".join(self.pieces)
+
+
+@dataclass
+class ChatRun:
+    """The turns a conversation run completed; ``error`` says why it stopped early (the turn
+    that failed is the next one)."""
+
+    turns: list[ChatTurnRun]
+    error: str | None = None
+
+
+#: what a chat keeps between calls: the KV cache across ``generate_init`` (``Llm::generate_init``
+#: clears it unless ``reuse_kv``), and greedy sampling whatever the shipped sampler says
+CHAT_CONFIG: dict[str, Any] = {"reuse_kv": True, "sampler_type": "greedy"}
+
+
+def run_chat(export_dir: Path, conversations: Sequence[Sequence[str]], steps: int,
+             config: dict[str, Any] | None = None, timeout: float = 600) -> ChatRun:
+    """Chat in ONE runtime instance: the user messages of each conversation in turn, the runtime's
+    answers (at most ``steps`` tokens) kept as the history; each turn renders the whole history with
+    the runtime's template and prefills only what its KV cache lacks; ``reset()`` between
+    conversations. A runtime failure (an exception or a crash) ends the run; the turns before it are
+    returned."""
+    with tempfile.TemporaryDirectory(prefix="llmexport-mnn-") as tmp:
+        request = {"mode": "chat", "config": str(export_dir / "config.json"), "steps": steps, "out": tmp,
+                   "set_config": {**(config or {"thread_num": 2}), **CHAT_CONFIG},
+                   "conversations": [list(c) for c in conversations]}
+        proc = subprocess.run([sys.executable, "-m", "llmexport.mnn.runtime"], input=json.dumps(request),
+                              capture_output=True, text=True, timeout=timeout, errors="replace")
+        turns: list[ChatTurnRun] = []
+        while (Path(tmp) / f"turn{len(turns)}.json").exists():
+            meta = json.loads((Path(tmp) / f"turn{len(turns)}.json").read_text())
+            turns.append(ChatTurnRun(meta["messages"], meta["ids"], meta["kept"], meta["answer"], meta["stopped"],
+                                     [bytes.fromhex(p) for p in meta["pieces"]],
+                                     np.load(Path(tmp) / f"turn{len(turns)}.npy")))
+        error = None
+        if proc.returncode != 0 or not (Path(tmp) / "result.json").exists():
+            lines = [line for line in (proc.stdout + proc.stderr).strip().splitlines()
+                     if not line.startswith(("[MNNLLM]", "The device supports"))]
+            error = f"MNN's runtime failed (exit {proc.returncode}): " + " | ".join(lines[-4:])
+        return ChatRun(turns, error)
+
+
 def _instance(request: dict[str, Any]):
     import MNN.llm as llm
 
@@ -142,6 +212,71 @@ def _media_child(request: dict[str, Any]) -> None:
     (out / "result.json").write_text(json.dumps({"ids": ids, "greedy": greedy}))
 
 
+def _decoded(model, token: int) -> bytes:
+    # The binding builds a str from the runtime's bytes; a token that ends inside a UTF-8
+    # sequence raises, and the exception still carries the bytes.
+    try:
+        return model.tokenizer_decode(token).encode()
+    except UnicodeDecodeError as exc:
+        return bytes(exc.object)
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return n
+
+
+def _rewind(model, cached: int, keep: int) -> None:
+    """Drop the KV cache after its first ``keep`` tokens (``Llm::eraseHistory``), and make the
+    instance ready for the next call (``generate_init`` keeps the cache under ``reuse_kv``)."""
+    if keep < cached:
+        model._c_obj.erase_history(keep, 0)
+    model._c_obj.generate_init()
+
+
+def _chat_child(request: dict[str, Any]) -> None:
+    """Each turn: the greedy answer through ``generate`` on the runtime's own rendering (the chat
+    itself), then the same new tokens prefilled again and the answer fed back (its logits)."""
+    out = Path(request["out"])
+    model = _instance(request)
+    config = json.loads(model._c_obj.dump_config())
+    # A multi-token input gives each run of media placeholder ids the next media embedding of the
+    # last encode, unchecked (Omni::embedding): such ids from an answer stay out of the history.
+    media = {config[key] for key in ("image_pad", "audio_pad") if isinstance(config.get(key), int)}
+    index = 0
+    for number, users in enumerate(request["conversations"]):
+        if number:
+            model.reset()
+        cache: list[int] = []  # the tokens in the runtime's KV cache
+        messages: list[dict[str, str]] = []
+        for user in users:
+            messages = messages + [{"role": "user", "content": user}]
+            ids = [int(i) for i in model.tokenizer_encode(model.apply_chat_template(messages))]
+            kept = min(_common_prefix(cache, ids), len(ids) - 1)
+            _rewind(model, len(cache), kept)
+            answer = [int(t) for t in model._c_obj.generate(ids[kept:], int(request["steps"]))]
+            if not answer:
+                raise RuntimeError(f"generate() returned no token after {len(ids) - kept} prefilled ones")
+            stopped = bool(model.stoped())
+            fed = answer[:-1] if stopped else answer  # a stop token is sampled, never fed back
+            pieces = [_decoded(model, t) for t in fed]
+            _rewind(model, len(ids) + len(fed), kept)
+            logits = [_logits(model.forward(ids[kept:]))] + [_logits(model.forward([t])) for t in answer[:-1]]
+            cache = ids + answer[:-1]
+            np.save(out / f"turn{index}.npy", np.stack(logits))
+            (out / f"turn{index}.json").write_text(json.dumps({
+                "messages": messages, "ids": ids, "kept": kept, "answer": answer, "stopped": stopped,
+                "pieces": [piece.hex() for piece in pieces]}))
+            index += 1
+            # the answer as a chat app keeps it: the streamed text (C strings: no NUL)
+            kept_text = b"".join(piece for piece, t in zip(pieces, fed) if t not in media)
+            text = kept_text.decode("utf-8", errors="replace").replace("\x00", "\ufffd")
+            messages = messages + [{"role": "assistant", "content": text}]
+    (out / "result.json").write_text("{}")
+
+
 def _module_child(request: dict[str, Any]) -> None:
     import MNN.expr as F
     import MNN.nn as nn
@@ -163,7 +298,7 @@ def _module_child(request: dict[str, Any]) -> None:
     (out / "result.json").write_text("{}")
 
 
-_MODES = {"text": _child, "media": _media_child, "module": _module_child}
+_MODES = {"text": _child, "media": _media_child, "module": _module_child, "chat": _chat_child}
 
 if __name__ == "__main__":
     try:

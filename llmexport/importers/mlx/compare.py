@@ -30,10 +30,13 @@ def compare_with_source(arch: SourcedModel, weights: WeightStore, stored: Stored
     tables = {}
     # The token table: the embedding rows, joined with the PLE rows where the model has them
     # (the MNN writer stores them as one table, reported under "embedding").
-    parts = [(arch.embedding_table(), stored.embedding)]
-    if stored.ple is not None:
-        parts.append((arch.ple_table(), stored.ple))
-    if stored.embedding is not None and any(isinstance(lazy, MlxLazy) for lazy, _ in parts):
+    ple = arch.ple_table()
+    parts: list[tuple[Any, torch.Tensor]] = []
+    if stored.embedding is not None:
+        parts.append((arch.embedding_table(), stored.embedding))
+        if stored.ple is not None and ple is not None:
+            parts.append((ple, stored.ple))
+    if any(isinstance(lazy, MlxLazy) for lazy, _ in parts):
         diff = max(float((lazy.read().float() - table).abs().max()) for lazy, table in parts)
         formats = [stored_format(lazy.quantization) if isinstance(lazy, MlxLazy) else "unquantized"
                    for lazy, _ in parts]
