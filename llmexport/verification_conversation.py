@@ -18,9 +18,10 @@ second's history passes the sliding window (docs/verification.md#conversations).
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import cast
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -43,9 +44,11 @@ USER_TURNS: tuple[tuple[str, ...], ...] = (
 )
 
 
-def render(tokenizer, messages: list[dict[str, str]]) -> list[int]:
-    """HF's ids of a history: the checkpoint's chat template, with the generation prompt."""
-    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
+def render(tokenizer, messages: list[dict[str, str]], context: dict[str, Any] | None = None) -> list[int]:
+    """HF's ids of a history: the checkpoint's chat template, with the generation prompt and the
+    template variables the export sets (llm_config.json ``jinja.context``, e.g. ``enable_thinking``)."""
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False,
+                                        **(context or {}))
     return [int(i) for i in (ids["input_ids"] if isinstance(ids, dict) else ids)]
 
 
@@ -120,6 +123,7 @@ class Conversations:
     window: int
     shipped: ChatRun
     kernels: ChatRun | None
+    context: dict[str, Any]  # the chat template's variables the export sets
     oracle: list[TurnReference] = field(default_factory=list)
     kernels_oracle: list[TurnReference] = field(default_factory=list)
 
@@ -129,7 +133,8 @@ class Conversations:
         planned = [(c, t) for c, messages in enumerate(users) for t in range(len(messages))]
         shipped = run_chat(export_dir, users, ANSWER_STEPS)
         kernels = run_chat(export_dir, users, ANSWER_STEPS, config=EXACT_KERNELS) if exact_kernels else None
-        return cls(planned, window, shipped, kernels)
+        jinja = json.loads((export_dir / "llm_config.json").read_text()).get("jinja") or {}
+        return cls(planned, window, shipped, kernels, dict(jinja.get("context") or {}))
 
     def add_oracle(self, arch: Architecture, model: nn.Module, stop_ids: frozenset[int]) -> None:
         self.oracle = [oracle_side(arch, model, t, stop_ids) for t in self.shipped.turns]
@@ -159,7 +164,7 @@ class Conversations:
                 k, kref = self.kernels.turns[i], self.kernels_oracle[i]
                 exact = RunComparison.of(compare_logits(k.logits, kref.oracle_logits), kref.greedy, k.answer)
             assert ref.fp32_logits is not None, "add_fp32 first"
-            hf_ids = render(tokenizer, run.messages)
+            hf_ids = render(tokenizer, run.messages, self.context)
             conversation, number = self.planned[i]
             turns.append(ConversationTurn(
                 conversation, number, len(hf_ids), run.kept, len(run.ids) - run.kept,

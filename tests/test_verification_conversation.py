@@ -10,6 +10,7 @@ show that a conversation the runtime renders differently from HF fails --verify 
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -24,7 +25,7 @@ from llmexport.mnn.config import profile_of
 from llmexport.mnn.readback import read_stored
 from llmexport.mnn.runtime import ChatTurnRun
 from llmexport.mnn.tokenizer_stream import StreamModel
-from llmexport.options import RuntimeProfile
+from llmexport.options import ChatThinking, RuntimeProfile
 from llmexport.quant.scheme import QuantScheme
 from llmexport.results import (
     Bounds,
@@ -278,3 +279,32 @@ def test_verify_json_holds_the_conversation(tiny_decoder, tmp_path):
     assert summary_line(report).endswith("; " + conversation_summary(report.conversation))
     written = VerifyReport.read(out / "verify.json")
     assert written == report and written.conversation is not None and len(written.conversation.turns) == 5
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("thinking", [ChatThinking.DEFAULT, ChatThinking.ON])
+def test_real_gemma4_template_chats_like_hf(tiny_gemma4, tmp_path, thinking):
+    """The checkpoint's real Gemma4 chat template (derived for the runtime's engine), with thinking
+    as exported (``--chat_thinking``): every turn's history renders and tokenizes as HF's, and the
+    conversation passes, on the per-layer-embedding shape."""
+    import shutil
+
+    from transformers import AutoTokenizer
+
+    from real_vocab import gemma4_chat_template
+
+    path = Path(shutil.copytree(tiny_gemma4("e2b"), tmp_path / "model"))
+    (path / "chat_template.jinja").write_text(gemma4_chat_template(), encoding="utf-8")
+    out = tmp_path / "out"
+    export(path, out, ExportOptions(quant=QuantScheme(16, 64), chat_thinking=thinking))
+    jinja = json.loads((out / "llm_config.json").read_text())["jinja"]
+    assert jinja.get("context", {}) == thinking.template_context()
+    check, bounds = _conversation(out, path, 16, trust=False)
+    assert check.runtime_error is None and len(check.turns) == 5
+    assert all(t.prompt_ids_match for t in check.turns), [t.prompt_mismatch_at for t in check.turns]
+    assert conversation_failures(check, bounds.max_abs_err, bounds.mean_abs_err, bounds.kernels_max_abs_err) == []
+    assert all(t.oracle.greedy_match and t.oracle.top1_agreement == 1.0 for t in check.turns)
+    # thinking off (the template's default) ends the generation prompt with an empty thought channel
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    prompt = tokenizer.decode(render(tokenizer, [{"role": "user", "content": "Hi"}], jinja.get("context")))
+    assert prompt.endswith("<|channel>thought\n<channel|>") == (thinking is not ChatThinking.ON)
