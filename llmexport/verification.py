@@ -142,7 +142,7 @@ def verify_export(export_dir: Path, model_path: Path, steps: int = 24, prompt_id
     profile = profile_of(json.loads((export_dir / "config.json").read_text()))
     # MLX checkpoints: which weights kept their integers
     prequantized = compare_with_source(arch, arch.checkpoint.weights, stored)
-    bounds = bounds_for_export(_stored_bits(export_dir, prequantized), profile)
+    bounds = bounds_for_export(stored_bits(export_dir, prequantized), profile)
     # the runtime chats first (its answers are the history); HF follows it below
     chat = Conversations.run(export_dir, tokenizer, window, bounds.kernels_max_abs_err is not None)
     oracle = arch.load_reference(stored, trust_remote_code=trust_remote_code)
@@ -179,7 +179,7 @@ def verify_export(export_dir: Path, model_path: Path, steps: int = 24, prompt_id
     return report
 
 
-def _stored_bits(export_dir: Path, prequantized: dict[str, Any] | None) -> set[int]:
+def stored_bits(export_dir: Path, prequantized: dict[str, Any] | None) -> set[int]:
     """The bits of the exported linear records; counts the fp32-alpha records of a pre-quantized
     checkpoint into its ``prequantized`` section (transcoded records keep fp32 alpha, docs/mlx-import.md)."""
     from llmexport.mnn.readback import linear_records

@@ -23,6 +23,7 @@ from typing import Any, Iterator
 
 import torch
 
+from llmexport.quant.rtn import NonFiniteError
 from llmexport.spec import ModelTables
 
 
@@ -40,7 +41,7 @@ class JoinedColumns:
         self.widths = [int(p.shape[1]) for p in parts]
 
     def rows(self, start: int, stop: int) -> torch.Tensor:
-        return torch.cat([_float(p.rows(start, stop)) for p in self.parts], dim=1)
+        return torch.cat([_finite(p.name, _float(p.rows(start, stop))) for p in self.parts], dim=1)
 
     def read(self) -> torch.Tensor:
         return self.rows(0, self.shape[0])
@@ -51,12 +52,19 @@ class JoinedColumns:
             yield self.rows(start, min(start + step, self.shape[0]))
 
     def take(self, ids: torch.Tensor) -> torch.Tensor:
-        return torch.cat([_float(p.take(ids)) for p in self.parts], dim=-1)
+        return torch.cat([_finite(p.name, _float(p.take(ids))) for p in self.parts], dim=-1)
 
 
 def _float(rows: torch.Tensor) -> torch.Tensor:
     # Parts may differ in dtype (bf16 embedding, fp16 PLE); fp32 holds both exactly.
     return rows if rows.dtype == torch.float32 else rows.float()
+
+
+def _finite(name: str, rows: torch.Tensor) -> torch.Tensor:
+    """The rows, refused when not finite: the error names the checkpoint tensor, not the joined table."""
+    if not bool(torch.isfinite(rows).all()):
+        raise NonFiniteError(f"tensor {name!r} contains NaN or Inf")
+    return rows
 
 
 def token_table(arch: ModelTables) -> Any | None:
