@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import hashlib
 import json
 import shutil
 import statistics
@@ -170,13 +169,6 @@ def _rss() -> dict[str, float]:
     return {k: round(int(v.split()[0]) / 2**20, 2) for k, v in fields.items()}
 
 
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
-
 
 def _report(result: dict) -> None:
     speed = result["speed"]["runs"]
@@ -204,6 +196,8 @@ def _report(result: dict) -> None:
 
 
 def main() -> None:
+    from llmexport.export_plan import file_sha256
+
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("checkpoint", type=Path, nargs="?", default=Path("/work/ckpt/e2b-12"))
     parser.add_argument("--out", type=Path, default=None, help="keep the exports and runtime.json here")
@@ -226,7 +220,7 @@ def main() -> None:
     result: dict = {"checkpoint": str(args.checkpoint), "export_wall_s": {}}
     for profile, path in exports.items():
         result["export_wall_s"][profile] = _export(args.checkpoint, path, args, profile)
-    assert _sha256(exports["fast"] / "llm.mnn.weight") == _sha256(exports["exact"] / "llm.mnn.weight")
+    assert file_sha256(exports["fast"] / "llm.mnn.weight") == file_sha256(exports["exact"] / "llm.mnn.weight")
     for variant in args.variant:
         name, _, flags = variant.partition("=")
         exports[name] = work / f"export-{name}"

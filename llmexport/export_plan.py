@@ -105,7 +105,8 @@ def _versions() -> dict[str, str]:
     return out
 
 
-def _sha256(path: Path) -> str:
+def file_sha256(path: Path) -> str:
+    """The sha256 of a file, read in 1 MiB blocks (the manifest's, and what tests and benches check)."""
     digest = hashlib.sha256()
     with path.open("rb") as f:
         for chunk in iter(lambda: f.read(1 << 20), b""):
@@ -115,7 +116,7 @@ def _sha256(path: Path) -> str:
 
 def write_manifest(out: Path, options: ExportOptions, plan: ExportPlan) -> None:
     """manifest.json: file hashes, versions, options and the detected architecture."""
-    files = {p.name: {"bytes": p.stat().st_size, "sha256": _sha256(p)}
+    files = {p.name: {"bytes": p.stat().st_size, "sha256": file_sha256(p)}
              for p in sorted(out.iterdir()) if p.is_file() and p.name != "manifest.json"}
     manifest = {"versions": _versions(), "architecture": plan.architecture.to_json(),
                 "options": _jsonable(options.manifest_fields()),

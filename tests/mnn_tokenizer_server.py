@@ -35,6 +35,13 @@ for line in sys.stdin:
         res = [m.tokenizer_encode(t) for t in req["encode"]]
     elif "decode" in req:
         res = [decode(i) for i in req["decode"]]
+    elif "render" in req:  # one template and context, set with set_config (which merges)
+        r = req["render"]
+        jinja = {{"context": r["context"]}}
+        if r.get("template") is not None:
+            jinja["chat_template"] = r["template"]
+        m.set_config({{"jinja": jinja}})
+        res = m.apply_chat_template(r["messages"])
     else:
         res = {{name: m.apply_chat_template(msgs) for name, msgs in req["chat"].items()}}
     out.write(json.dumps(res, ensure_ascii=False) + "\\n")
@@ -76,6 +83,11 @@ class MnnTokenizer:
 
     def chat(self, chats: dict[str, list[dict]]) -> dict[str, str]:
         return self._ask({"chat": chats})
+
+    def render(self, template: str | None, messages: list[dict], context: dict) -> str:
+        """``apply_chat_template(messages)`` after ``set_config`` of ``template`` (None: keep the
+        current one) and ``jinja.context``; the runtime merges config, so earlier keys stay."""
+        return self._ask({"render": {"template": template, "messages": messages, "context": context}})
 
     def close(self) -> None:
         self._proc.stdin.close()

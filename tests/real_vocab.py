@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import fcntl
 import functools
-import hashlib
 import os
 import struct
 import subprocess
@@ -29,6 +28,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator
+
+from llmexport.export_plan import file_sha256
 
 SDIST_NAME = "llama-cpp-python"
 SDIST_VERSION = "0.3.36"
@@ -56,13 +57,6 @@ def _locked(folder: Path) -> Iterator[None]:
             fcntl.flock(handle, fcntl.LOCK_UN)
 
 
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as handle:
-        for block in iter(lambda: handle.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
-
 
 def sdist_path() -> Path:
     """The llama-cpp-python sdist, downloaded with pip on first use and verified by SHA-256."""
@@ -78,7 +72,7 @@ def sdist_path() -> Path:
             if proc.returncode != 0 or not target.exists():
                 raise RuntimeError(f"pip download of {SDIST_NAME}=={SDIST_VERSION} failed "
                                    f"(rc={proc.returncode}):\n{proc.stdout[-2000:]}\n{proc.stderr[-2000:]}")
-        got = _sha256(target)
+        got = file_sha256(target)
         if got != SDIST_SHA256:
             target.unlink()
             raise RuntimeError(f"{target}: SHA-256 {got} is not the pinned {SDIST_SHA256}; removed, run again")

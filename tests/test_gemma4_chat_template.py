@@ -14,8 +14,6 @@ import json
 import logging
 import os
 import random
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -47,70 +45,27 @@ from llmexport.models.gemma4_chat_template import (
 from llmexport.options import ChatThinking
 from llmexport.tiny.tokenizer import GEMMA4_CHAT_TEMPLATE, build_tiny_gemma_tokenizer
 
+from mnn_tokenizer_server import MnnTokenizer
 from real_vocab import gemma4_chat_template, parse_cases, read_gguf_metadata, real_vocab
-
-TESTS = Path(__file__).resolve().parent
-
-_CHILD = """
-import json, os, sys
-sys.path.insert(0, {tests!r})
-out = os.fdopen({fd}, "w", encoding="utf-8")
-from mnn_dummy import write_dummy_mnn_model
-import MNN.llm as L
-cfg = write_dummy_mnn_model({folder!r}, {tokenizer!r}, {vocab}, jinja={{"chat_template": "", "eos": "<turn|>"}})
-m = L.create(str(cfg))
-m.load()
-for line in sys.stdin:
-    req = json.loads(line)
-    jinja = {{"context": req["context"]}}
-    if req.get("template") is not None:
-        jinja["chat_template"] = req["template"]
-    m.set_config({{"jinja": jinja}})
-    out.write(json.dumps(m.apply_chat_template(req["messages"]), ensure_ascii=False) + "\\n")
-    out.flush()
-os._exit(0)
-"""
 
 
 class RuntimeRenderer:
-    """``Llm.apply_chat_template`` of MNN 3.6.1 in a child process; the template and
-    ``jinja.context`` are set per request with ``Llm.set_config`` (which merges)."""
+    """``Llm.apply_chat_template`` of MNN 3.6.1 in a child process (mnn_tokenizer_server); the
+    template and ``jinja.context`` are set per request with ``Llm.set_config`` (which merges)."""
 
     def __init__(self, folder: Path, tokenizer_file: str, vocab_size: int):
-        folder.mkdir(parents=True, exist_ok=True)
-        self._log = folder / "child.log"
-        read_fd, write_fd = os.pipe()
-        script = _CHILD.format(tests=str(TESTS), fd=write_fd, folder=str(folder), tokenizer=tokenizer_file,
-                               vocab=vocab_size)
-        self._proc = subprocess.Popen([sys.executable, "-c", script], stdin=subprocess.PIPE, stdout=subprocess.DEVNULL,
-                                      stderr=self._log.open("w"), pass_fds=(write_fd,), text=True, encoding="utf-8",
-                                      env=dict(os.environ, HF_HUB_OFFLINE="1"))
-        os.close(write_fd)
-        self._answers = os.fdopen(read_fd, "r", encoding="utf-8")
+        self._child = MnnTokenizer(folder, tokenizer_file, vocab_size, jinja={"chat_template": "", "eos": "<turn|>"})
         self.calls = 0
 
     def render(self, template: str | None, messages: list[dict[str, str]], context: dict[str, Any]) -> str:
-        assert self._proc.stdin is not None
-        self._proc.stdin.write(json.dumps({"template": template, "messages": messages, "context": context},
-                                          ensure_ascii=False) + "\n")
-        self._proc.stdin.flush()
-        line = self._answers.readline()
-        if not line:
-            raise RuntimeError(f"runtime child died (rc={self._proc.wait()}): {self._log.read_text()[-4000:]}")
         self.calls += 1
-        return json.loads(line)
+        return self._child.render(template, messages, context)
 
     def renderer(self, template: str):
         return lambda messages, context: self.render(template, messages, context)
 
     def close(self) -> None:
-        assert self._proc.stdin is not None
-        self._proc.stdin.close()
-        self._answers.close()
-        try:
-            self._proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            self._proc.kill()
+        self._child.close()
 
 
 @pytest.fixture(scope="module")
