@@ -406,3 +406,14 @@ def _fresh_replay(folder, one: dict, two: dict) -> dict:
                   "cached": b"".join(token_bytes(i) for i in ids).decode("utf-8", "replace"),
                   "answer": greedy(ids, {len(two["ids"])})}}
     """)
+
+
+def test_console_script_is_installed():
+    """``make install`` (pip install -e) puts ``llmexport-run`` beside the interpreter: a fresh clone has it."""
+    from importlib.metadata import entry_points
+
+    (script,) = [e for e in entry_points(group="console_scripts") if e.name == "llmexport-run"]
+    assert script.value == "llmexport.run_cli:main"
+    installed = Path(sys.executable).parent / "llmexport-run"
+    proc = subprocess.run([str(installed), "--help"], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0 and "--prompt" in proc.stdout
