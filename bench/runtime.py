@@ -12,7 +12,8 @@ Everything is measured in this one run, side by side, and printed as ratios:
   (the fast profile plus more flags, e.g. ``lm128="--lm_quant_block 128"``: layout choices);
 - speed, per export and thread count, ``--reps`` times interleaved (medians reported), each in a
   fresh process: load time, prefill tokens/s of a 64-token prompt and decode tokens/s of 128 greedy
-  steps, as the runtime's own counters report them (``Llm.generate`` + ``get_context``). Where the
+  steps, as the runtime's own counters report them (``Llm.generate`` + ``get_context``, its generated
+  text cleared first: the binding crashes converting non-UTF-8 text). Where the
   ``chrt`` tool may, these children run under SCHED_RR so other processes on a shared machine do
   not distort the numbers;
 - fidelity on a fixed chat-templated prompt: each export teacher-forced along the greedy
@@ -49,6 +50,9 @@ m = llm.create(sys.argv[1])
 m.set_config(json.loads(sys.argv[2]))
 m.load()
 m._c_obj.generate(list(range(1000, 1000 + int(sys.argv[3]))), int(sys.argv[4]))
+# get_context() converts the generated text strictly from UTF-8 and crashes (SIGSEGV) on random
+# weights' byte pieces (pymnn/src/llm.h): clear that text first; the counters are what is read
+m._c_obj.set_context({"generate_str": ""})
 c = m._c_obj.get_context()
 print(json.dumps({"load_s": c["load_us"] / 1e6, "prefill_tok_s": c["prompt_len"] / c["prefill_us"] * 1e6,
                   "decode_tok_s": c["gen_seq_len"] / c["decode_us"] * 1e6, "decoded": c["gen_seq_len"]}))
