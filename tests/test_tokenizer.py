@@ -116,6 +116,7 @@ RESULT["chat"] = {name: m.apply_chat_template(msgs) for name, msgs in P["chats"]
 RESULT["chat_ids"] = {name: m.tokenizer_encode(text) for name, text in RESULT["chat"].items()}
 RESULT["chat_str"] = m.apply_chat_template("Hi there!")
 m._c_obj.response("Hi there!", False, 1)  # max_new_tokens=1
+m._c_obj.set_context({"generate_str": ""})  # get_context() crashes on non-UTF-8 generated text
 RESULT["history"] = m._c_obj.get_context()["history_tokens"]
 RESULT["variants"] = {}
 for name, folder in P["variants"].items():
