@@ -97,6 +97,12 @@ def main(path: str, export_format: str, dst_path: str, quant_bit: int, quant_blo
         sys.exit(EXIT_INTERNAL)
     if result is not None:
         _report(result, quiet)
+        if result.verify_error is not None:
+            from llmexport.errors import NotVerified
+
+            click.echo(f"llmexport: error: exported to {result.dst}, but --verify could not run "
+                       f"({result.verify_error}); verify.json records it", err=True)
+            sys.exit(NotVerified.exit_code)
 
 
 def _run(path, dst_path, dry_run, *flags):

@@ -6,6 +6,8 @@ Exit codes (documented in docs/cli.md):
   4  verification  — the exported model disagrees with the HF reference beyond the bounds
   5  conversion    — MNN's converter or runtime failed on a graph we produced
   6  output error  — the destination cannot be written (permissions, disk full)
+  7  not verified  — the export is complete and in place, but --verify could not run
+                     (out of memory, the runtime crashed); verify.json says why
 """
 
 from __future__ import annotations
@@ -35,3 +37,7 @@ class ConversionError(LlmExportError):
 
 class OutputError(LlmExportError):
     exit_code = 6
+
+
+class NotVerified(LlmExportError):
+    exit_code = 7

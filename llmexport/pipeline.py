@@ -6,15 +6,17 @@ weights streamed into llm.mnn.weight -> embedding/PLE files -> configs -> tokeni
 
 from __future__ import annotations
 
+import json
 import logging
 import shutil
+import subprocess
 import time
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterator
 
 from llmexport.checkpoint import Checkpoint
-from llmexport.errors import InputError, OutputError, UsageError
+from llmexport.errors import ConversionError, InputError, OutputError, UsageError
 from llmexport.export_plan import export_plan, write_manifest
 from llmexport.loading import open_architecture
 from llmexport.mnn import config as mnn_config
@@ -72,14 +74,32 @@ def run_export(path: Path, out: Path, options: ExportOptions) -> ExportResult:
         assert tokenizer is not None  # _load converts it for every MNN export
         _export_mnn(arch, graph, tokenizer, out, options, timings, sources)
     verification: VerifyReport | None = None
+    verify_error: str | None = None
     if options.verify and options.export is ExportFormat.MNN:
-        from llmexport.verification import verify_export
-
         with _stage(timings, "verify"):
-            verification = verify_export(out, path, raise_on_failure=True, trust_remote_code=options.trust_remote_code)
+            verification, verify_error = _verify(out, path, options)
     with _stage(timings, "manifest"):
         write_manifest(out, options, plan)
-    return ExportResult(out, tuple(sorted(p.name for p in out.iterdir())), plan, timings, verification)
+    return ExportResult(out, tuple(sorted(p.name for p in out.iterdir())), plan, timings, verification, verify_error)
+
+
+#: what stops a verification from running without saying anything about the export: resources,
+#: the runtime crashing or timing out on it (MNN's runtime runs in child processes)
+_VERIFY_CANNOT_RUN = (MemoryError, ConversionError, subprocess.TimeoutExpired)
+
+
+def _verify(out: Path, path: Path, options: ExportOptions) -> tuple[VerifyReport | None, str | None]:
+    """The verification report, or why it could not run: a finished export is never discarded
+    for that (verify.json records the reason); a verification that ran and disagreed raises."""
+    from llmexport.verification import verify_export
+
+    try:
+        return verify_export(out, path, raise_on_failure=True, trust_remote_code=options.trust_remote_code), None
+    except _VERIFY_CANNOT_RUN as exc:
+        reason = f"{type(exc).__name__}: {exc}".strip().splitlines()[0]
+        log.warning("verify could not run: %s", reason)
+        (out / "verify.json").write_text(json.dumps({"ran": False, "error": reason, "passed": False}, indent=2))
+        return None, reason
 
 
 def dry_run(path: Path, options: ExportOptions) -> ExportPlan:

@@ -395,10 +395,12 @@ class VerifyReport:
 @dataclass(frozen=True)
 class ExportResult:
     """An export: its folder, the files in it, the plan it followed, seconds per stage, and the
-    verification report when ``verify`` was asked."""
+    verification report when ``verify`` was asked; ``verify_error``: why verification could not
+    run (the export is complete and kept; ``verify.json`` records the same)."""
 
     dst: Path
     files: tuple[str, ...]
     plan: ExportPlan
     timings: dict[str, float] = field(default_factory=dict)
     verification: VerifyReport | None = None
+    verify_error: str | None = None
