@@ -373,8 +373,12 @@ class VerifyReport:
 
     @classmethod
     def read(cls, path: str | Path) -> VerifyReport:
-        """A ``verify.json`` written by ``--verify``."""
-        return cls.from_json(json.loads(Path(path).read_text()))
+        """A ``verify.json`` written by ``--verify``; one that records a verification that could not
+        run (``"ran": false``) is refused with its reason."""
+        data = json.loads(Path(path).read_text())
+        if data.get("ran") is False:
+            raise ValueError(f"{path}: the verification did not run: {data.get('error')}")
+        return cls.from_json(data)
 
     def to_json(self) -> dict[str, Any]:
         out: dict[str, Any] = {

@@ -16,6 +16,7 @@ from click.testing import CliRunner
 import llmexport.verification as verification
 from llmexport.cli import main
 from llmexport.errors import ConversionError, NotVerified, VerificationFailed
+from llmexport.results import VerifyReport
 
 
 def _raiser(exc: BaseException):
@@ -40,6 +41,8 @@ def test_export_is_kept_when_verification_cannot_run(tiny_decoder, tmp_path, mon
     report = json.loads((dst / "verify.json").read_text())
     assert report["ran"] is False and report["passed"] is False and report["error"].startswith(type(exc).__name__)
     assert "\n" not in report["error"]  # one line
+    with pytest.raises(ValueError, match="the verification did not run: " + type(exc).__name__):
+        VerifyReport.read(dst / "verify.json")
     # the manifest lists what was kept, verify.json included
     assert "verify.json" in json.loads((dst / "manifest.json").read_text())["files"]
 
