@@ -231,20 +231,23 @@ def _media_token_tail(arch: Architecture, sources: WeightSources):
     if "embedding" not in tables or arch.ple_table() is None:
         return None
     table, choice = tables["embedding"]
-    try:
+    with _table_errors(table, "embedding"):
         row = stored_row(table, arch.media_ple_id(), choice.bits, choice.block, choice.quantizer)
-    except NonFiniteError as exc:
-        raise InputError(f"embedding table {table.name!r}: {exc}") from None
-    except ValueError as exc:
-        raise InputError(f"--embed_bit/--quant_block: embedding table of width {table.shape[-1]}: {exc}") from None
     return split_rows(arch, row)[1]
 
 
 def _table(fileobj, table, choice, what: str):
     from llmexport.mnn.embeddings import write_embedding_table
 
-    try:
+    with _table_errors(table, what):
         return write_embedding_table(fileobj, choice.chunks(), choice.bits, choice.block, choice.quantizer)
+
+
+@contextmanager
+def _table_errors(table, what: str) -> Iterator[None]:
+    """A table's values or its bits/block refused by the writer, as the input errors they are."""
+    try:
+        yield
     except NonFiniteError as exc:
         raise InputError(f"{what} table {table.name!r}: {exc}") from None
     except ValueError as exc:

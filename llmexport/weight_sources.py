@@ -27,7 +27,7 @@ from typing import Any, Callable, Iterable
 import torch
 
 from llmexport.checkpoint import LazyTensor
-from llmexport.importers.mlx import MlxLazy, MlxWeights, stored_format
+from llmexport.importers.mlx import MlxLazy, MlxWeights, stored_format, tables_format
 from llmexport.mnn.token_table import JoinedColumns, token_table
 from llmexport.models.base import Architecture
 from llmexport.options import ExportOptions
@@ -154,9 +154,7 @@ class WeightSources:
             return {}
         choice = self.table(table)
         if isinstance(table, JoinedColumns) and any(isinstance(p, MlxLazy) for p in table.parts):
-            stored = " + ".join(stored_format(p.quantization) if isinstance(p, MlxLazy) else "unquantized"
-                                for p in table.parts)
-            choice = TableChoice(choice.bits, choice.block, choice.chunks, None, stored,
+            choice = TableChoice(choice.bits, choice.block, choice.chunks, None, tables_format(table.parts),
                                  "joined with the PLE rows into one table (docs/output-format.md)")
         return {"embedding": (table, choice)}
 

@@ -18,7 +18,8 @@ of the pad id (HF's PLE lookup for media positions) after their features (``pad_
 
 from __future__ import annotations
 
-import io
+import tempfile
+from pathlib import Path
 from typing import Any, Iterator
 
 import torch
@@ -29,7 +30,7 @@ from llmexport.spec import ModelTables
 
 class JoinedColumns:
     """Lazy tables of the same row count read side by side: row i is the parts' rows i joined.
-    Offers what the table writers read of a ``LazyTensor`` (shape, name, rows, chunks, take)."""
+    Offers what the table writers read of a ``LazyTensor`` (shape, name, rows, row chunks)."""
 
     def __init__(self, *parts: Any):
         rows = {int(p.shape[0]) for p in parts}
@@ -38,21 +39,14 @@ class JoinedColumns:
         self.parts = parts
         self.shape = torch.Size((rows.pop(), sum(int(p.shape[1]) for p in parts)))
         self.name = " + ".join(p.name for p in parts)
-        self.widths = [int(p.shape[1]) for p in parts]
 
     def rows(self, start: int, stop: int) -> torch.Tensor:
         return torch.cat([_finite(p.name, _float(p.rows(start, stop))) for p in self.parts], dim=1)
-
-    def read(self) -> torch.Tensor:
-        return self.rows(0, self.shape[0])
 
     def row_chunks(self, max_bytes: int = 64 << 20) -> Iterator[torch.Tensor]:
         step = max(1, max_bytes // (4 * self.shape[1]))
         for start in range(0, self.shape[0], step):
             yield self.rows(start, min(start + step, self.shape[0]))
-
-    def take(self, ids: torch.Tensor) -> torch.Tensor:
-        return torch.cat([_finite(p.name, _float(p.take(ids))) for p in self.parts], dim=-1)
 
 
 def _float(rows: torch.Tensor) -> torch.Tensor:
@@ -88,23 +82,10 @@ def stored_row(table: Any, token: int, bits: int, block: int, quantizer=None) ->
     (quantization is per row and block, so the one row written alone is the row in the file)."""
     from llmexport.mnn.embeddings import read_embedding_table, write_embedding_table
 
-    buf = io.BytesIO()
     row = table.rows(token, token + 1)
-    rec = write_embedding_table(buf, iter([row]), bits, block, quantizer)
-    path = _spill(buf.getvalue())
-    try:
-        return read_embedding_table(path, 1, int(row.shape[1]), bits, block if bits != 16 else 0,
+    with tempfile.TemporaryDirectory(prefix="llmexport-row-") as tmp:
+        path = Path(tmp) / "row.bin"
+        with open(path, "wb") as f:
+            rec = write_embedding_table(f, iter([row]), bits, block, quantizer)
+        return read_embedding_table(path, 1, rec.dim, bits, rec.block,
                                     alpha_bytes=None if bits == 16 else rec.alpha_bytes)[0]
-    finally:
-        path.unlink()
-
-
-def _spill(data: bytes):
-    import os
-    import tempfile
-    from pathlib import Path
-
-    fd, name = tempfile.mkstemp(prefix="llmexport-row-", suffix=".bin")
-    with os.fdopen(fd, "wb") as f:
-        f.write(data)
-    return Path(name)

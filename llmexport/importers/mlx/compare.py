@@ -7,7 +7,7 @@ from typing import Any
 import torch
 
 from llmexport.importers.mlx.format import stored_format
-from llmexport.importers.mlx.weights import MlxLazy, MlxWeights
+from llmexport.importers.mlx.weights import MlxLazy, MlxWeights, tables_format
 from llmexport.spec import Prequantized, SourcedModel, StoredWeights, WeightStore
 
 
@@ -38,7 +38,6 @@ def compare_with_source(arch: SourcedModel, weights: WeightStore, stored: Stored
             parts.append((ple, stored.ple))
     if any(isinstance(lazy, MlxLazy) for lazy, _ in parts):
         diff = max(float((lazy.read().float() - table).abs().max()) for lazy, table in parts)
-        formats = [stored_format(lazy.quantization) if isinstance(lazy, MlxLazy) else "unquantized"
-                   for lazy, _ in parts]
-        tables["embedding"] = {"stored": " + ".join(formats), "exact": diff == 0.0, "max_abs_diff": diff}
+        tables["embedding"] = {"stored": tables_format(lazy for lazy, _ in parts), "exact": diff == 0.0,
+                               "max_abs_diff": diff}
     return {"linears_exact": exact, "linears_changed": changed, "tables": tables}

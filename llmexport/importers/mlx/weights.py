@@ -11,7 +11,7 @@ import torch
 
 from llmexport.checkpoint import LazyTensor
 from llmexport.errors import InputError
-from llmexport.importers.mlx.format import MlxQuantConfig, unpack_levels
+from llmexport.importers.mlx.format import MlxQuantConfig, stored_format, unpack_levels
 from llmexport.spec import MlxLayout, Prequantized, QuantInfo, WeightStore
 
 
@@ -207,3 +207,9 @@ class MlxWeights:
         if not isinstance(value, Prequantized):
             raise ValueError(f"{name} is not stored quantized in one format")
         return value
+
+
+def tables_format(tables) -> str:
+    """How the parts of a table joined from several (the token table) are stored, for plans and
+    reports: MLX's format of each quantized part, "unquantized" for the others."""
+    return " + ".join(stored_format(t.quantization) if isinstance(t, MlxLazy) else "unquantized" for t in tables)
