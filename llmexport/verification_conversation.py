@@ -28,7 +28,7 @@ import torch
 from torch import nn
 
 from llmexport.mnn.config import EXACT_KERNELS
-from llmexport.mnn.runtime import ChatRun, ChatTurnRun, run_chat
+from llmexport.mnn.runtime import ChatRun, ChatTurnRun, common_prefix_length, run_chat
 from llmexport.mnn.tokenizer_stream import StreamModel, streamed_text_difference
 from llmexport.models.base import Architecture
 from llmexport.results import ConversationCheck, ConversationTurn, RunComparison
@@ -193,10 +193,8 @@ def stream_bytes(run: ChatTurnRun, answer: list[int], stream: StreamModel) -> by
 
 
 def _first_difference(a: list[int], b: list[int]) -> int | None:
-    for i, (x, y) in enumerate(zip(a, b)):
-        if x != y:
-            return i
-    return None if len(a) == len(b) else min(len(a), len(b))
+    n = common_prefix_length(a, b)
+    return None if n == len(a) == len(b) else n
 
 
 def conversation_failures(check: ConversationCheck, max_abs: float, mean_abs: float | None,

@@ -40,6 +40,7 @@ from typing import IO, Any, Callable
 
 from llmexport.errors import ConversionError, InputError, UsageError
 from llmexport.mnn.export_check import MEDIA_TAG, RunnableExport
+from llmexport.mnn.runtime import common_prefix_length
 
 
 @dataclass(frozen=True)
@@ -213,15 +214,6 @@ class _TurnError(Exception):
         self.kind = kind
 
 
-def _common_prefix(a: list[int], b: list[int]) -> int:
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
-
-
 class _Conversation:
     """The runtime instance, the conversation (messages) and the ids its KV cache holds."""
 
@@ -242,7 +234,7 @@ class _Conversation:
         config = json.loads(self.llm.dump_config())
         self.pads = {config[key] for key in ("image_pad", "audio_pad") if isinstance(config.get(key), int)}
         a, b = self._encode("a"), self._encode("b")
-        self.prefix = a[:_common_prefix(a, b)]  # ids the tokenizer puts in front of every encode
+        self.prefix = a[:common_prefix_length(a, b)]  # ids the tokenizer puts in front of every encode
         self.clear()
 
     def clear(self) -> None:
@@ -291,9 +283,9 @@ class _Conversation:
                 return self.kv + self._strip(self._encode(tail)), tail, len(self.kv), (messages, full)
             base = len(self.kv) - len(self.answer)  # the template rewrote the answer: re-encode it
             target = self.kv[:base] + self._strip(self._encode(delta))
-            return target, delta, _common_prefix(self.kv, target), (messages, full)
+            return target, delta, common_prefix_length(self.kv, target), (messages, full)
         target = self._encode(full)  # first turn, or a template whose earlier turns change
-        keep = 0 if self.multimodal and MEDIA_TAG.search(full) else _common_prefix(self.kv, target)
+        keep = 0 if self.multimodal and MEDIA_TAG.search(full) else common_prefix_length(self.kv, target)
         return target, full, keep, (messages, full)
 
     def _check_media_runs(self, feed: list[int], encoded_text: str) -> None:

@@ -221,7 +221,8 @@ def _decoded(model, token: int) -> bytes:
         return bytes(exc.object)
 
 
-def _common_prefix(a: list[int], b: list[int]) -> int:
+def common_prefix_length(a: Sequence[Any], b: Sequence[Any]) -> int:
+    """How many leading items two sequences (ids, text) share."""
     n = 0
     while n < min(len(a), len(b)) and a[n] == b[n]:
         n += 1
@@ -254,7 +255,7 @@ def _chat_child(request: dict[str, Any]) -> None:
         for user in users:
             messages = messages + [{"role": "user", "content": user}]
             ids = [int(i) for i in model.tokenizer_encode(model.apply_chat_template(messages))]
-            kept = min(_common_prefix(cache, ids), len(ids) - 1)
+            kept = min(common_prefix_length(cache, ids), len(ids) - 1)
             _rewind(model, len(cache), kept)
             answer = [int(t) for t in model._c_obj.generate(ids[kept:], int(request["steps"]))]
             if not answer:

@@ -54,6 +54,7 @@ from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
 
+from llmexport.mnn.runtime import common_prefix_length
 from llmexport.mnn.tokenizer_pipeline import byte_level_chars, decoder_has_byte_level
 
 __all__ = ["StreamModel", "StreamDifference", "runtime_piece_bytes", "runtime_spelling", "hf_piece_bytes",
@@ -381,11 +382,6 @@ def _run_text(run: list[bytes]) -> str:
         return "\ufffd" * len(run)
 
 
-def _first_difference(a: str, b: str) -> int:
-    n = min(len(a), len(b))
-    return next((k for k in range(n) if a[k] != b[k]), n)
-
-
 def streamed_text_difference(model: StreamModel, ids: Sequence[int], streamed: bytes | str, hf_text: str, *,
                              skip_special_tokens: bool = False) -> StreamDifference | None:
     """Compare what the runtime streamed for the generated ``ids`` with HF's decode of them.
@@ -402,7 +398,7 @@ def streamed_text_difference(model: StreamModel, ids: Sequence[int], streamed: b
     expected = b"".join(model.piece_bytes(i) for i in kept)
     shown = raw.decode("utf-8", "replace")
     if raw != expected:
-        return StreamDifference(("unexplained",), _first_difference(shown, hf_text),
+        return StreamDifference(("unexplained",), common_prefix_length(shown, hf_text),
                                 "the stream is not the runtime's decode of these ids (tokenizer_stream.StreamModel)")
     try:
         text = raw.decode("utf-8")
@@ -423,8 +419,9 @@ def streamed_text_difference(model: StreamModel, ids: Sequence[int], streamed: b
             ("piece_text", any(i in model._piece_text for i in kept))) if present]
         if not kinds:  # HF's text is the prediction, but the stream differs from it otherwise
             break
-        return StreamDifference(tuple(kinds), _first_difference(text, hf_text), "; ".join(_DETAILS[k] for k in kinds))
-    return StreamDifference(("unexplained",), _first_difference(text, hf_text),
+        return StreamDifference(tuple(kinds), common_prefix_length(text, hf_text),
+                                "; ".join(_DETAILS[k] for k in kinds))
+    return StreamDifference(("unexplained",), common_prefix_length(text, hf_text),
                             "HF's text differs from the runtime's stream in a way no known difference explains")
 
 
