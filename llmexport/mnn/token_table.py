@@ -13,7 +13,8 @@ So the export writes one table whose rows are ``[embedding | PLE]`` (unscaled) a
 its width as ``hidden_size``: the runtime reads the PLE rows with the embedding, and the text
 graph splits them (``Gemma4TextGraph``). A tied lm_head keeps its own record. The towers'
 soft tokens, which the runtime places in that input instead of table rows, carry the PLE row
-of the pad id (HF's PLE lookup for media positions) after their features (``pad_row``).
+of the pad id (HF's PLE lookup for media positions) after their features (``stored_row`` gives
+that row as the file stores it).
 """
 
 from __future__ import annotations
