@@ -207,17 +207,14 @@ class _LastPositions(torch.nn.Module):
         return self.head(hidden[..., -self.n:, :])
 
 
-def load_hf(arch, export_dir: Path, tables):
-    """HF's model in fp32 with the stored weights, linears copied in one at a time (read_stored
-    would hold all of them beside the model: 13 GB peak for the 8-layer E2B shape)."""
-    from llmexport.spec import StoredWeights
+def load_hf(arch, export_dir: Path):
+    """HF's model in fp32 carrying the stored weights, streamed (llmexport.streamed_reference: one
+    layer's weights in memory at a time)."""
+    from llmexport.checkpoint import CheckpointTensors
+    from llmexport.mnn.readback import StoredTensors
+    from llmexport.streamed_reference import streamed_reference
 
-    model = arch.load_reference(None)
-    if any(t is not None for t in tables):
-        arch.apply_stored(model, StoredWeights({}, *tables))
-    for name, weight, _ in stored_linears(export_dir):
-        arch.apply_stored(model, StoredWeights({name: weight}, None, None))  # the family's own mapping
-    return model
+    return streamed_reference(arch, StoredTensors(export_dir, arch, CheckpointTensors(arch.checkpoint.weights)))
 
 
 def hf_logits(arch, model, ids: list[int], n: int) -> np.ndarray:
@@ -262,7 +259,7 @@ def measure(checkpoint: Path, export_dir: Path, lengths: list[int], forced: int,
         timed("exact", length, lambda g=graph, e=embedding, p=ple: exact_logits(arch, g, e, p, ids, n))
     del graph, embedding, ple
     gc.collect()
-    model = load_hf(arch, export_dir, tables)
+    model = load_hf(arch, export_dir)
     for attention in attentions:
         model.set_attn_implementation(attention)
         for length, ids in prompts.items():

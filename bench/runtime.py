@@ -18,9 +18,8 @@ Everything is measured in this one run, side by side, and printed as ratios:
   not distort the numbers;
 - fidelity on a fixed chat-templated prompt: each export teacher-forced along the greedy
   continuation of the HF model carrying exactly the weights the export stored (max |dlogit|, mean,
-  top-1 agreement), and against the fp32 HF model. Both HF models are written as fp32 safetensors
-  folders first (llmexport.stored_checkpoint), which transformers maps from the file: table rows
-  the prompt never looks up are never read, so a 12-layer E2B-shaped model fits in a few GB.
+  top-1 agreement), and against the fp32 HF model. Both are streamed references
+  (llmexport.streamed_reference: one decoder layer in memory at a time).
   MNN's exporter names its records its own way, and a variant stores other weights, so those are
   compared with fp32 HF only.
 """
@@ -28,7 +27,6 @@ Everything is measured in this one run, side by side, and printed as ratios:
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import shutil
 import statistics
@@ -136,27 +134,27 @@ def _fidelity(checkpoint: Path, exports: dict[str, Path], work: Path, steps: int
     import torch
     from transformers import AutoTokenizer
 
-    from llmexport.checkpoint import Checkpoint
+    from llmexport.checkpoint import Checkpoint, CheckpointTensors
     from llmexport.loading import open_architecture
+    from llmexport.mnn.readback import StoredTensors
     from llmexport.mnn.runtime import run_runtime
-    from llmexport.stored_checkpoint import write_stored_checkpoint
-    from llmexport.verification import _reference_greedy, default_prompt, step_stats, summarize
+    from llmexport.streamed_reference import streamed_reference
+    from llmexport.verification import default_prompt, step_stats, summarize
+    from llmexport.verification_media import reference_greedy
 
     arch = open_architecture(Checkpoint.open(checkpoint))
     prompt = default_prompt(AutoTokenizer.from_pretrained(checkpoint), PROMPT_TOKENS)
     references, memory = {}, {}
-    for label, source in (("stored", exports["fast"]), ("fp32", None)):
-        folder = write_stored_checkpoint(source, arch, work / f"oracle-{label}")
-        oracle_arch = open_architecture(Checkpoint.open(folder))
-        model = oracle_arch.load_reference(None)
+    fp32 = CheckpointTensors(arch.checkpoint.weights)
+    for label, tensors in (("stored", StoredTensors(exports["fast"], arch, fp32, arch.towers())), ("fp32", fp32)):
+        model = streamed_reference(arch, tensors)
         if label == "stored":
-            greedy = _reference_greedy(model, oracle_arch, prompt, steps)
+            greedy, _ = reference_greedy(lambda ids, m=model: arch.reference_logits(m, torch.tensor(ids)), prompt,
+                                         steps, ())
         forced = prompt + greedy[:-1]
-        references[label] = oracle_arch.reference_logits(model, torch.tensor(forced))[len(prompt) - 1:].numpy()
+        references[label] = arch.reference_logits(model, torch.tensor(forced))[len(prompt) - 1:].numpy()
         memory[label] = _rss()
-        del model, oracle_arch
-        gc.collect()  # unmaps the folder's tensors before the next reference maps its own
-        shutil.rmtree(folder)
+        del model
     out = {"prompt_tokens": len(prompt), "steps": steps, "reference_rss_gib": memory}
     for name, path in exports.items():
         run = run_runtime(path, prompt, greedy[:-1], steps, config={"thread_num": 2})

@@ -9,6 +9,7 @@ shards' headers must list the same tensors.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import struct
 from dataclasses import dataclass
@@ -27,7 +28,7 @@ from llmexport.input_files import (
     read_json,
     read_optional_json,
 )
-from llmexport.spec import WeightStore
+from llmexport.spec import WeightStore, rows_at
 
 _DTYPES: dict[str, tuple[torch.dtype, int]] = {
     "F64": (torch.float64, 8), "F32": (torch.float32, 4), "F16": (torch.float16, 2),
@@ -191,7 +192,7 @@ class LazyTensor:
 
     def take(self, ids: torch.Tensor) -> torch.Tensor:
         """Rows at ``ids`` (an embedding lookup), in order."""
-        return torch.stack([self.rows(int(i), int(i) + 1)[0] for i in ids.reshape(-1)])
+        return rows_at(self.rows, ids)
 
 
 class SafetensorsIndex:
@@ -263,6 +264,59 @@ class SafetensorsIndex:
         return self.lazy(name).read()
 
 
+class CheckpointTensors:
+    """A checkpoint's tensors as the HF reference holds them (``ReferenceTensors``): floats widened
+    to fp32 (what ``from_pretrained(dtype=torch.float32)`` loads), read when asked for."""
+
+    def __init__(self, weights: WeightStore):
+        self.weights = weights
+
+    def names(self) -> list[str]:
+        return self.weights.names()
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.weights
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self.weights.shape(name))
+
+    def read(self, name: str) -> torch.Tensor:
+        return _widened(self.weights.tensor(name))
+
+    def rows(self, name: str, ids: torch.Tensor) -> torch.Tensor:
+        return _widened(self.weights.lazy(name).take(ids))
+
+
+def _widened(value: torch.Tensor) -> torch.Tensor:
+    return value.float() if value.is_floating_point() else value
+
+
+@contextlib.contextmanager
+def meta_parameters() -> Iterator[None]:
+    """Modules built inside get their parameters on the meta device (no memory, no values);
+    buffers are built as usual (rotary frequencies and other computed constants keep their values)."""
+    register = torch.nn.Module.register_parameter
+
+    def on_meta(self: torch.nn.Module, name: str, param: torch.nn.Parameter | None) -> None:
+        if param is not None and param.device.type != "meta":
+            param = torch.nn.Parameter(param.detach().to("meta"), requires_grad=False)
+        register(self, name, param)
+
+    torch.nn.Module.register_parameter = on_meta  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        torch.nn.Module.register_parameter = register  # type: ignore[method-assign]
+
+
+def build_from_config(loader: Any, config: Any, **kwargs: Any) -> torch.nn.Module:
+    """``loader``'s model for ``config``: an Auto class through ``from_config``, a model class
+    through ``_from_config`` (which takes no ``trust_remote_code``)."""
+    if not hasattr(loader, "from_config"):
+        kwargs.pop("trust_remote_code", None)
+    return (loader.from_config if hasattr(loader, "from_config") else loader._from_config)(config, **kwargs)
+
+
 def _weight_map(index_file: Path) -> dict[str, str]:
     """The index's tensor -> shard map; every shard is a plain file name or a relative path that
     stays inside the checkpoint folder (no absolute paths, no ``..``)."""
@@ -309,6 +363,21 @@ class Checkpoint:
         (never a ``pytorch_model.bin`` pickle beside them). An MLX checkpoint builds the HF model
         from its config and dequantized tensors instead (llmexport.importers.mlx)."""
         return loader.from_pretrained(self.path, use_safetensors=True, **kwargs)
+
+    def hf_config(self, trust_remote_code: bool = False) -> Any:
+        """transformers' config object of this checkpoint."""
+        from transformers import AutoConfig
+
+        return AutoConfig.from_pretrained(self.path, trust_remote_code=trust_remote_code)
+
+    def empty_model(self, loader: Any, **kwargs: Any) -> torch.nn.Module:
+        """``loader``'s model of this checkpoint with every parameter on the meta device, ties
+        made and in eval mode: the skeleton the streamed reference fills one block at a time."""
+        config = self.hf_config(bool(kwargs.get("trust_remote_code", False)))
+        with meta_parameters():
+            model: Any = build_from_config(loader, config, **kwargs)
+        model.tie_weights()
+        return model.eval()
 
     def tokenizer_file(self) -> Path:
         path = self.path / "tokenizer.json"

@@ -79,14 +79,8 @@ class ExpertTemplate:
     instances: tuple[tuple[int, int, str], ...]  # (layer_id, expert index, replacement for marker)
 
 
-@dataclass
-class StoredWeights:
-    """What an export stored, read back from its files: per-linear weights (placeholder name
-    -> [out, in] fp32), and the token embedding / PLE tables as the runtime decodes them."""
-
-    linears: dict[str, torch.Tensor]
-    embedding: torch.Tensor | None = None
-    ple: torch.Tensor | None = None
+#: the reference's lm_head tensor when an export stored a tied model's head apart from its token table
+UNTIED_HEAD = "lm_head.weight"
 
 
 # --- quantized weights ------------------------------------------------------------------------
@@ -199,6 +193,52 @@ class WeightStore(Protocol):
     def tensor(self, name: str) -> torch.Tensor: ...
 
 
+class ReferenceTensors(Protocol):
+    """The HF reference model's tensors by checkpoint name, read on demand, floats widened to fp32:
+    the checkpoint's own (``checkpoint.CheckpointTensors``) or what an export stored
+    (``mnn.readback.StoredTensors``)."""
+
+    def names(self) -> list[str]: ...
+
+    def __contains__(self, name: str) -> bool: ...
+
+    def shape(self, name: str) -> tuple[int, ...]: ...
+
+    def read(self, name: str) -> torch.Tensor: ...
+
+    def rows(self, name: str, ids: torch.Tensor) -> torch.Tensor:
+        """Rows at ``ids`` (sorted, unique) along the first dimension: a table lookup."""
+        ...
+
+
+class StoredModel(ReferenceTensors, Protocol):
+    """What an export stored (``mnn.readback.StoredTensors``): the reference's tensors, and the
+    text graph's linear records and token-table tensors one by one."""
+
+    def text_linears(self) -> list[str]: ...
+
+    def linear(self, record: str) -> torch.Tensor: ...
+
+    def table_tensors(self) -> list[str]: ...
+
+
+def rows_at(read_rows: Callable[[int, int], torch.Tensor], ids: torch.Tensor) -> torch.Tensor:
+    """Rows at ``ids`` (in their order) from a reader of row ranges, one read per run of
+    consecutive ids: a prompt's few hundred ids cost a few hundred small reads, never the table."""
+    flat = [int(i) for i in ids.reshape(-1)]
+    if not flat:
+        return read_rows(0, 0)
+    order = sorted(set(flat))
+    runs, start = [], 0
+    for i in range(1, len(order) + 1):
+        if i == len(order) or order[i] != order[i - 1] + 1:
+            runs.append(read_rows(order[start], order[i - 1] + 1))
+            start = i
+    table = torch.cat(runs) if len(runs) > 1 else runs[0]
+    position = {row: i for i, row in enumerate(order)}
+    return table[torch.tensor([position[i] for i in flat], dtype=torch.long)]
+
+
 class ModelTables(Protocol):
     """The token embedding and PLE tables of a model, as readers of an export need them."""
 
@@ -212,6 +252,18 @@ class ModelTables(Protocol):
 
 class SourcedModel(ModelTables, Protocol):
     """A model that names the checkpoint tensors behind each of its placeholder linears."""
+
+    def linears(self) -> list[LinearSpec]: ...
+
+    def linear_source(self, name: str) -> LinearSource: ...
+
+
+class SourcedTower(Protocol):
+    """A tower's linears and the checkpoint tensors behind each (``models.base.Tower``)."""
+
+    name: str
+
+    def linears(self) -> list[LinearSpec]: ...
 
     def linear_source(self, name: str) -> LinearSource: ...
 

@@ -14,24 +14,27 @@ from typing import Any, Mapping, cast
 
 import numpy as np
 import torch
+from torch import nn
 
-from llmexport.checkpoint import Checkpoint
+from llmexport.checkpoint import Checkpoint, CheckpointTensors
 from llmexport.errors import UsageError, VerificationFailed
 from llmexport.importers.mlx import compare_with_source
 from llmexport.loading import open_architecture
 from llmexport.mnn.config import EXACT_KERNELS, profile_of
-from llmexport.mnn.readback import read_stored
+from llmexport.mnn.readback import StoredTensors
 from llmexport.mnn.runtime import run_runtime
 from llmexport.mnn.tokenizer_stream import StreamModel
+from llmexport.models.base import Architecture
 from llmexport.options import RuntimeProfile
 from llmexport.results import Bounds, LogitStats, RunComparison, StepStats, TokenizerCheck, VerifyReport
+from llmexport.streamed_reference import streamed_reference
 from llmexport.verification_conversation import (
     Conversations,
     conversation_failures,
     conversation_summary,
     reference_stop_ids,
 )
-from llmexport.verification_media import prompt_summary
+from llmexport.verification_media import greedy_along, prompt_summary
 from llmexport.verification_towers import verify_towers
 
 log = logging.getLogger(__name__)
@@ -112,21 +115,19 @@ def default_prompt(tokenizer, min_tokens: int) -> list[int]:
         text += _PROMPT_TEXT
 
 
-def _reference_greedy(model, arch, prompt: list[int], steps: int) -> list[int]:
-    """Greedy ids of the reference, recomputing the whole sequence each step (no cache path)."""
-    ids = list(prompt)
-    for _ in range(steps):
-        ids.append(int(arch.reference_logits(model, torch.tensor(ids))[-1].argmax()))
-    return ids[len(prompt):]
-
-
 def verify_export(export_dir: Path, model_path: Path, steps: int = 24, prompt_ids: list[int] | None = None,
                   raise_on_failure: bool = False, trust_remote_code: bool = False) -> VerifyReport:
     """Verification report of ``export_dir`` against the checkpoint at ``model_path`` (also
     written to ``export_dir/verify.json``).
 
-    ``trust_remote_code`` must be True for families whose reference model is the checkpoint's
-    own modeling code (``Architecture.reference_is_remote_code``); it is refused otherwise.
+    The runtime runs first: its greedy continuation of the prompt with its logits at each step
+    (on MNN's exact kernels when a fast export is also judged on them; the shipped profile is then
+    teacher-forced on those ids). HF (the stored-weights oracle and the fp32 model) is
+    teacher-forced on the same ids in one forward; its greedy ids follow its argmax along the
+    runtime's (``greedy_along``): its own greedy continuation as far as they agree. Both are
+    streamed references (llmexport/streamed_reference.py), so memory stays at one block of the
+    model whatever its size. ``trust_remote_code`` must be True for families whose reference
+    model is the checkpoint's own modeling code (``Architecture.reference_is_remote_code``).
     """
     from transformers import AutoTokenizer
 
@@ -138,33 +139,37 @@ def verify_export(export_dir: Path, model_path: Path, steps: int = 24, prompt_id
     tokenizer = AutoTokenizer.from_pretrained(model_path, trust_remote_code=False)
     window = int(arch.llm_config().get("sliding_window") or 0)
     prompt = prompt_ids or default_prompt(tokenizer, window + 8)
-    stored = read_stored(export_dir, arch)
+    stored = stored_tensors(export_dir, arch)
     profile = profile_of(json.loads((export_dir / "config.json").read_text()))
     # MLX checkpoints: which weights kept their integers
     prequantized = compare_with_source(arch, arch.checkpoint.weights, stored)
-    bounds = bounds_for_export(stored_bits(export_dir, prequantized), profile)
-    # the runtime chats first (its answers are the history); HF follows it below
+    bounds = bounds_for_export(stored_bits(stored, prequantized), profile)
+    # the runtime first (its answers are the history, its greedy ids the teacher-forced ones); HF follows
     chat = Conversations.run(export_dir, tokenizer, window, bounds.kernels_max_abs_err is not None)
-    oracle = arch.load_reference(stored, trust_remote_code=trust_remote_code)
-    greedy_ref = _reference_greedy(oracle, arch, prompt, steps)
-    forced = prompt + greedy_ref[:-1]
-    ref_logits = arch.reference_logits(oracle, torch.tensor(forced))[len(prompt) - 1:].numpy()
-    chat.add_oracle(arch, oracle, reference_stop_ids(model_path, tokenizer, arch))
-    del oracle
-    fp32 = arch.load_reference(None, trust_remote_code=trust_remote_code)
-    fp32_logits = arch.reference_logits(fp32, torch.tensor(forced))[len(prompt) - 1:].numpy()
-    chat.add_fp32(arch, fp32)
-    del fp32
     texts = TOKENIZER_SAMPLES + [cast(str, tokenizer.decode(prompt[1:]))]  # one sequence: one string
-    run = run_runtime(export_dir, prompt, greedy_ref[:-1], steps, texts=texts)
+    # the greedy ids everything is teacher-forced on: the exact kernels' where a fast export also
+    # runs them (closer to HF, so HF's greedy ids are known further), else the shipped run's
+    kernels = None
+    if bounds.kernels_max_abs_err is not None:
+        kernels = run_runtime(export_dir, prompt, None, steps, texts=texts, config=EXACT_KERNELS)
+        run = run_runtime(export_dir, prompt, kernels.greedy_ids[:-1], steps, texts=texts)
+    else:
+        run = run_runtime(export_dir, prompt, None, steps, texts=texts)
+    anchor = (kernels or run).greedy_ids
+    forced = torch.tensor(prompt + anchor[:-1])
+    oracle, fp32 = reference_pair(arch, stored, trust_remote_code)
+    ref_logits = arch.reference_logits(oracle, forced, len(prompt) - 1).numpy()
+    fp32_logits = arch.reference_logits(fp32, forced, len(prompt) - 1).numpy()
+    greedy_ref = greedy_along(ref_logits, anchor, ())
+    chat.add_oracle(arch, oracle, reference_stop_ids(model_path, tokenizer, arch))
+    chat.add_fp32(arch, fp32)
+    towers = verify_towers(arch, export_dir, oracle, fp32)
     tok_cases = {t: (run.encoded[t], tokenizer(t, add_special_tokens=False)["input_ids"]) for t in texts}
     mismatches = tuple(t for t, (m, h) in tok_cases.items() if m != h)
     tokenizer_check = TokenizerCheck(not mismatches, len(tok_cases), mismatches)
-    towers = verify_towers(arch, export_dir, stored)
     shipped = RunComparison.of(compare_logits(run.forced_logits, ref_logits), greedy_ref, run.greedy_ids)
     exact = None
-    if bounds.kernels_max_abs_err is not None:
-        kernels = run_runtime(export_dir, prompt, greedy_ref[:-1], steps, config=EXACT_KERNELS)
+    if kernels is not None:
         exact = RunComparison.of(compare_logits(kernels.forced_logits, ref_logits), greedy_ref, kernels.greedy_ids)
     conversation = chat.check(tokenizer, StreamModel.from_folder(model_path))
     failures = judge(bounds, shipped, tokenizer_check, exact, towers) + tuple(conversation_failures(
@@ -179,12 +184,23 @@ def verify_export(export_dir: Path, model_path: Path, steps: int = 24, prompt_id
     return report
 
 
-def stored_bits(export_dir: Path, prequantized: dict[str, Any] | None) -> set[int]:
-    """The bits of the exported linear records; counts the fp32-alpha records of a pre-quantized
-    checkpoint into its ``prequantized`` section (transcoded records keep fp32 alpha, docs/mlx-import.md)."""
-    from llmexport.mnn.readback import linear_records
+def stored_tensors(export_dir: Path, arch: Architecture) -> StoredTensors:
+    """What the export stored (text graph and towers), over the checkpoint's own tensors."""
+    return StoredTensors(export_dir, arch, CheckpointTensors(arch.checkpoint.weights), arch.towers())
 
-    records = [r["quanParameter"] for r in linear_records(export_dir).values()]
+
+def reference_pair(arch: Architecture, stored: StoredTensors,
+                   trust_remote_code: bool = False) -> tuple[nn.Module, nn.Module]:
+    """The streamed HF references: carrying the weights the export stored (the fair oracle), and
+    the checkpoint's own (fp32). Only their small parameters stay in memory between calls."""
+    return (streamed_reference(arch, stored, trust_remote_code),
+            streamed_reference(arch, stored.base, trust_remote_code))
+
+
+def stored_bits(stored: StoredTensors, prequantized: dict[str, Any] | None) -> set[int]:
+    """The bits of the text graph's linear records; counts the fp32-alpha records of a pre-quantized
+    checkpoint into its ``prequantized`` section (transcoded records keep fp32 alpha, docs/mlx-import.md)."""
+    records = [stored.records[name].fields["quanParameter"] for name in stored.text_linears()]
     if prequantized is not None:
         prequantized["fp32_alpha_records"] = sum(q.get("type") == 1 and q.get("scaleStorage", "FP32") != "FP16"
                                                  for q in records)

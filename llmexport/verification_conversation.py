@@ -32,7 +32,7 @@ from llmexport.mnn.runtime import ChatRun, ChatTurnRun, common_prefix_length, ru
 from llmexport.mnn.tokenizer_stream import StreamModel, streamed_text_difference
 from llmexport.models.base import Architecture
 from llmexport.results import ConversationCheck, ConversationTurn, RunComparison
-from llmexport.verification_media import reference_greedy
+from llmexport.verification_media import greedy_along, reference_greedy
 
 #: greedy steps per answer
 ANSWER_STEPS = 8
@@ -92,25 +92,22 @@ class TurnReference:
 def oracle_side(arch: Architecture, model: nn.Module, turn: ChatTurnRun, stop_ids: frozenset[int],
                 steps: int = ANSWER_STEPS) -> TurnReference:
     """One forward over the runtime's context and answer gives the oracle's logits at every answer
-    step; its greedy answer follows its argmax while that is the runtime's token, ends at the first
-    other token or a stop id, and goes on (recomputing the sequence) only past the runtime's stop."""
-    context = turn.ids + turn.answer[:-1]
-    logits = arch.reference_logits(model, torch.tensor(context))[len(turn.ids) - 1:].numpy()
-    greedy: list[int] = []
-    for row, token in zip(logits, turn.answer):
-        greedy.append(int(row.argmax()))
-        if greedy[-1] != token or greedy[-1] in stop_ids:
-            return TurnReference(greedy, logits)
-    if len(greedy) < steps:  # the runtime stopped; HF does not stop there
-        more, _ = reference_greedy(lambda ids: arch.reference_logits(model, torch.tensor(ids)), turn.ids + greedy,
-                                   steps - len(greedy), stop_ids)
+    step; its greedy answer follows its argmax along the runtime's (``greedy_along``), and goes on
+    (recomputing the sequence) only past the runtime's stop."""
+    logits = turn_logits(arch, model, turn)
+    greedy = greedy_along(logits, turn.answer, stop_ids)
+    if greedy == turn.answer and greedy[-1] not in stop_ids and len(greedy) < steps:
+        # the runtime stopped; HF does not stop there
+        more, _ = reference_greedy(lambda ids: arch.reference_logits(model, torch.tensor(ids), len(ids) - 1),
+                                   turn.ids + greedy, steps - len(greedy), stop_ids)
         greedy += more
     return TurnReference(greedy, logits)
 
 
-def fp32_logits(arch: Architecture, model: nn.Module, turn: ChatTurnRun) -> np.ndarray:
+def turn_logits(arch: Architecture, model: nn.Module, turn: ChatTurnRun) -> np.ndarray:
+    """HF's logits at every answer step, teacher-forced on the runtime's context and answer."""
     context = turn.ids + turn.answer[:-1]
-    return arch.reference_logits(model, torch.tensor(context))[len(turn.ids) - 1:].numpy()
+    return arch.reference_logits(model, torch.tensor(context), len(turn.ids) - 1).numpy()
 
 
 @dataclass
@@ -143,7 +140,7 @@ class Conversations:
 
     def add_fp32(self, arch: Architecture, model: nn.Module) -> None:
         for turn, reference in zip(self.shipped.turns, self.oracle):
-            reference.fp32_logits = fp32_logits(arch, model, turn)
+            reference.fp32_logits = turn_logits(arch, model, turn)
 
     def check(self, tokenizer, stream: StreamModel) -> ConversationCheck:
         """Per turn: the runtime's ids of the history against HF's rendering, answers, streamed text

@@ -1,23 +1,24 @@
 """Media prompts: MNN's runtime through its normal call path vs HF's full model called as a user
 calls it, for the ``PromptCase``s of a ``TowerCheck`` (llmexport/models/tower_check.py).
 
-Each prompt's greedy continuation is taken on HF carrying the stored weights (``oracle_runs``,
-recomputing the whole sequence each step), the fp32 HF is teacher-forced on it
-(``fp32_forced_logits``), then the runtime is teacher-forced on the same ids and generates its own
-greedy tokens (``check_media_prompts``), on MNN's exact kernels whatever profile the export ships.
+The runtime goes first, on MNN's exact kernels whatever profile the export ships: its greedy
+continuation of each prompt, with its logits at every step (teacher forcing on its own greedy ids).
+HF carrying the stored weights and the fp32 HF are then teacher-forced on the same ids, one forward
+each; HF's greedy ids follow its argmax along the runtime's (``greedy_along``), which is its own
+greedy continuation wherever the two agree (``check_media_prompts``).
 """
 
 from __future__ import annotations
 
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import Any, Collection, Sequence
 
 import numpy as np
 from torch import nn
 
 from llmexport.mnn.config import EXACT_KERNELS
-from llmexport.mnn.runtime import run_media_prompt
+from llmexport.mnn.runtime import MediaRun, run_media_prompt
 from llmexport.models.tower_check import PromptLogits, TowerCheck
 
 GREEDY_STEPS = 16
@@ -37,34 +38,50 @@ def reference_greedy(logits_fn: PromptLogits, prompt: list[int], steps: int,
     return ids[len(prompt):], np.stack(logits)
 
 
-def oracle_runs(model: nn.Module, check: TowerCheck) -> list[tuple[list[int], np.ndarray]]:
-    """(greedy ids, their teacher-forced logits) of each prompt on ``model`` (HF carrying the stored weights)."""
-    return [reference_greedy(check.prompt_logits(model, p), p.ids, GREEDY_STEPS, check.stop_ids)
-            for p in check.prompts]
+def greedy_along(logits: np.ndarray, tokens: Sequence[int], stop_ids: Collection[int]) -> list[int]:
+    """HF's greedy ids along the runtime's ``tokens``, from its teacher-forced ``logits`` on them:
+    each step's argmax while it is the runtime's token, ending with the first other one or a stop
+    id. Where every step agrees this is HF's own greedy continuation, in one forward instead of
+    one per token."""
+    greedy: list[int] = []
+    for row, token in zip(logits, tokens):
+        greedy.append(int(row.argmax()))
+        if greedy[-1] != token or greedy[-1] in stop_ids:
+            break
+    return greedy
 
 
-def fp32_forced_logits(model: nn.Module, check: TowerCheck,
-                       runs: list[tuple[list[int], np.ndarray]]) -> list[np.ndarray]:
-    """Teacher-forced logits of ``model`` (the fp32 HF) on each prompt's oracle greedy ids."""
-    return [check.prompt_logits(model, p)(p.ids + greedy[:-1])[len(p.ids) - 1:].numpy()
-            for p, (greedy, _) in zip(check.prompts, runs)]
+def through_stop(tokens: Sequence[int], stop_ids: Collection[int]) -> list[int]:
+    """``tokens`` up to and including the first stop id (a media token: the runtime embeds it as
+    text, HF as padding, so nothing after it compares)."""
+    out: list[int] = []
+    for token in tokens:
+        out.append(token)
+        if token in stop_ids:
+            break
+    return out
 
 
-def check_media_prompts(export_dir: Path, check: TowerCheck, runs: list[tuple[list[int], np.ndarray]],
-                        logits32: list[np.ndarray]) -> list[dict[str, Any]]:
-    """Each prompt through MNN's runtime (its medium saved into a temporary folder) against the
-    oracle's ``runs`` and the fp32 ``logits32``: one ``compare_prompt`` report per prompt."""
+def check_media_prompts(export_dir: Path, check: TowerCheck, oracle: nn.Module,
+                        fp32: nn.Module) -> list[dict[str, Any]]:
+    """Each prompt through MNN's runtime (its medium saved into a temporary folder), then HF
+    (``oracle``: the stored weights; ``fp32``) on the runtime's ids: one ``compare_prompt`` report
+    per prompt."""
     reports = []
     with tempfile.TemporaryDirectory(prefix="llmexport-media-") as tmp:
-        for i, (prompt, (greedy, logits), forced32) in enumerate(zip(check.prompts, runs, logits32)):
+        for i, prompt in enumerate(check.prompts):
             folder = Path(tmp) / str(i)
             folder.mkdir()
             # the tower and its merging are judged on the exact kernels, whatever profile ships
-            run = run_media_prompt(export_dir, prompt.runtime_text(folder), greedy[:-1], len(greedy),
-                                   config=EXACT_KERNELS)
-            report = compare_prompt(run, prompt.ids, greedy, logits, forced32)
+            run = run_media_prompt(export_dir, prompt.runtime_text(folder), None, GREEDY_STEPS, config=EXACT_KERNELS)
+            tokens = through_stop(run.greedy_ids, check.stop_ids)
+            run = MediaRun(run.ids, run.forced_logits[:len(tokens)], tokens)
+            context = prompt.ids + tokens[:-1]
+            logits = check.prompt_logits(oracle, prompt)(context, len(prompt.ids) - 1).numpy()
+            forced32 = check.prompt_logits(fp32, prompt)(context, len(prompt.ids) - 1).numpy()
+            report = compare_prompt(run, prompt.ids, greedy_along(logits, tokens, check.stop_ids), logits, forced32)
             report["label"] = prompt.label
-            report["stopped_at_media_token"] = len(greedy) < GREEDY_STEPS
+            report["stopped_at_media_token"] = len(tokens) < GREEDY_STEPS
             report["bos_count"] = run.ids.count(check.bos_id)
             if report["bos_count"] != 1:
                 report["failures"].append(f"{report['bos_count']} BOS tokens in the runtime's prompt")

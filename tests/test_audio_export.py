@@ -23,13 +23,12 @@ from llmexport.media.audio import (
     synthetic_clip,
     write_wav,
 )
-from llmexport.mnn.readback import read_stored
 from llmexport.mnn.runtime import run_media_prompt
 from llmexport.models.gemma4_tower_checks import PROMPT_HEAD
 from llmexport.quant.scheme import QuantScheme
 from llmexport.tiny.gemma4_towers import build_tiny_multimodal
 from llmexport.tiny.tokenizer import SPECIAL_TOKENS
-from llmexport.verification import summary_line, verify_export
+from llmexport.verification import reference_pair, stored_tensors, summary_line, verify_export
 from llmexport.verification_towers import verify_tower
 
 # frames = 1 mod 4 (the runtime's unpadded framing loses a token), samples % 160 in 1..31 (it loses
@@ -67,7 +66,8 @@ def test_padded_clips_give_hfs_answer(exported):
     assert hf_frame_count(PROMPT_LENGTHS[0]) % 4 == 1
     arch = open_architecture(Checkpoint.open(path))
     tower = next(t for t in arch.towers() if t.name == "audio")
-    report = verify_tower(arch, tower, out, read_stored(out, arch), tower.check(prompt_lengths=PROMPT_LENGTHS))
+    report = verify_tower(tower, out, *reference_pair(arch, stored_tensors(out, arch)),
+                          tower.check(prompt_lengths=PROMPT_LENGTHS))
     for prompt in report["prompts"]:
         forced = prompt["forced"]
         print(f"\naudio prompt {prompt['samples']} samples: frames HF {prompt['frames']['hf']}, runtime "

@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 
 import pytest
-import torch
 
 from llmexport import ExportOptions, export
 from llmexport.errors import UsageError
@@ -147,27 +146,3 @@ def test_a_wrong_graph_fails_fast_verification(tiny_gemma4, tmp_path, monkeypatc
     if breakage is _norm_epsilon:
         assert report.oracle.max_abs_err < FAST_MAX_ABS_ERR
         assert report.oracle.mean_abs_err < FAST_MEAN_ABS_ERR
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("shape, options", [
-    ("e2b", dict(quant=QuantScheme(4, 64), embed_bit=4)),   # tied lm_head, quantized PLE table
-    ("31b", dict(quant=QuantScheme(8, 32), embed_bit=8)),   # untied embedding file
-    ("26b-a4b", dict(quant=QuantScheme(4, 64))),            # stacked experts
-])
-def test_stored_checkpoint_is_the_same_oracle(tiny_gemma4, tmp_path, shape, options):
-    """The stored weights written as an fp32 HF folder give the oracle read_stored builds in memory."""
-    from llmexport.checkpoint import Checkpoint
-    from llmexport.loading import open_architecture
-    from llmexport.mnn.readback import read_stored
-    from llmexport.stored_checkpoint import write_stored_checkpoint
-
-    out = tmp_path / "out"
-    export(tiny_gemma4(shape), out, ExportOptions(**options))
-    arch = open_architecture(Checkpoint.open(tiny_gemma4(shape)))
-    ids = torch.arange(3, 60)
-    expected = arch.reference_logits(arch.load_reference(read_stored(out, arch)), ids)
-    folder = write_stored_checkpoint(out, arch, tmp_path / "oracle")
-    oracle = open_architecture(Checkpoint.open(folder))
-    got = oracle.reference_logits(oracle.load_reference(None), ids)
-    assert (got - expected).abs().max() < 1e-5

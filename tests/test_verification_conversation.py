@@ -22,7 +22,6 @@ from llmexport.checkpoint import Checkpoint
 from llmexport.cli import main
 from llmexport.loading import open_architecture
 from llmexport.mnn.config import profile_of
-from llmexport.mnn.readback import read_stored
 from llmexport.mnn.runtime import ChatTurnRun
 from llmexport.mnn.tokenizer_stream import StreamModel
 from llmexport.options import ChatThinking, RuntimeProfile
@@ -39,7 +38,7 @@ from llmexport.results import (
 )
 from llmexport.tiny.gemma4_towers import build_tiny_multimodal
 from llmexport.tiny.registry import TINY_BUILDERS
-from llmexport.verification import bounds_for_export, summary_line
+from llmexport.verification import bounds_for_export, reference_pair, stored_tensors, summary_line
 from llmexport.verification_conversation import (
     USER_TURNS,
     Conversations,
@@ -197,9 +196,9 @@ def _conversation(out, path, bits: int, trust: bool) -> tuple[ConversationCheck,
     window = int(arch.llm_config().get("sliding_window") or 0)
     bounds = bounds_for_export({bits}, profile_of(json.loads((out / "config.json").read_text())))
     chat = Conversations.run(out, tokenizer, window, bounds.kernels_max_abs_err is not None)
-    chat.add_oracle(arch, arch.load_reference(read_stored(out, arch), trust_remote_code=trust),
-                    reference_stop_ids(path, tokenizer, arch))
-    chat.add_fp32(arch, arch.load_reference(None, trust_remote_code=trust))
+    oracle, fp32 = reference_pair(arch, stored_tensors(out, arch), trust_remote_code=trust)
+    chat.add_oracle(arch, oracle, reference_stop_ids(path, tokenizer, arch))
+    chat.add_fp32(arch, fp32)
     return chat.check(tokenizer, StreamModel.from_folder(path)), bounds
 
 

@@ -90,21 +90,15 @@ class _Tower(Tower):
         raise AssertionError("the test hands its own check")
 
 
-class _Arch:
-    def load_reference(self, stored_text, trust_remote_code=False):
-        return _Reference(0)
-
-
-def test_section_layout_and_the_oracle_carrying_the_stored_tower_weights(tmp_path, monkeypatch):
-    """The oracle is HF with the stored tower weights put where ``linear_source`` says (the graph
-    computed with those weights agrees exactly, the fp32 HF does not); the section keeps its layout:
-    passed, failures, notes, feature_bound, the cases under ``cases_key``, prompts."""
+def test_section_layout_and_the_oracle_against_the_fp32_reference(tmp_path, monkeypatch):
+    """The section compares the graph with the oracle (HF carrying the stored weights: the graph
+    computed with those agrees exactly, the fp32 HF does not) and keeps its layout: passed,
+    failures, notes, feature_bound, the cases under ``cases_key``, prompts."""
     x = torch.randn(2, 4)
-    stored_w, stored_b = torch.randn(3, 4), torch.randn(3)
-    graph = (x @ stored_w.T + stored_b).numpy()
-    monkeypatch.setattr(vt, "read_tower_weights", lambda folder, stem, names: {"probe.proj": (stored_w, stored_b)})
+    oracle, fp32 = _Reference(0), _Reference(1)
+    graph = oracle.proj(x).detach().numpy()
     monkeypatch.setattr(vt, "run_module", lambda model, feeds, outputs: [{"embeds": graph[None]} for _ in feeds])
-    monkeypatch.setattr(vt, "check_media_prompts", lambda folder, check, runs, logits32: [
+    monkeypatch.setattr(vt, "check_media_prompts", lambda folder, check, oracle, fp32: [
         {"failures": ["greedy tokens differ"], "label": p.label} for p in check.prompts])
     prompt = PromptCase("one", "probe prompt one", {"input_ids": torch.tensor([[2, 5]])}, lambda folder: "")
     check = _check(output="embeds", cases=(FeatureCase("case a", {"x": x.numpy()}, {"size": 1}),
@@ -113,16 +107,11 @@ def test_section_layout_and_the_oracle_carrying_the_stored_tower_weights(tmp_pat
                    measures={"tokens": Measure.ROWS, "rel_err": Measure.REL_ERR, "rel_err_fp32": Measure.REL_ERR_FP32},
                    prompts=(prompt,), prompt_logits=lambda model, p: lambda ids: torch.eye(8)[ids],
                    notes={"scale_note": 7})
-    section = vt.verify_tower(_Arch(), _Tower(), tmp_path, None, check)
+    section = vt.verify_tower(_Tower(), tmp_path, oracle, fp32, check)
     assert list(section) == ["passed", "failures", "scale_note", "feature_bound", "probes", "prompts"]
     assert [list(row) for row in section["probes"]] == [["size", "tokens", "rel_err", "rel_err_fp32"]] * 2
     assert all(row["rel_err"] < 1e-6 and row["rel_err_fp32"] > 0.1 and row["tokens"] == 2 for row in section["probes"])
     assert section["failures"] == ["probe prompt one: greedy tokens differ"] and not section["passed"]
-
-
-def test_a_tower_linear_missing_from_the_graph_is_an_error():
-    with pytest.raises(ValueError, match="1 tower linear.*'probe.proj'"):
-        vt.apply_stored_tower(_Reference(0), _Tower(), {})
 
 
 @pytest.fixture(scope="module")

@@ -13,13 +13,12 @@ from llmexport import ExportOptions, export
 from llmexport.checkpoint import Checkpoint
 from llmexport.loading import open_architecture
 from llmexport.media.image import processed_size, runtime_size, save_image_for_runtime, synthetic_image
-from llmexport.mnn.readback import read_stored
 from llmexport.mnn.runtime import run_media_prompt
 from llmexport.models.gemma4 import Gemma4
 from llmexport.quant.scheme import QuantScheme
 from llmexport.tiny.gemma4_towers import build_tiny_multimodal
 from llmexport.tiny.tokenizer import SPECIAL_TOKENS
-from llmexport.verification import summary_line, verify_export
+from llmexport.verification import reference_pair, stored_tensors, summary_line, verify_export
 from llmexport.verification_towers import verify_tower
 
 # name -> (tiny checkpoint, text overrides, text bits, visual bits)
@@ -62,7 +61,7 @@ def exported(checkpoints, tmp_path_factory):
 def _tower_report(path, out, **kwargs):
     arch = open_architecture(Checkpoint.open(path))
     (tower,) = arch.towers()
-    return verify_tower(arch, tower, out, read_stored(out, arch), tower.check(**kwargs))
+    return verify_tower(tower, out, *reference_pair(arch, stored_tensors(out, arch)), tower.check(**kwargs))
 
 
 @pytest.mark.slow

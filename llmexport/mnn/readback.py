@@ -12,26 +12,37 @@ import json
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Collection, Sequence
 
 import torch
 
-from llmexport.mnn.config import LLM_MODEL, LLM_WEIGHT
 from llmexport.mnn.convert import mnn_to_json
 from llmexport.mnn.embeddings import read_embedding_table
-from llmexport.mnn.token_table import split_rows, token_table
+from llmexport.mnn.token_table import token_table
 from llmexport.mnn.weight_reader import read_linear
-from llmexport.spec import ModelTables, StoredWeights
+from llmexport.spec import (
+    UNTIED_HEAD,
+    LinearSource,
+    LinearSpec,
+    ModelTables,
+    ReferenceTensors,
+    SourcedModel,
+    SourcedTower,
+    rows_at,
+)
 
 
-def linear_records(export_dir: Path) -> dict[str, dict]:
-    """Convolution ops of llm.mnn by name: external offsets, quanParameter, shape."""
+def linear_records(export_dir: Path, stem: str = "llm", names: Collection[str] | None = None) -> dict[str, dict]:
+    """Convolution ops of ``{stem}.mnn`` that read their weights from ``{stem}.mnn.weight``, by name:
+    external offsets, quanParameter, shape. ``names``: only those (a tower's linears; its other
+    convolutions, such as an audio tower's subsampling, are not linear records)."""
     with tempfile.TemporaryDirectory(prefix="llmexport-readback-") as tmp:
-        graph = mnn_to_json(export_dir / LLM_MODEL, Path(tmp) / "llm.json")
+        graph = mnn_to_json(export_dir / f"{stem}.mnn", Path(tmp) / f"{stem}.json")
     records = {}
     ops = list(graph["oplists"]) + [op for sub in graph.get("subgraphs", []) for op in sub["nodes"]]
     for op in ops:
-        if op.get("type") == "Convolution" and "external" in op.get("main", {}):
+        if op.get("type") == "Convolution" and "external" in op.get("main", {}) \
+                and (names is None or op.get("name") in names):
             main = op["main"]
             records[op["name"]] = {"external": main["external"], "quanParameter": main.get("quanParameter", {}),
                                    "oc": main["common"]["outputCount"], "ic": main["common"]["inputCount"]}
@@ -67,13 +78,150 @@ def _table(path: Path, shape, layout: tuple[int, int, int | None]) -> StoredTabl
         path, rows, dim, bits, block, alpha_bytes=alpha_bytes, row_range=(start, stop)))
 
 
-def read_stored(export_dir: Path, arch: ModelTables) -> StoredWeights:
-    weight_file = export_dir / LLM_WEIGHT
-    linears = {}
-    for name, rec in linear_records(export_dir).items():
-        linears[name], _ = read_linear(weight_file, rec["external"], rec["quanParameter"], rec["oc"], rec["ic"])
-    tables = stored_tables(export_dir, arch)
-    if "embedding" not in tables:
-        return StoredWeights(linears, None, None)
-    rows = tables["embedding"].read(0, tables["embedding"].rows)
-    return StoredWeights(linears, *split_rows(arch, rows))
+
+
+@dataclass(frozen=True)
+class _Record:
+    file: Path
+    fields: dict
+
+    def read(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        f = self.fields
+        return read_linear(self.file, f["external"], f["quanParameter"], f["oc"], f["ic"])
+
+
+class StoredTensors:
+    """What an export stored, in the checkpoint's tensor names (``ReferenceTensors``), read on demand.
+
+    Every linear record (the text graph's and each tower's) is decoded with the independent reader
+    into the tensor its ``linear_source`` names (experts stacked back along their first axis, a
+    bias into its own tensor); the token table, decoded as the runtime's DiskEmbedding does, into
+    the embedding and PLE tensors it joins (mnn/token_table.py); a tied lm_head stored apart from
+    that table becomes ``UNTIED_HEAD``. Every other tensor is ``base``'s (the checkpoint's own).
+    This is the fair oracle's weights; tables are read row by row, so a lookup never decodes a table.
+    """
+
+    def __init__(self, export_dir: Path, model: SourcedModel, base: ReferenceTensors,
+                 towers: Sequence[SourcedTower] = ()):
+        self.base = base
+        self.records: dict[str, _Record] = {}
+        self._parts: dict[str, list[tuple[str, int | None]]] = {}
+        self._biases: dict[str, str] = {}
+        owners: list[tuple[str, Callable[[str], LinearSource], Collection[str] | None, list[LinearSpec]]] = [
+            ("llm", model.linear_source, None, model.linears())]
+        owners += [(t.name, t.linear_source, {spec.name for spec in t.linears()}, t.linears()) for t in towers]
+        for stem, source_of, names, specs in owners:
+            found = linear_records(export_dir, stem, names)
+            missing = [spec.name for spec in specs if spec.name not in found]
+            if missing:
+                raise ValueError(f"{export_dir / (stem + '.mnn')}: {len(missing)} linear(s) have no record in the "
+                                 f"graph, e.g. {missing[0]!r}")
+            for name, fields in found.items():
+                self.records[name] = _Record(export_dir / f"{stem}.mnn.weight", fields)
+                source = source_of(name)
+                self._parts.setdefault(source.weight, []).append((name, source.expert))
+                if source.bias:
+                    self._biases[source.bias] = name
+        self._text = [name for name in self.records if self.records[name].file.name == "llm.mnn.weight"]
+        self._table = stored_tables(export_dir, model).get("embedding")
+        self._columns = table_columns(model) if self._table else {}
+        self._head: str | None = None
+        embedding = model.embedding_table().name
+        if self._columns and any(record == "lm_head" for record, _ in self._parts.get(embedding, [])):
+            self._head = "lm_head"
+            del self._parts[embedding]
+        self._cached: tuple[str, tuple[torch.Tensor, torch.Tensor | None]] | None = None
+
+    # --- ReferenceTensors ---------------------------------------------------------------------------
+    def names(self) -> list[str]:
+        return self.base.names() + ([UNTIED_HEAD] if self._head else [])
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.base or (name == UNTIED_HEAD and self._head is not None)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        if name == UNTIED_HEAD and self._head:
+            return self.base.shape(self._embedding_name())
+        return self.base.shape(name)
+
+    def read(self, name: str) -> torch.Tensor:
+        if name == UNTIED_HEAD and self._head:
+            return self.linear(self._head)
+        if name in self._columns:
+            assert self._table is not None  # columns exist only beside a table
+            start, stop = self._columns[name]
+            return torch.cat([self._table.read(a, min(a + _TABLE_ROWS, self._table.rows))[:, start:stop]
+                              for a in range(0, self._table.rows, _TABLE_ROWS)])
+        if name in self._parts:
+            return self._assemble(name)
+        if name in self._biases:
+            bias = self._decoded(self._biases[name])[1]
+            if bias is None:
+                raise ValueError(f"record {self._biases[name]!r} has no bias")
+            return bias
+        return self.base.read(name)
+
+    def rows(self, name: str, ids: torch.Tensor) -> torch.Tensor:
+        if name in self._columns:
+            assert self._table is not None  # columns exist only beside a table
+            start, stop = self._columns[name]
+            return rows_at(self._table.read, ids)[:, start:stop]
+        if name in self._parts or name in self._biases or name == UNTIED_HEAD:
+            return self.read(name)[ids]
+        return self.base.rows(name, ids)
+
+    # --- what the export replaced ---------------------------------------------------------------------
+    def replaced(self) -> list[str]:
+        """The tensors whose values come from the export (in the checkpoint's names, plus
+        ``UNTIED_HEAD`` when the lm_head was stored apart)."""
+        return list(self._columns) + list(self._parts) + list(self._biases) + ([UNTIED_HEAD] if self._head else [])
+
+    def text_linears(self) -> list[str]:
+        """The text graph's linear records (the towers' follow them in ``records``)."""
+        return self._text
+
+    def table_tensors(self) -> list[str]:
+        """The checkpoint tensors the stored token table holds (embedding, then PLE)."""
+        return list(self._columns)
+
+    def linear(self, record: str) -> torch.Tensor:
+        """One linear record's weight [out, in] as the runtime decodes it."""
+        return self._decoded(record)[0]
+
+    def _embedding_name(self) -> str:
+        return next(iter(self._columns))
+
+    def _decoded(self, record: str) -> tuple[torch.Tensor, torch.Tensor | None]:
+        # a weight and its bias are asked for one after the other: decode the record once
+        if self._cached is None or self._cached[0] != record:
+            self._cached = None  # free the previous one first
+            self._cached = (record, self.records[record].read())
+        return self._cached[1]
+
+    def _assemble(self, name: str) -> torch.Tensor:
+        """One checkpoint tensor from its records: a plain linear, or experts stacked on axis 0."""
+        parts = self._parts[name]
+        if len(parts) == 1 and parts[0][1] is None:
+            return self.linear(parts[0][0])
+        shape = self.base.shape(name)
+        if len({expert for _, expert in parts}) != shape[0]:
+            raise ValueError(f"{len(parts)} expert records for a stack of {shape[0]} in {name!r}")
+        stacked = torch.empty(shape, dtype=torch.float32)
+        for record, expert in parts:
+            stacked[expert] = self.linear(record)
+        return stacked
+
+
+_TABLE_ROWS = 16384  # token-table rows decoded at a time when a whole table is read
+
+
+def table_columns(model: ModelTables) -> dict[str, tuple[int, int]]:
+    """Checkpoint tensor -> its columns in the stored token table (mnn/token_table.py: the
+    embedding, then the PLE rows where the model has them)."""
+    columns, start = {}, 0
+    for lazy in (model.embedding_table(), model.ple_table()):
+        if lazy is not None:
+            width = int(lazy.shape[1])
+            columns[lazy.name] = (start, start + width)
+            start += width
+    return columns

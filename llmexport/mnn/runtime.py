@@ -32,8 +32,11 @@ class RuntimeRun:
     encoded: dict[str, list[int]]  # text -> ids from the runtime's tokenizer
 
 
-def run_runtime(export_dir: Path, prompt_ids: list[int], forced_ids: list[int], greedy_steps: int,
+def run_runtime(export_dir: Path, prompt_ids: list[int], forced_ids: list[int] | None, greedy_steps: int,
                 texts: Sequence[str] = (), config: dict[str, Any] | None = None, timeout: float = 600) -> RuntimeRun:
+    """The runtime's logits after ``prompt_ids`` and after each of ``forced_ids`` (None: after each
+    of its own greedy ids but the last), its ``greedy_steps`` greedy ids, and how its tokenizer
+    encodes ``texts``."""
     with tempfile.TemporaryDirectory(prefix="llmexport-mnn-") as tmp:
         request = {"config": str(export_dir / "config.json"), "prompt": prompt_ids, "forced": forced_ids,
                    "greedy": greedy_steps, "texts": list(texts), "set_config": config or {"thread_num": 2},
@@ -66,7 +69,7 @@ def _run_child(request: dict[str, Any], what: str, timeout: float) -> None:
         raise ConversionError(f"MNN runtime failed on {what} (exit {proc.returncode}):\n{tail}")
 
 
-def run_media_prompt(export_dir: Path, prompt: str, forced_ids: list[int], greedy_steps: int,
+def run_media_prompt(export_dir: Path, prompt: str, forced_ids: list[int] | None, greedy_steps: int,
                      config: dict[str, Any] | None = None, timeout: float = 600) -> MediaRun:
     """Run a templated prompt carrying media tags; the runtime's towers turn each tag into
     soft tokens (MNN 3.6.1 ``Omni::tokenizer_encode``). A fresh instance per pass, as for text."""
@@ -177,39 +180,42 @@ def _logits(var) -> np.ndarray:
     return np.array(var.read(), dtype=np.float32, copy=True).reshape(-1)
 
 
+def _passes(request: dict[str, Any], prompt: Any, out: Path) -> tuple[list[int], list[int], Any]:
+    """The prompt's ids, its greedy continuation and the last instance; the logits after the prompt
+    and after each forced id go to ``forced.npy``. With ``forced`` None they follow the greedy ids
+    themselves (one pass: teacher forcing on its own greedy ids is the greedy pass); otherwise a
+    fresh instance runs each pass. ``prompt``: ids, or a text the runtime's tokenizer (and towers)
+    encode."""
+    def start() -> tuple[Any, list[int], np.ndarray]:
+        model = _instance(request)
+        ids = [int(i) for i in (model.tokenizer_encode(prompt) if isinstance(prompt, str) else prompt)]
+        return model, ids, _logits(model.forward(ids))
+
+    model, ids, logits = start()
+    forced, greedy = [logits], []
+    if request["forced"] is not None:
+        forced += [_logits(model.forward([token])) for token in request["forced"]]
+        model, _, logits = start()  # fresh instance: see module docstring
+    for step in range(request["greedy"]):
+        greedy.append(int(np.argmax(logits)))
+        if step + 1 < request["greedy"]:
+            logits = _logits(model.forward([greedy[-1]]))
+            if request["forced"] is None:
+                forced.append(logits)
+    np.save(out / "forced.npy", np.stack(forced))
+    return ids, greedy, model
+
+
 def _child(request: dict[str, Any]) -> None:
     out = Path(request["out"])
-    model = _instance(request)
-    forced = [_logits(model.forward(request["prompt"]))]
-    for token in request["forced"]:
-        forced.append(_logits(model.forward([token])))
-    np.save(out / "forced.npy", np.stack(forced))
+    _, greedy, model = _passes(request, request["prompt"], out)
     encoded = {text: [int(i) for i in model.tokenizer_encode(text)] for text in request["texts"]}
-    model = _instance(request)  # fresh instance: see module docstring
-    greedy: list[int] = []
-    logits = _logits(model.forward(request["prompt"]))
-    for _ in range(request["greedy"]):
-        token = int(np.argmax(logits))
-        greedy.append(token)
-        logits = _logits(model.forward([token]))
     (out / "result.json").write_text(json.dumps({"greedy": greedy, "encoded": encoded}))
 
 
 def _media_child(request: dict[str, Any]) -> None:
-    out = Path(request["out"])
-    model = _instance(request)
-    ids = [int(i) for i in model.tokenizer_encode(request["prompt"])]
-    forced = [_logits(model.forward(ids))]
-    for token in request["forced"]:
-        forced.append(_logits(model.forward([token])))
-    np.save(out / "forced.npy", np.stack(forced))
-    model = _instance(request)  # fresh instance: see module docstring
-    logits = _logits(model.forward([int(i) for i in model.tokenizer_encode(request["prompt"])]))
-    greedy: list[int] = []
-    for _ in range(request["greedy"]):
-        greedy.append(int(np.argmax(logits)))
-        logits = _logits(model.forward([greedy[-1]]))
-    (out / "result.json").write_text(json.dumps({"ids": ids, "greedy": greedy}))
+    ids, greedy, _ = _passes(request, request["prompt"], Path(request["out"]))
+    (Path(request["out"]) / "result.json").write_text(json.dumps({"ids": ids, "greedy": greedy}))
 
 
 def _decoded(model, token: int) -> bytes:

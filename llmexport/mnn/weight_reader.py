@@ -18,6 +18,7 @@ Decoding, as the runtime does it:
 
 from __future__ import annotations
 
+import math
 import os
 from typing import Optional, Union
 
@@ -55,8 +56,9 @@ def _split_stream(raw: np.ndarray, bits: int, count: int) -> np.ndarray:
     return index
 
 
-def _parse_levels(blob: bytes, shape_int32: bool, oc: int, ic: int) -> tuple[np.ndarray, int]:
-    """Header + packed levels -> signed levels [oc*ic] (int32) and the bit width."""
+def _parse_header(blob: bytes, shape_int32: bool, oc: int, ic: int) -> tuple[np.ndarray, int, int]:
+    """A record's header: its value map (int32, ascending), the bit width and where the packed
+    levels start."""
     if blob[0] != 2:
         raise ValueError(f"expected a 2-D shape header, found {blob[0]} dims")
     dim_dtype, dim_size = ("<u4", 4) if shape_int32 else ("<u2", 2)
@@ -71,8 +73,13 @@ def _parse_levels(blob: bytes, shape_int32: bool, oc: int, ic: int) -> tuple[np.
     packed_size = -(-bits * oc * ic // 8)
     if len(blob) - pos != packed_size:
         raise ValueError(f"record has {len(blob) - pos} packed bytes, {packed_size} expected")
-    index = _split_stream(np.frombuffer(blob, dtype=np.uint8, offset=pos), bits, oc * ic)
-    return table[index], bits
+    return table, bits, pos
+
+
+def _parse_levels(blob: bytes, shape_int32: bool, oc: int, ic: int) -> tuple[np.ndarray, int]:
+    """Header + packed levels -> signed levels [oc*ic] (int32) and the bit width."""
+    table, bits, pos = _parse_header(blob, shape_int32, oc, ic)
+    return table[_split_stream(np.frombuffer(blob, dtype=np.uint8, offset=pos), bits, oc * ic)], bits
 
 
 def _check_quant_flags(qp: dict, asym: bool, oc: int, nblocks: int) -> None:
@@ -94,8 +101,13 @@ def _alpha(alpha_raw: bytes, qp: dict) -> np.ndarray:
     return np.frombuffer(alpha_raw, dtype=alpha_dtype).astype(np.float32)
 
 
+#: levels decoded at a time: the bit stream is split into int32 columns, so a whole 262,144 x 2,560
+#: record at once would take 10 GiB beside its 2.7 GB of floats
+_CHUNK_VALUES = 1 << 22
+
+
 def _decode_quantized(blob: bytes, alpha_raw: bytes, qp: dict, oc: int, ic: int, strict: bool) -> np.ndarray:
-    levels, bits = _parse_levels(blob, bool(qp.get("shapeInt32", False)), oc, ic)
+    table, bits, pos = _parse_header(blob, bool(qp.get("shapeInt32", False)), oc, ic)
     if bits != int(qp.get("aMaxOrBits", bits)):
         raise ValueError(f"value map says {bits} bits, aMaxOrBits says {qp.get('aMaxOrBits')}")
     alpha = _alpha(alpha_raw, qp)
@@ -105,15 +117,27 @@ def _decode_quantized(blob: bytes, alpha_raw: bytes, qp: dict, oc: int, ic: int,
         raise ValueError(f"{alpha.size} alpha values do not fit a [{oc}, {ic}] weight")
     if strict:
         _check_quant_flags(qp, asym, oc, groups // oc)
-    grouped = levels.astype(np.float32).reshape(groups, -1)
     if asym:
         zero, scale = alpha[0::2].copy(), alpha[1::2]
         clamp_min = -128.0 if int(qp.get("aMin", 0)) == 0 else float(qp["aMin"])
         if clamp_min < 0:
             zero = zero - np.float32(clamp_min) * scale
-        out = grouped * scale[:, None] + zero[:, None]
     else:
-        out = grouped * alpha[:, None]
+        zero, scale = None, alpha
+    size = oc * ic // groups
+    packed = np.frombuffer(blob, dtype=np.uint8, offset=pos)
+    out = np.empty((groups, size), dtype=np.float32)
+    # chunks of whole groups whose first level starts on a byte (8 levels span ``bits`` bytes)
+    step = max(1, _CHUNK_VALUES // size) * (8 // math.gcd(8, size))
+    for first in range(0, groups, step):
+        last = min(first + step, groups)
+        begin = first * size * bits // 8
+        index = _split_stream(packed[begin: -(-last * size * bits // 8)], bits, (last - first) * size)
+        chunk = table[index].astype(np.float32).reshape(last - first, size)
+        chunk *= scale[first:last, None]
+        if zero is not None:
+            chunk += zero[first:last, None]
+        out[first:last] = chunk
     return out.reshape(oc, ic)
 
 

@@ -16,7 +16,7 @@ from torch import nn
 
 from llmexport.checkpoint import Checkpoint, LazyTensor
 from llmexport.models.tower_check import TowerCheck
-from llmexport.spec import ExpertTemplate, GraphInputs, LinearSource, LinearSpec, StoredWeights
+from llmexport.spec import ExpertTemplate, GraphInputs, LinearSource, LinearSpec, ReferenceTensors
 
 
 class Tower(abc.ABC):
@@ -147,11 +147,21 @@ class Architecture(abc.ABC):
 
     # --- reference -----------------------------------------------------------------------
     @abc.abstractmethod
-    def load_reference(self, stored: StoredWeights | None, trust_remote_code: bool = False) -> nn.Module:
+    def load_reference(self, stored: ReferenceTensors | None, trust_remote_code: bool = False) -> nn.Module:
         """The HF model in fp32, built from the checkpoint's safetensors (never a pickle);
-        ``stored`` replaces the checkpoint values with what the export wrote (the fair oracle for
-        the runtime). ``trust_remote_code`` is passed on to transformers."""
+        ``stored`` replaces the checkpoint values with its own (what the export wrote: the fair
+        oracle for the runtime). ``trust_remote_code`` is passed on to transformers."""
 
     @abc.abstractmethod
-    def reference_logits(self, model: nn.Module, ids: torch.Tensor) -> torch.Tensor:
-        """All-position logits [seq, vocab] of the reference for one prompt of token ids."""
+    def empty_reference(self, trust_remote_code: bool = False) -> nn.Module:
+        """The same HF model with its parameters on the meta device (llmexport/streamed_reference.py fills them)."""
+
+    @abc.abstractmethod
+    def reference_slot(self, tensor: str) -> tuple[str, tuple[Any, ...]]:
+        """Where a checkpoint tensor lives in the reference: the state-dict entry and the index
+        within it (``()``: all of it; transformers stacks some checkpoints' per-expert tensors)."""
+
+    @abc.abstractmethod
+    def reference_logits(self, model: nn.Module, ids: torch.Tensor, first: int = 0) -> torch.Tensor:
+        """Logits [seq - first, vocab] of the reference at the positions from ``first`` on, for one
+        prompt of token ids (the lm_head runs on those positions only)."""

@@ -19,7 +19,7 @@ from llmexport.checkpoint import LazyTensor
 from llmexport.input_files import TOKENIZER_LIMIT, read_bytes, read_optional_json
 from llmexport.models.base import Architecture
 from llmexport.models.tensor_checks import check_tensors
-from llmexport.spec import GraphInputs, LinearRole, LinearSource, LinearSpec, StoredWeights
+from llmexport.spec import UNTIED_HEAD, GraphInputs, LinearRole, LinearSource, LinearSpec, ReferenceTensors
 
 Shapes = dict[str, "tuple[int, ...] | None"]
 
@@ -199,44 +199,38 @@ class DecoderFamily(Architecture):
     def reference_kwargs(self, trust_remote_code: bool) -> dict[str, Any]:
         return {"attn_implementation": "eager"}
 
-    def load_reference(self, stored: StoredWeights | None, trust_remote_code: bool = False) -> nn.Module:
+    def load_reference(self, stored: ReferenceTensors | None, trust_remote_code: bool = False) -> nn.Module:
         model = self.checkpoint.from_pretrained(self.reference_loader(), dtype=torch.float32,
                                                 **self.reference_kwargs(trust_remote_code))
         model.eval()
-        if stored:
-            self.apply_stored(model, stored)
+        if stored is not None:
+            self.load_tensors(model, stored)
         return model
 
-    def stored_targets(self, stored: StoredWeights) -> list[tuple[str, int | None, torch.Tensor]]:
-        """(checkpoint tensor, expert row, value) for everything the export stored. A tied model
-        whose token table the export stored apart from the lm_head record (mnn/token_table.py)
-        gets both: the reference is untied first (``apply_stored``)."""
-        untie = self._stored_apart(stored)
-        targets = [(*(("lm_head.weight", None) if untie and name == "lm_head" else self.checkpoint_name(name)),
-                    value) for name, value in stored.linears.items()]
-        if stored.embedding is not None:
-            targets.append((self.embedding_name, None, stored.embedding))
-        return targets
+    def empty_reference(self, trust_remote_code: bool = False) -> nn.Module:
+        return self.checkpoint.empty_model(self.reference_loader(), dtype=torch.float32,
+                                           **self.reference_kwargs(trust_remote_code))
 
-    def _stored_apart(self, stored: StoredWeights) -> bool:
-        return self.tied_embedding and stored.embedding is not None
+    def reference_slot(self, tensor: str) -> tuple[str, tuple[Any, ...]]:
+        return tensor, ()
 
-    def reference_parameter(self, params: dict[str, nn.Parameter], tensor: str, row: int | None) -> torch.Tensor:
-        """The part of the reference's parameters that holds a checkpoint tensor (row)."""
-        param = params[tensor]
-        return param if row is None else param[row]
-
-    def apply_stored(self, model: nn.Module, stored: StoredWeights) -> None:
-        if self._stored_apart(stored):
+    def load_tensors(self, model: nn.Module, tensors: ReferenceTensors) -> None:
+        """Every tensor of ``tensors`` copied into the reference (its place: ``reference_slot``);
+        an untied head (``UNTIED_HEAD``) unties a tied model first."""
+        if UNTIED_HEAD in tensors and self.tied_embedding:
             untie_lm_head(model)
-        params = dict(model.named_parameters(remove_duplicate=False))
+        state = model.state_dict(keep_vars=True)
         with torch.no_grad():
-            for tensor, row, value in self.stored_targets(stored):
-                self.reference_parameter(params, tensor, row).copy_(value.float())
+            for tensor in tensors.names():
+                name, index = self.reference_slot(tensor)
+                if name not in state and tensor.endswith(self.ignored_suffixes):
+                    continue
+                state[name][index].copy_(tensors.read(tensor))
 
-    def reference_logits(self, model: nn.Module, ids: torch.Tensor) -> torch.Tensor:
+    def reference_logits(self, model: nn.Module, ids: torch.Tensor, first: int = 0) -> torch.Tensor:
         with torch.no_grad():
-            return model(input_ids=ids.view(1, -1), use_cache=False).logits[0].float()
+            return model(input_ids=ids.view(1, -1), use_cache=False,
+                         logits_to_keep=torch.arange(first, ids.numel())).logits[0].float()
 
 
 def untie_lm_head(model: Any) -> None:

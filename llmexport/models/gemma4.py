@@ -22,7 +22,7 @@ from llmexport.models.decoder import DecoderFamily, Shapes
 from llmexport.models.gemma4_args import SLIDING, Gemma4TextArgs, parse_text_args
 from llmexport.models.gemma4_graph import Expert, Gemma4TextGraph
 from llmexport.models.tensor_checks import count_limit, finite_lookup, require_stacked
-from llmexport.spec import ExpertTemplate, GraphInputs, LinearRole, LinearSpec, StoredWeights
+from llmexport.spec import ExpertTemplate, GraphInputs, LinearRole, LinearSpec
 
 log = logging.getLogger(__name__)
 
@@ -258,13 +258,7 @@ class Gemma4(DecoderFamily):
         return (transformers.Gemma4ForConditionalGeneration if self.checkpoint.model_type == "gemma4"
                 else transformers.Gemma4ForCausalLM)
 
-    def stored_targets(self, stored: StoredWeights) -> list[tuple[str, int | None, torch.Tensor]]:
-        targets = super().stored_targets(stored)
-        if stored.ple is not None:
-            targets.append((self.args.prefix + "embed_tokens_per_layer.weight", None, stored.ple))
-        return targets
-
-    def reference_logits(self, model: nn.Module, ids: torch.Tensor) -> torch.Tensor:
+    def reference_logits(self, model: nn.Module, ids: torch.Tensor, first: int = 0) -> torch.Tensor:
         """Logits of HF's text decoder + lm_head + softcapping for a text prompt.
 
         The decoder is called directly, not through ``Gemma4ForConditionalGeneration``: that
@@ -280,7 +274,7 @@ class Gemma4(DecoderFamily):
         keep = torch.arange(ids.shape[1])
         with torch.no_grad():
             hidden = decoder(input_ids=ids, use_cache=False, logits_to_keep=keep).last_hidden_state
-            logits = head(hidden)[0].float()
+            logits = head(hidden[:, first:])[0].float()
             if self.args.final_softcap:
                 logits = torch.tanh(logits / self.args.final_softcap) * self.args.final_softcap
         return logits

@@ -74,7 +74,7 @@ class FullModel:
     def ids(self) -> list[int]:
         return self.inputs["input_ids"][0].tolist()
 
-    def __call__(self, ids: list[int]) -> torch.Tensor:
+    def __call__(self, ids: list[int], first: int = 0) -> torch.Tensor:
         n = self.inputs["input_ids"].shape[1]
         if ids[:n] != self.ids:
             raise ValueError("ids must extend the prompt's ids")
@@ -87,7 +87,7 @@ class FullModel:
         with torch.no_grad():
             out = self.model(input_ids=torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
                              mm_token_type_ids=types.view(1, -1), use_cache=False,
-                             logits_to_keep=torch.arange(len(ids)), **media)
+                             logits_to_keep=torch.arange(first, len(ids)), **media)
         if "pixel_values" in self.media and self.encoded is None:
             self.encoded = {"image": out.image_outputs}
         return out.logits[0].float()

@@ -5,15 +5,13 @@ Qwen3 is the Llama layout with a per-head RMSNorm of q and k over head_dim befor
 windows are refused). Qwen3-MoE replaces the MLP of its sparse layers with a softmax router
 (``mlp.gate``; top-k, optionally renormalised, ``norm_topk_prob``) over SwiGLU experts, which
 run on MNN's MoE op. Checkpoints keep one tensor per expert; transformers stacks them into
-``experts.gate_up_proj`` / ``experts.down_proj``, which ``reference_parameter`` maps onto.
+``experts.gate_up_proj`` / ``experts.down_proj``, which ``reference_slot`` maps onto.
 """
 
 from __future__ import annotations
 
 import re
-
-import torch
-from torch import nn
+from typing import Any
 
 from llmexport.models import register
 from llmexport.models.plain_decoder import PlainDecoder
@@ -34,16 +32,16 @@ class Qwen3Moe(Qwen3):
     family = "Qwen3-MoE"
     config_class = "Qwen3MoeConfig"
 
-    def reference_parameter(self, params: dict[str, nn.Parameter], tensor: str, row: int | None) -> torch.Tensor:
+    def reference_slot(self, tensor: str) -> tuple[str, tuple[Any, ...]]:
         """An expert's gate/up rows of transformers' stacked ``gate_up_proj`` [E, 2 * width, hidden]
         (Qwen3MoeExperts: gate first), or its ``down_proj`` [E, hidden, width]."""
         m = _EXPERT.match(tensor)
         if m is None:
-            return super().reference_parameter(params, tensor, row)
+            return super().reference_slot(tensor)
         expert = int(m["e"])
         if m["w"] == "down":
-            return params[m["p"] + ".down_proj"][expert]
+            return m["p"] + ".down_proj", (expert,)
         assert self.args.moe is not None  # expert tensors exist only in MoE checkpoints
         width = self.args.moe.width
         rows = slice(0, width) if m["w"] == "gate" else slice(width, 2 * width)
-        return params[m["p"] + ".gate_up_proj"][expert, rows]
+        return m["p"] + ".gate_up_proj", (expert, rows)

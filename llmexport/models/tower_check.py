@@ -56,7 +56,8 @@ class PromptCase:
 
 
 #: all-position logits [seq, vocab] of a loaded HF model for a prompt's ids followed by generated ones
-PromptLogits = Callable[[list[int]], torch.Tensor]
+#: a prompt's logits [positions, vocab] for ids extending it, from a position on (``first``, default 0)
+PromptLogits = Callable[..., torch.Tensor]
 
 
 @dataclass(frozen=True)

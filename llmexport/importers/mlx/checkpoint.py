@@ -6,7 +6,7 @@ from typing import Any, Callable
 
 import torch
 
-from llmexport.checkpoint import Checkpoint
+from llmexport.checkpoint import Checkpoint, build_from_config
 from llmexport.errors import InputError
 from llmexport.importers.mlx.format import MLX_KEYS, MlxQuantConfig, mlx_quantization
 from llmexport.importers.mlx.weights import MlxWeights
@@ -29,16 +29,17 @@ class MlxCheckpoint(Checkpoint):
 
     def from_pretrained(self, loader: Any, **kwargs: Any) -> torch.nn.Module:
         """The HF model built from the config, carrying the dequantized tensors (fp32)."""
-        from transformers import AutoConfig
-
-        trust = bool(kwargs.get("trust_remote_code", False))
-        config = type(AutoConfig.from_pretrained(self.path, trust_remote_code=trust)).from_dict(self.config)
-        config._name_or_path = str(self.path)  # where remote code is found
-        if not hasattr(loader, "from_config"):  # a concrete model class, not an Auto class
-            kwargs.pop("trust_remote_code", None)
-        model = (loader.from_config if hasattr(loader, "from_config") else loader._from_config)(config, **kwargs)
+        model = build_from_config(loader, self.hf_config(bool(kwargs.get("trust_remote_code", False))), **kwargs)
         self._load_into(model)
         return model
+
+    def hf_config(self, trust_remote_code: bool = False) -> Any:
+        """The config without the MLX keys (and the parts mlx-lm dropped), as transformers' object."""
+        from transformers import AutoConfig
+
+        config = type(AutoConfig.from_pretrained(self.path, trust_remote_code=trust_remote_code)).from_dict(self.config)
+        config._name_or_path = str(self.path)  # where remote code is found
+        return config
 
     def _load_into(self, model: torch.nn.Module) -> None:
         state = model.state_dict(keep_vars=True)

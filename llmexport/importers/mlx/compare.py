@@ -8,17 +8,18 @@ import torch
 
 from llmexport.importers.mlx.format import stored_format
 from llmexport.importers.mlx.weights import MlxLazy, MlxWeights, tables_format
-from llmexport.spec import Prequantized, SourcedModel, StoredWeights, WeightStore
+from llmexport.spec import Prequantized, SourcedModel, StoredModel, WeightStore
 
 
-def compare_with_source(arch: SourcedModel, weights: WeightStore, stored: StoredWeights) -> dict[str, Any] | None:
+def compare_with_source(arch: SourcedModel, weights: WeightStore, stored: StoredModel) -> dict[str, Any] | None:
     """Verification evidence for pre-quantized (MLX) checkpoints: how many read-back linears and
     tables equal the source's fp32 values exactly, and how far the others moved (None when
     ``weights``, the checkpoint's store, is not an MLX one)."""
     if not isinstance(weights, MlxWeights):
         return None
     exact, changed = 0, {}
-    for name, value in sorted(stored.linears.items()):
+    for name in sorted(stored.text_linears()):
+        value = stored.linear(name)
         source = arch.linear_source(name)
         value_in_source = weights.stored(source.weight, source.expert)
         ref = value_in_source.dequantize() if isinstance(value_in_source, Prequantized) else value_in_source.float()
@@ -30,14 +31,10 @@ def compare_with_source(arch: SourcedModel, weights: WeightStore, stored: Stored
     tables = {}
     # The token table: the embedding rows, joined with the PLE rows where the model has them
     # (the MNN writer stores them as one table, reported under "embedding").
-    ple = arch.ple_table()
-    parts: list[tuple[Any, torch.Tensor]] = []
-    if stored.embedding is not None:
-        parts.append((arch.embedding_table(), stored.embedding))
-        if stored.ple is not None and ple is not None:
-            parts.append((ple, stored.ple))
-    if any(isinstance(lazy, MlxLazy) for lazy, _ in parts):
-        diff = max(float((lazy.read().float() - table).abs().max()) for lazy, table in parts)
-        tables["embedding"] = {"stored": tables_format(lazy for lazy, _ in parts), "exact": diff == 0.0,
+    lazies = {lazy.name: lazy for lazy in (arch.embedding_table(), arch.ple_table()) if lazy is not None}
+    names = stored.table_tensors()
+    if any(isinstance(lazies[name], MlxLazy) for name in names):
+        diff = max(float((lazies[name].read().float() - stored.read(name)).abs().max()) for name in names)
+        tables["embedding"] = {"stored": tables_format(lazies[name] for name in names), "exact": diff == 0.0,
                                "max_abs_diff": diff}
     return {"linears_exact": exact, "linears_changed": changed, "tables": tables}
