@@ -25,6 +25,10 @@ def export(path: str | os.PathLike, dst: str | os.PathLike, options: ExportOptio
     ``dst`` must not overlap ``path`` (nor be the current folder, one of its parents, the home or
     the root folder): that is refused before any work. The export is built beside ``dst`` and
     swapped in at the end; on any failure ``dst`` and its surroundings are left as they were.
+    An export (or verification) whose expected peak memory exceeds the available memory (or
+    ``options.max_memory``) raises ``ResourceError`` before any heavy stage. With ``verify`` and
+    ``keep_failed``, a verification that disagrees does not raise: the export is kept and the
+    result's ``verification.passed`` is False.
     """
     from llmexport.pipeline import run_export
     from llmexport.staging import StagedExport, resolve_destination

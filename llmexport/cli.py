@@ -12,7 +12,7 @@ import signal
 import sys
 import threading
 from contextlib import contextmanager
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NoReturn
 
 import click
 
@@ -65,6 +65,12 @@ def _configure_logging(quiet: bool) -> None:
                    "default: the template's own (Gemma4: off, an empty thought channel ends the generation prompt).")
 @click.option("--dry-run", "dry_run", is_flag=True, help="Print the plan (layers, schemes, size) and write nothing.")
 @click.option("--verify", is_flag=True, help="Run the export in MNN's runtime next to HF; fail on disagreement.")
+@click.option("--keep_failed", is_flag=True,
+              help="With --verify: keep the export even when the verification disagrees (verify.json records "
+                   "the failures; the exit code is still 4).")
+@click.option("--max_memory", type=float, default=None, metavar="GIB",
+              help="Memory the export (and --verify) may use, in GiB, instead of the machine's available memory, "
+                   "in the check that refuses a run that would not fit (exit 8).")
 @click.option("--trust_remote_code", is_flag=True,
               help="Allow --verify to run the checkpoint's own modeling code (families whose reference model is "
                    "remote code, such as k2_horizon).")
@@ -73,36 +79,52 @@ def _configure_logging(quiet: bool) -> None:
 def main(path: str, export_format: str, dst_path: str, quant_bit: int, quant_block: int, sym: bool, hqq: bool,
          quant_config: str | None, lm_quant_bit: int | None, lm_quant_block: int | None, embed_bit: int | None,
          visual_quant_bit: int, audio_quant_bit: int, requantize: bool, thread_num: int, runtime_profile: str,
-         chat_thinking: str, dry_run: bool, verify: bool, trust_remote_code: bool, quiet: bool) -> None:
+         chat_thinking: str, dry_run: bool, verify: bool, keep_failed: bool, max_memory: float | None,
+         trust_remote_code: bool, quiet: bool) -> None:
     """Export a HuggingFace LLM checkpoint to MNN (or ONNX), optionally verified."""
     _configure_logging(quiet)
-    from llmexport.errors import LlmExportError
+    from llmexport.errors import LlmExportError, ResourceError
 
     try:
         with _termination_as_interrupt():
             result = _run(path, dst_path, dry_run, export_format, quant_bit, quant_block, sym, hqq, quant_config,
                           lm_quant_bit, lm_quant_block, embed_bit, verify, quiet, thread_num, visual_quant_bit,
-                          audio_quant_bit, requantize, trust_remote_code, runtime_profile, chat_thinking)
+                          audio_quant_bit, requantize, trust_remote_code, runtime_profile, chat_thinking,
+                          keep_failed, max_memory)
     except LlmExportError as exc:
-        click.echo(f"llmexport: error: {exc}", err=True)
-        sys.exit(exc.exit_code)
+        _fail(str(exc), exc.exit_code)
     except KeyboardInterrupt as exc:
         signum = exc.signum if isinstance(exc, Terminated) else signal.SIGINT
         click.echo(f"llmexport: interrupted ({signal.Signals(signum).name}); the destination was left unchanged",
                    err=True)
         sys.exit(128 + signum)
-    except Exception as exc:  # an llmexport bug: say so in one line, keep the traceback in the log
+    except Exception as exc:  # out of memory outside a stage, else an llmexport bug: say so in one line
+        out_of_memory = ResourceError.out_of_memory(exc, "during the export")
+        if out_of_memory is not None:
+            _fail(str(out_of_memory), out_of_memory.exit_code)
         logging.getLogger("llmexport").debug("internal error", exc_info=True)
         click.echo(f"llmexport: internal error: {type(exc).__name__}: {exc}", err=True)
         sys.exit(EXIT_INTERNAL)
     if result is not None:
         _report(result, quiet)
-        if result.verify_error is not None:
-            from llmexport.errors import NotVerified
+        _exit_unverified(result)
 
-            click.echo(f"llmexport: error: exported to {result.dst}, but --verify could not run "
-                       f"({result.verify_error}); verify.json records it", err=True)
-            sys.exit(NotVerified.exit_code)
+
+def _fail(message: str, exit_code: int) -> NoReturn:
+    click.echo(f"llmexport: error: {message}", err=True)
+    sys.exit(exit_code)
+
+
+def _exit_unverified(result: ExportResult) -> None:
+    """Exit 7 (--verify could not run) or 4 (it disagreed, --keep_failed) for an export that was kept."""
+    from llmexport.errors import NotVerified, VerificationFailed
+
+    if result.verify_error is not None:
+        _fail(f"exported to {result.dst}, but --verify could not run ({result.verify_error}); verify.json "
+              "records it", NotVerified.exit_code)
+    if result.verification is not None and not result.verification.passed:
+        _fail(f"exported to {result.dst} (--keep_failed), but verification failed: "
+              f"{'; '.join(result.verification.failures)}; verify.json records it", VerificationFailed.exit_code)
 
 
 def _run(path, dst_path, dry_run, *flags):
@@ -112,8 +134,12 @@ def _run(path, dst_path, dry_run, *flags):
     options = _options(*flags)
     if dry_run:
         from llmexport.export_plan import plan_summary
+        from llmexport.memory_plan import fit_line
 
-        click.echo(plan_summary(plan(path, options)))
+        planned = plan(path, options)
+        click.echo(plan_summary(planned))
+        assert planned.memory is not None  # every plan estimates it
+        click.echo(fit_line(planned.memory, options.max_memory))
         return None
     return export(path, dst_path, options)
 
@@ -146,7 +172,8 @@ def _termination_as_interrupt():
 
 def _options(export_format, quant_bit, quant_block, sym, hqq, quant_config, lm_quant_bit, lm_quant_block,
              embed_bit, verify, quiet, thread_num, visual_quant_bit=16, audio_quant_bit=16, requantize=False,
-             trust_remote_code=False, runtime_profile="fast", chat_thinking="default"):
+             trust_remote_code=False, runtime_profile="fast", chat_thinking="default", keep_failed=False,
+             max_memory=None):
     from pathlib import Path
 
     from llmexport.errors import UsageError
@@ -164,7 +191,8 @@ def _options(export_format, quant_bit, quant_block, sym, hqq, quant_config, lm_q
                             verify=verify, quiet=quiet, thread_num=thread_num, visual_quant_bit=visual_quant_bit,
                             audio_quant_bit=audio_quant_bit, requantize=requantize,
                             trust_remote_code=trust_remote_code, runtime_profile=RuntimeProfile(runtime_profile),
-                            chat_thinking=ChatThinking(chat_thinking))
+                            chat_thinking=ChatThinking(chat_thinking), keep_failed=keep_failed,
+                            max_memory=max_memory)
     if quant_config is None:
         return options
     try:

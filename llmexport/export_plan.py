@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import math
@@ -9,6 +10,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
+from llmexport.memory_plan import memory_plan, summary_line
 from llmexport.models.base import Architecture
 from llmexport.options import ExportOptions
 from llmexport.quant.scheme import QuantMethod, QuantScheme
@@ -53,8 +55,9 @@ def export_plan(arch: Architecture, options: ExportOptions, sources: WeightSourc
         rows, dim = table.shape
         tables[name] = PlannedTable(rows, dim, choice.bits)
         total += table_bytes(rows, dim, choice.bits, choice.block)
-    return ExportPlan(ArchitectureSummary.from_json(arch.describe()), tuple(linears), tuple(adjusted), tables, total,
+    plan = ExportPlan(ArchitectureSummary.from_json(arch.describe()), tuple(linears), tuple(adjusted), tables, total,
                       sources.summary())
+    return dataclasses.replace(plan, memory=memory_plan(arch, options, plan))
 
 
 def plan_summary(plan: ExportPlan) -> str:
@@ -77,6 +80,8 @@ def plan_summary(plan: ExportPlan) -> str:
         lines.append(f"table {name}: {t.rows} x {t.dim} at {t.bits} bits")
     lines += _prequantized_lines(plan.prequantized)
     lines.append(f"estimated size: {plan.estimated_bytes / 2**20:.1f} MiB")
+    if plan.memory is not None:
+        lines.append(summary_line(plan.memory))
     return "\n".join(lines)
 
 

@@ -64,6 +64,11 @@ class ExportOptions:
 
     ``trust_remote_code`` lets ``verify`` run a checkpoint's own modeling code where the family's
     reference model is that code (K2-Horizon); without it such a verification is refused.
+
+    ``keep_failed`` keeps an export whose verification ran and disagreed (swapped into place,
+    ``verify.json`` holding the failures) instead of discarding it. ``max_memory`` (GiB) replaces
+    the machine's available memory in the check that refuses an export (or its verification)
+    whose estimated peak would not fit (llmexport.memory_plan).
     """
 
     export: ExportFormat = ExportFormat.MNN
@@ -82,9 +87,11 @@ class ExportOptions:
     trust_remote_code: bool = False
     runtime_profile: RuntimeProfile = RuntimeProfile.FAST
     chat_thinking: ChatThinking = ChatThinking.DEFAULT
+    keep_failed: bool = False
+    max_memory: float | None = None
 
-    #: fields that change how the export talks, never what it writes (left out of manifest.json)
-    PRESENTATION = ("quiet",)
+    #: fields that change how the export talks or runs, never what it writes (left out of manifest.json)
+    PRESENTATION = ("quiet", "keep_failed", "max_memory")
 
     def validate(self) -> "ExportOptions":
         for flag, scheme in (("--quant_bit/--quant_block", self.quant), ("--lm_quant_bit", self.lm_quant)):
@@ -105,6 +112,10 @@ class ExportOptions:
         if not isinstance(self.runtime_profile, RuntimeProfile):
             raise UsageError(f"--runtime_profile: {self.runtime_profile!r} is not one of "
                              f"{', '.join(p.value for p in RuntimeProfile)}")
+        if self.keep_failed and not self.verify:
+            raise UsageError("--keep_failed: keeps an export whose --verify disagreed; it needs --verify")
+        if self.max_memory is not None and not self.max_memory > 0:
+            raise UsageError(f"--max_memory: must be a positive number of GiB, got {self.max_memory}")
         if not isinstance(self.chat_thinking, ChatThinking):
             raise UsageError(f"--chat_thinking: {self.chat_thinking!r} is not one of "
                              f"{', '.join(t.value for t in ChatThinking)}")

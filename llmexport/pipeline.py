@@ -16,9 +16,10 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from llmexport.checkpoint import Checkpoint
-from llmexport.errors import ConversionError, InputError, OutputError, UsageError
+from llmexport.errors import ConversionError, InputError, OutputError, ResourceError, UsageError
 from llmexport.export_plan import export_plan, write_manifest
 from llmexport.loading import open_architecture
+from llmexport.memory_plan import check_fits
 from llmexport.mnn import config as mnn_config
 from llmexport.models.base import Architecture
 from llmexport.options import ExportFormat, ExportOptions
@@ -33,13 +34,19 @@ TRACE_SEQ_LEN = 3
 
 @contextmanager
 def _stage(timings: dict[str, float], name: str) -> Iterator[None]:
-    """Time a stage; an OSError inside a writing stage is the destination failing."""
+    """Time a stage; an OSError inside a writing stage is the destination failing, and memory
+    running out is a resource error that names the stage."""
     start = time.perf_counter()
     log.info("stage %s ...", name)
     try:
         yield
     except OSError as exc:
         raise OutputError(f"{name}: writing the export failed ({exc.strerror or exc})") from None
+    except (MemoryError, RuntimeError) as exc:
+        out_of_memory = ResourceError.out_of_memory(exc, f"during the {name} stage")
+        if out_of_memory is None:
+            raise
+        raise out_of_memory from None
     finally:
         timings[name] = round(time.perf_counter() - start, 3)
 
@@ -65,6 +72,8 @@ def run_export(path: Path, out: Path, options: ExportOptions) -> ExportResult:
     sources = WeightSources(arch, options)
     timings["load"] = round(time.perf_counter() - start, 3)
     plan = export_plan(arch, options, sources)
+    assert plan.memory is not None  # export_plan estimates it
+    check_fits(plan.memory, options.max_memory)  # before any heavy stage
     for adjusted in plan.adjusted_blocks:
         log.info("block %d does not divide %s (width %d): using %d", adjusted.requested, adjusted.name,
                  adjusted.in_features, adjusted.used)
@@ -83,19 +92,24 @@ def run_export(path: Path, out: Path, options: ExportOptions) -> ExportResult:
     return ExportResult(out, tuple(sorted(p.name for p in out.iterdir())), plan, timings, verification, verify_error)
 
 
-#: what stops a verification from running without saying anything about the export: resources,
-#: the runtime crashing or timing out on it (MNN's runtime runs in child processes)
+#: what stops a verification from running without saying anything about the export: resources
+#: (also torch's allocator failing: ResourceError.out_of_memory), the runtime crashing or timing out
+#: on it (MNN's runtime runs in child processes)
 _VERIFY_CANNOT_RUN = (MemoryError, ConversionError, subprocess.TimeoutExpired)
 
 
 def _verify(out: Path, path: Path, options: ExportOptions) -> tuple[VerifyReport | None, str | None]:
     """The verification report, or why it could not run: a finished export is never discarded
-    for that (verify.json records the reason); a verification that ran and disagreed raises."""
+    for that (verify.json records the reason); a verification that ran and disagreed raises,
+    unless ``keep_failed`` (then the failing report comes back and the export is kept)."""
     from llmexport.verification import verify_export
 
     try:
-        return verify_export(out, path, raise_on_failure=True, trust_remote_code=options.trust_remote_code), None
-    except _VERIFY_CANNOT_RUN as exc:
+        return verify_export(out, path, raise_on_failure=not options.keep_failed,
+                             trust_remote_code=options.trust_remote_code), None
+    except Exception as exc:
+        if not isinstance(exc, _VERIFY_CANNOT_RUN) and ResourceError.out_of_memory(exc, "") is None:
+            raise
         reason = f"{type(exc).__name__}: {exc}".strip().splitlines()[0]
         log.warning("verify could not run: %s", reason)
         (out / "verify.json").write_text(json.dumps({"ran": False, "error": reason, "passed": False}, indent=2))

@@ -105,10 +105,20 @@ class PlannedTable(_PlainFields):
 
 
 @dataclass(frozen=True)
+class MemoryPlan(_PlainFields):
+    """Expected peak resident memory, in bytes (llmexport.memory_plan): of the export, and of
+    ``--verify`` (None when the export is not verified)."""
+
+    export_bytes: int
+    verify_bytes: int | None = None
+
+
+@dataclass(frozen=True)
 class ExportPlan:
     """What an export writes (``--dry-run`` prints it): the architecture, each linear's scheme, the
     adjusted blocks, the tables and the exact size of the weight files; ``prequantized``: what a
-    pre-quantized (MLX) checkpoint keeps as stored (llmexport.weight_sources.WeightSources.summary)."""
+    pre-quantized (MLX) checkpoint keeps as stored (llmexport.weight_sources.WeightSources.summary);
+    ``memory``: the expected peak memory of the export and its verification."""
 
     architecture: ArchitectureSummary
     linears: tuple[PlannedLinear, ...]
@@ -116,14 +126,17 @@ class ExportPlan:
     tables: Mapping[str, PlannedTable]
     estimated_bytes: int
     prequantized: dict[str, Any] | None = None
+    memory: MemoryPlan | None = None
 
     @classmethod
     def from_json(cls, data: Mapping[str, Any]) -> ExportPlan:
+        memory = data.get("memory")
         return cls(ArchitectureSummary.from_json(data["architecture"]),
                    tuple(PlannedLinear.from_json(x) for x in data["linears"]),
                    tuple(AdjustedBlock.from_json(x) for x in data["adjusted_blocks"]),
                    {name: PlannedTable.from_json(t) for name, t in data["tables"].items()},
-                   data["estimated_bytes"], data.get("prequantized"))
+                   data["estimated_bytes"], data.get("prequantized"),
+                   None if memory is None else MemoryPlan.from_json(memory))
 
     def to_json(self) -> dict[str, Any]:
         out = {"architecture": self.architecture.to_json(), "linears": [x.to_json() for x in self.linears],
@@ -132,6 +145,8 @@ class ExportPlan:
                "estimated_bytes": self.estimated_bytes}
         if self.prequantized is not None:
             out["prequantized"] = self.prequantized
+        if self.memory is not None:
+            out["memory"] = self.memory.to_json()
         return out
 
 

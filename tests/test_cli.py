@@ -83,6 +83,9 @@ def test_unsupported_model_type_lists_supported(tiny_gemma4, tmp_path, old_dst):
     (["--quant_bit", "5"], "--quant_bit"),
     (["--quant_block", "48"], "--quant_block"),
     (["--embed_bit", "2"], "--embed_bit"),
+    (["--keep_failed"], "--keep_failed: keeps an export whose --verify disagreed; it needs --verify"),
+    (["--max_memory", "0"], "--max_memory: must be a positive number of GiB"),
+    (["--max_memory", "nan"], "--max_memory: must be a positive number of GiB"),
 ])
 def test_invalid_options_are_usage_errors(tiny_gemma4, old_dst, flags, needle):
     result = _run("--path", str(tiny_gemma4("31b")), "--dst_path", str(old_dst), *flags)

@@ -117,7 +117,7 @@ def test_rules_cover_the_lower_layers():
     """Every module below the entry points and verification has a rule: a new subpackage must say
     where it stands."""
     upper = ("llmexport", "llmexport.cli", "llmexport.api", "llmexport.pipeline", "llmexport.export_plan",
-             "llmexport.loading", "llmexport.weight_sources", "llmexport.streamed_reference",
+             "llmexport.memory_plan", "llmexport.loading", "llmexport.weight_sources", "llmexport.streamed_reference",
              "llmexport.verification", "llmexport.verification_media", "llmexport.verification_towers",
              "llmexport.results", "llmexport.onnx_export", "llmexport.eager", "llmexport.staging",
              "llmexport.progress", "llmexport.run_cli")

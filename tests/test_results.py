@@ -28,6 +28,7 @@ from llmexport.results import (
     ConversationTurn,
     ExportPlan,
     LogitStats,
+    MemoryPlan,
     PlannedLinear,
     PlannedTable,
     RunComparison,
@@ -44,7 +45,7 @@ REPORT_KEYS = ["prompt_tokens", "steps", "tokenizer", "runtime_profile", "oracle
                "[prequantized]", "[exact_kernels]", "[conversation]", "bounds", "failures", "passed"]
 RUN_KEYS = ["greedy_ref", "greedy_mnn", "greedy_match", "top1_agreement", "max_abs_err", "mean_abs_err", "per_step"]
 STEP_KEYS = ["max_abs_err", "mean_abs_err", "ref_top2_margin", "top1_match", "mnn_top1", "ref_top1"]
-PLAN_KEYS = ["architecture", "linears", "adjusted_blocks", "tables", "estimated_bytes", "[prequantized]"]
+PLAN_KEYS = ["architecture", "linears", "adjusted_blocks", "tables", "estimated_bytes", "[prequantized]", "[memory]"]
 LINEAR_KEYS = ["name", "role", "shape", "bits", "block", "sym", "method"]
 
 floats = st.floats(allow_nan=False, allow_infinity=False)
@@ -95,7 +96,7 @@ plans = st.builds(
              max_size=4).map(tuple),
     st.lists(st.builds(AdjustedBlock, names, small, small, small), max_size=2).map(tuple),
     st.dictionaries(names, st.builds(PlannedTable, small, small, st.sampled_from([4, 8, 16])), max_size=2),
-    small, st.none() | prequantized)
+    small, st.none() | prequantized, st.none() | st.builds(MemoryPlan, small, st.none() | small))
 
 
 def _plain_json(value) -> bool:
@@ -241,7 +242,8 @@ def test_every_family_plan_round_trips_and_the_dry_run_prints_it(family_checkpoi
     result = CliRunner().invoke(main, ["--path", str(path), "--dst_path", "unused", "--dry-run", "--quant_bit",
                                        str(bits), "--quant_block", "32"])
     assert result.exit_code == 0, result.output
-    assert result.stdout == plan_summary(plan) + "\n"
+    summary, fit = result.stdout.rstrip("\n").rsplit("\n", 1)
+    assert summary == plan_summary(plan) and fit.startswith("memory: ")  # the plan, then whether it fits here
 
 
 def test_the_api_re_exports_the_results_and_the_pipeline_does_not_import_the_api():

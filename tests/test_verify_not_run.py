@@ -2,7 +2,8 @@
 
 Out of memory, a crashed or hung runtime child: the export is swapped into --dst_path all the
 same, verify.json says why nothing was verified, and the exit code (7) says "exported, not
-verified" -- distinct from a verification that ran and disagreed (4, the export discarded).
+verified" -- distinct from a verification that ran and disagreed (4, the export discarded, or
+kept with --keep_failed).
 """
 
 from __future__ import annotations
@@ -16,7 +17,8 @@ from click.testing import CliRunner
 import llmexport.verification as verification
 from llmexport.cli import main
 from llmexport.errors import ConversionError, NotVerified, VerificationFailed
-from llmexport.results import VerifyReport
+from llmexport.options import RuntimeProfile
+from llmexport.results import Bounds, LogitStats, RunComparison, StepStats, TokenizerCheck, VerifyReport
 
 
 def _raiser(exc: BaseException):
@@ -54,3 +56,39 @@ def test_a_verification_that_disagrees_still_discards_the_export(tiny_decoder, t
                                        "--quant_bit", "16", "--verify"])
     assert result.exit_code == 4 and "verification failed" in result.output
     assert not dst.exists()
+
+
+_FAILURE = "step 0: top-1 3 != 4 (margin 0.5000)"
+
+
+def _disagreeing(export_dir, model_path, raise_on_failure=False, **kwargs) -> VerifyReport:
+    """verify_export whose verification ran and disagreed: verify.json written, then raised unless
+    the caller keeps the report (``raise_on_failure=False``)."""
+    step = StepStats(1.5, 0.5, 0.5, False, 3, 4)
+    stats = LogitStats(0.0, 1.5, 0.5, (step,))
+    report = VerifyReport(40, 1, TokenizerCheck(True, 7, ()), RuntimeProfile.EXACT, RunComparison.of(stats, [4], [3]),
+                          stats, Bounds("exact", 0.2), (_FAILURE,))
+    (export_dir / "verify.json").write_text(json.dumps(report.to_json(), indent=2))
+    if raise_on_failure:
+        raise VerificationFailed(f"{export_dir}: verification failed: {_FAILURE}")
+    return report
+
+
+@pytest.mark.parametrize("keep", [False, True])
+def test_keep_failed_keeps_an_export_whose_verification_disagreed(tiny_decoder, tmp_path, monkeypatch, keep):
+    monkeypatch.setattr(verification, "verify_export", _disagreeing)
+    dst = tmp_path / "out"
+    result = CliRunner().invoke(main, ["--path", str(tiny_decoder("llama3")), "--dst_path", str(dst),
+                                       "--quant_bit", "16", "--verify"] + (["--keep_failed"] if keep else []))
+    assert result.exit_code == VerificationFailed.exit_code == 4, result.output
+    assert _FAILURE in result.output
+    if not keep:
+        assert not dst.exists() and list(tmp_path.iterdir()) == []
+        return
+    assert f"exported to {dst} (--keep_failed), but verification failed: {_FAILURE}" in result.output
+    kept = {p.name for p in dst.iterdir()}
+    assert {"llm.mnn", "llm.mnn.weight", "config.json", "manifest.json", "verify.json"} <= kept
+    report = VerifyReport.read(dst / "verify.json")
+    assert not report.passed and report.failures == (_FAILURE,)
+    assert json.loads((dst / "verify.json").read_text())["passed"] is False
+    assert "verify.json" in json.loads((dst / "manifest.json").read_text())["files"]

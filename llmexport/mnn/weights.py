@@ -153,6 +153,15 @@ def finite_fp16(values: np.ndarray) -> bool:
     return not bool(np.any((values.view(np.uint16) & 0x7C00) == 0x7C00))
 
 
+def _fp16_bytes(rows: torch.Tensor) -> bytes:
+    """An fp16 record's bytes for some rows (written a slice at a time: a whole 262144-row lm_head
+    converted at once held three copies of it beside the checkpoint's)."""
+    fp16 = rows.detach().to(torch.float16).cpu().numpy().astype("<f2", copy=False)
+    if not finite_fp16(fp16):
+        raise NonFiniteError("weight contains NaN or Inf, or values beyond fp16's range (65504)")
+    return fp16.tobytes()
+
+
 def _row_slices(oc: int, ic: int) -> Iterator[slice]:
     """Slices of about ``_CHUNK_ELEMENTS`` values, a multiple of 8 rows each (whole bytes at any width)."""
     step = max(8, (_CHUNK_ELEMENTS // max(ic, 1)) // 8 * 8)
@@ -209,10 +218,8 @@ class WeightFileWriter:
         oc, ic = (int(d) for d in weight.shape)
         start = self.offset
         if scheme.is_fp16:
-            fp16 = weight.detach().to(torch.float16).cpu().numpy().astype("<f2")
-            if not finite_fp16(fp16):
-                raise NonFiniteError("weight contains NaN or Inf, or values beyond fp16's range (65504)")
-            header_bytes, weight_bytes, alpha_bytes, block = 0, self._write(fp16.tobytes()), 0, 0
+            header_bytes, alpha_bytes, block = 0, 0, 0
+            weight_bytes = sum(self._write(_fp16_bytes(weight[rows])) for rows in _row_slices(oc, ic))
         else:
             header_bytes, weight_bytes, alpha_bytes, block = self._write_quantized(weight, scheme, quantizer)
         bias_bytes = self._write_bias(bias, oc)

@@ -1,0 +1,178 @@
+"""Expected peak resident memory of an export and of its verification, from the plan.
+
+Every figure is an upper bound calibrated on measured peaks: the resident memory of the export's
+process tree, sampled every 10 ms (``bench/memory.py``; MNN 3.6.1, torch 2.13, a 2-core x86
+machine, so 2 quantization workers; docs/memory.md has the table). ``--quant_bit 4 --embed_bit 4``
+unless said; measured -> estimated, MiB:
+
+  tiny checkpoints (vocab 512)              322-367 -> 409-418  (llama 367, qwen3_moe 323, k2 322, gemma4 328)
+  E2B-shaped, 4 layers, vocab 32768         682 -> 824 (tables stage); --hqq 818 -> 904
+  E2B-shaped, 12 layers (/work/ckpt/e2b-12) 1248 -> 1372; --quant_bit 16: 1207 (3124 before fp16 records
+                                            were written a row slice at a time) -> 1372
+  E2B-shaped, 35 layers                     1244 -> 1418
+  E4B-shaped, 4 layers                      1767 -> 1882
+  E4B-shaped, 42 layers (13.9 GiB)          1830 -> 1958  (issue 23 reported 1.83 GiB)
+  --export onnx, E2B-shaped 2 / 4 layers, vocab 32768 (124.5M / 194.2M linear weights), tiny llama:
+                                            2328 / 3484 / 344 -> 2641 / 3896 / 403
+
+What is held at once (llmexport/pipeline.py and the writers it calls):
+
+* the process (``_process_bytes``): interpreter, torch, transformers, onnx, MNN and the
+  converter's child (``BASE``), the tokenizer converted in memory (``PER_VOCAB``, about 100 MiB
+  at 262,144 ids) and the traced graph with its MNN JSON (``PER_LAYER``): 470-490 MiB before
+  the weights stage at 4-35 layers, 550 MiB at 42;
+* the weights stage (mnn/rebuild.py, mnn/weights.py): one linear as read from the checkpoint
+  (a tied 262,144-row lm_head: 768 MiB in bf16 at E2B's width, 1280 MiB at E4B's) while the
+  next one is read ahead, and a row slice in work on each quantization worker
+  (quant/workers.py; ``SLICE_BYTES_PER_VALUE``: HQQ iterates in fp32 on its slice);
+* the tables stage (mnn/embeddings.py, mnn/token_table.py): a 64 MiB fp32 chunk of the token
+  table in work, on top of the freed heap that glibc keeps for reuse (quant/workers.py sets
+  ``M_TRIM_THRESHOLD`` to 512 MiB: after the weights stage the process stays at 780-950 MiB);
+* ``--export onnx``: every linear bound to the graph as an fp32 copy, and torch.onnx's
+  serialized model beside it: 16.6-16.7 bytes per weight measured (``ONNX_BYTES_PER_WEIGHT``).
+
+``--verify`` runs in the export's process after the export (what that still holds: at most the
+process and the kept heap), with the streamed HF references (llmexport.streamed_reference) and
+MNN's runtime in a child process (llmexport/mnn/runtime.py) beside them. The runtime dequantizes
+every linear to fp32 at load on its exact kernels, which verification runs for every quantized
+export (fp16 records are widened the same way on a CPU without fp16 arithmetic): its peak was
+10.1 bytes per linear weight on the 12-layer E2B-shaped export (10,148 MiB for 1005M weights, a
+520-token prompt; llm.mnn.weight is 566 MiB), 9.9 on the 4-layer 32k-vocabulary one at 4 bits,
+9.8 at 16 bits; the fast kernels alone peak at 2.3-2.5 (2294 MiB on the 12-layer one). Prompt
+length adds 0.15-0.25 MiB per token. ``RUNTIME_BYTES_PER_WEIGHT`` = 11.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from llmexport.errors import ResourceError
+from llmexport.models.base import Architecture
+from llmexport.options import ExportFormat, ExportOptions
+from llmexport.quant.scheme import QuantMethod
+from llmexport.quant.workers import worker_count
+from llmexport.results import ExportPlan, MemoryPlan
+from llmexport.streamed_reference import reference_footprint
+
+MIB, GIB = 1 << 20, 1 << 30
+BASE = 400 * MIB
+PER_VOCAB = 512
+PER_LAYER = 2 * MIB
+SLICE_VALUES = 1 << 20  # values one quantization worker takes at a time (mnn/weights.py, mnn/embeddings.py)
+#: working bytes per value of the slice on each quantization worker (RTN works in cache-sized tiles)
+SLICE_BYTES_PER_VALUE = {QuantMethod.RTN: 8, QuantMethod.STORED: 8, QuantMethod.HQQ: 48}
+TABLE_CHUNK = 64 * MIB  # fp32 rows of the token table in work (mnn/token_table.py)
+KEPT_HEAP = 512 * MIB  # glibc's M_TRIM_THRESHOLD as quant/workers.py sets it
+ONNX_BYTES_PER_WEIGHT = 18
+RUNTIME_BASE = 64 * MIB  # the runtime child of a tiny export: 38-44 MiB
+RUNTIME_BYTES_PER_WEIGHT = 11
+
+
+def memory_plan(arch: Architecture, options: ExportOptions, plan: ExportPlan) -> MemoryPlan:
+    export = export_peak_bytes(arch, options, plan)
+    if not (options.verify and options.export is ExportFormat.MNN):
+        return MemoryPlan(export)
+    kept = min(export, _process_bytes(plan) + KEPT_HEAP)  # what the process still holds after the export
+    return MemoryPlan(export, kept + verify_peak_bytes(arch, plan, options.trust_remote_code))
+
+
+def export_peak_bytes(arch: Architecture, options: ExportOptions, plan: ExportPlan) -> int:
+    """The export process (and the converter's child beside it) at its peak."""
+    if options.export is ExportFormat.ONNX:
+        return BASE + ONNX_BYTES_PER_WEIGHT * _linear_weights(plan)
+    read = sorted((_source_bytes(arch, linear.name, linear.out_features * linear.in_features)
+                   for linear in plan.linears), reverse=True)
+    largest = max((linear.out_features * linear.in_features for linear in plan.linears), default=0)
+    per_value = max((SLICE_BYTES_PER_VALUE[linear.method] for linear in plan.linears), default=0)
+    work = worker_count() * min(SLICE_VALUES, largest) * per_value
+    table = sum(4 * t.rows * t.dim for t in plan.tables.values())
+    return _process_bytes(plan) + work + max(sum(read[:2]), min(table, KEPT_HEAP) + min(table, TABLE_CHUNK))
+
+
+def verify_peak_bytes(arch: Architecture, plan: ExportPlan, trust_remote_code: bool) -> int:
+    """What ``--verify`` adds to the process: the streamed HF references, and MNN's runtime child
+    beside them."""
+    return reference_footprint(arch, trust_remote_code) + runtime_peak_bytes(plan)
+
+
+def runtime_peak_bytes(plan: ExportPlan) -> int:
+    """MNN's runtime child on the export's exact kernels (weights dequantized to fp32 at load)."""
+    return RUNTIME_BASE + RUNTIME_BYTES_PER_WEIGHT * _linear_weights(plan)
+
+
+def _process_bytes(plan: ExportPlan) -> int:
+    """The export's process before its weights: libraries, tokenizer, graph."""
+    return BASE + PER_VOCAB * plan.architecture.vocab_size + PER_LAYER * plan.architecture.layers
+
+
+def _linear_weights(plan: ExportPlan) -> int:
+    return sum(linear.out_features * linear.in_features for linear in plan.linears)
+
+
+def _source_bytes(arch: Architecture, name: str, values: int) -> int:
+    """Bytes of one linear as read from the checkpoint (an MLX-quantized one: dequantized, fp32)."""
+    try:
+        dtype = arch.checkpoint.weights.dtype(arch.linear_source(name).weight)
+    except NotImplementedError:
+        return 4 * values
+    return dtype.itemsize * values
+
+
+# --- the check -------------------------------------------------------------------------------------
+def memory_limit(max_memory: float | None) -> tuple[int, str]:
+    """The memory an export may use, and where that figure comes from."""
+    if max_memory is not None:
+        return int(max_memory * GIB), "allowed by --max_memory"
+    return available_bytes(), "available"
+
+
+def available_bytes() -> int:
+    """Memory available to this process now: the machine's (psutil), or less under the memory
+    limit of the cgroup (v2) this process runs in, as a container sets it."""
+    import psutil
+
+    available = int(psutil.virtual_memory().available)
+    cgroup = Path("/sys/fs/cgroup")
+    try:
+        limit = (cgroup / "memory.max").read_text().strip()
+        if limit != "max":
+            available = min(available, int(limit) - int((cgroup / "memory.current").read_text()))
+    except (OSError, ValueError):
+        pass
+    return max(0, available)
+
+
+def refusal(memory: MemoryPlan, limit: int, label: str) -> str | None:
+    """Why an export with this plan would be refused under ``limit`` bytes; None when it fits."""
+    if memory.export_bytes > limit:
+        what, advice = f"the export needs about {gib(memory.export_bytes)}", "free memory or run on a larger machine"
+    elif memory.verify_bytes is not None and memory.verify_bytes > limit:
+        what, advice = f"--verify needs about {gib(memory.verify_bytes)}", "run without --verify or on a larger machine"
+    else:
+        return None
+    return f"{what} of memory, {gib(limit)} {label}; {advice} (--max_memory GIB overrides the check)"
+
+
+def check_fits(memory: MemoryPlan, max_memory: float | None) -> None:
+    """Refuse, before any heavy stage, an export or verification that would not fit in memory."""
+    reason = refusal(memory, *memory_limit(max_memory))
+    if reason is not None:
+        raise ResourceError(reason)
+
+
+def gib(value: int) -> str:
+    return f"{value / GIB:.1f} GiB"
+
+
+def summary_line(memory: MemoryPlan) -> str:
+    """The plan's expected peaks, as ``--dry-run`` prints them."""
+    verify = "" if memory.verify_bytes is None else f", --verify {gib(memory.verify_bytes)}"
+    return f"expected peak memory: export {gib(memory.export_bytes)}{verify}"
+
+
+def fit_line(memory: MemoryPlan, max_memory: float | None) -> str:
+    """Whether the planned export fits here (``--dry-run``): the limit and the verdict."""
+    limit, label = memory_limit(max_memory)
+    reason = refusal(memory, limit, label)
+    return f"memory: {gib(limit)} {label}; " + ("fits" if reason is None else f"would be refused: {reason}")
+
