@@ -119,6 +119,24 @@ def test_writer_reader_matches_dequantize(bits: int, block: int, sym: bool, ic: 
     assert torch.equal(bias, b)
 
 
+@pytest.mark.parametrize("bits", BITS)
+@pytest.mark.parametrize("chunk", [1, 7, 96, 1000])
+def test_decoding_in_chunks_of_groups_changes_nothing(monkeypatch, bits: int, chunk: int) -> None:
+    """The reader decodes a record a few groups at a time (a 262,144-row lm_head whole would take
+    10 GiB of bit columns): every chunking gives the values of one pass, for odd group sizes too."""
+    import llmexport.mnn.weight_reader as reader
+
+    torch.manual_seed(bits * chunk)
+    oc, ic = 9, 96
+    for block, sym in ((32, False), (64, True), (0, False)):  # 64 into 96 columns: the block is narrowed
+        data, rec = _write(torch.randn(oc, ic), None, QuantScheme(bits=bits, block=block, sym=sym))
+        whole, _ = read_linear(data, rec.external(), rec.quan_parameter(), oc, ic)
+        monkeypatch.setattr(reader, "_CHUNK_VALUES", chunk)
+        chunked, _ = read_linear(data, rec.external(), rec.quan_parameter(), oc, ic)
+        monkeypatch.undo()
+        assert torch.equal(chunked, whole)
+
+
 def test_records_follow_each_other_in_one_file(tmp_path) -> None:
     path = tmp_path / "llm.mnn.weight"
     torch.manual_seed(1)

@@ -130,7 +130,7 @@ class StoredTensors:
         if self._columns and any(record == "lm_head" for record, _ in self._parts.get(embedding, [])):
             self._head = "lm_head"
             del self._parts[embedding]
-        self._cached: tuple[str, tuple[torch.Tensor, torch.Tensor | None]] | None = None
+        self._biases_read: dict[str, torch.Tensor | None] = {}
 
     # --- ReferenceTensors ---------------------------------------------------------------------------
     def names(self) -> list[str]:
@@ -155,7 +155,7 @@ class StoredTensors:
         if name in self._parts:
             return self._assemble(name)
         if name in self._biases:
-            bias = self._decoded(self._biases[name])[1]
+            bias = self._bias(self._biases[name])
             if bias is None:
                 raise ValueError(f"record {self._biases[name]!r} has no bias")
             return bias
@@ -192,11 +192,12 @@ class StoredTensors:
         return next(iter(self._columns))
 
     def _decoded(self, record: str) -> tuple[torch.Tensor, torch.Tensor | None]:
-        # a weight and its bias are asked for one after the other: decode the record once
-        if self._cached is None or self._cached[0] != record:
-            self._cached = None  # free the previous one first
-            self._cached = (record, self.records[record].read())
-        return self._cached[1]
+        weight, bias = self.records[record].read()
+        self._biases_read[record] = bias  # small; asked for beside the weight: kept, not decoded again
+        return weight, bias
+
+    def _bias(self, record: str) -> torch.Tensor | None:
+        return self._biases_read[record] if record in self._biases_read else self._decoded(record)[1]
 
     def _assemble(self, name: str) -> torch.Tensor:
         """One checkpoint tensor from its records: a plain linear, or experts stacked on axis 0."""

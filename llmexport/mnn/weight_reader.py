@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import math
 import os
-from typing import Optional, Union
+from typing import Callable, Optional, Union
 
 import numpy as np
 import torch
@@ -48,7 +48,13 @@ def _bits_from_count(count: int) -> int:
 
 
 def _split_stream(raw: np.ndarray, bits: int, count: int) -> np.ndarray:
-    """MSB-first bit stream -> ``count`` unsigned indices, bit by bit."""
+    """MSB-first bit stream -> ``count`` unsigned indices: byte by byte when ``bits`` divides 8 (the
+    first index in the high bits), else bit by bit (the same stream, read the slow way)."""
+    if 8 % bits == 0:
+        per_byte = 8 // bits
+        shifts = np.arange(8 - bits, -1, -bits, dtype=np.uint8)
+        wanted = raw[: -(-count // per_byte)]
+        return ((wanted[:, None] >> shifts) & np.uint8((1 << bits) - 1)).reshape(-1)[:count]
     stream = np.unpackbits(raw)[: count * bits].reshape(count, bits).astype(np.int32)
     index = np.zeros(count, dtype=np.int32)
     for column in range(bits):
@@ -106,6 +112,18 @@ def _alpha(alpha_raw: bytes, qp: dict) -> np.ndarray:
 _CHUNK_VALUES = 1 << 22
 
 
+def _level_decoder(table: np.ndarray, bits: int) -> Callable[[np.ndarray, int], np.ndarray]:
+    """Packed bytes -> the first ``count`` levels as floats (``table``: the value map). Where ``bits``
+    divides 8 each byte holds whole levels: one lookup per byte in a 256-row table of their values
+    (MSB first), several times faster than splitting the bit stream."""
+    if 8 % bits:
+        return lambda raw, count: table[_split_stream(raw, bits, count)].astype(np.float32)
+    per_byte = 8 // bits
+    every_byte = np.arange(256, dtype=np.uint8)
+    by_byte = table.astype(np.float32)[_split_stream(every_byte, bits, 256 * per_byte)].reshape(256, per_byte)
+    return lambda raw, count: by_byte[raw[: -(-count // per_byte)]].reshape(-1)[:count]
+
+
 def _decode_quantized(blob: bytes, alpha_raw: bytes, qp: dict, oc: int, ic: int, strict: bool) -> np.ndarray:
     table, bits, pos = _parse_header(blob, bool(qp.get("shapeInt32", False)), oc, ic)
     if bits != int(qp.get("aMaxOrBits", bits)):
@@ -127,13 +145,13 @@ def _decode_quantized(blob: bytes, alpha_raw: bytes, qp: dict, oc: int, ic: int,
     size = oc * ic // groups
     packed = np.frombuffer(blob, dtype=np.uint8, offset=pos)
     out = np.empty((groups, size), dtype=np.float32)
+    decode = _level_decoder(table, bits)
     # chunks of whole groups whose first level starts on a byte (8 levels span ``bits`` bytes)
     step = max(1, _CHUNK_VALUES // size) * (8 // math.gcd(8, size))
     for first in range(0, groups, step):
         last = min(first + step, groups)
         begin = first * size * bits // 8
-        index = _split_stream(packed[begin: -(-last * size * bits // 8)], bits, (last - first) * size)
-        chunk = table[index].astype(np.float32).reshape(last - first, size)
+        chunk = decode(packed[begin: -(-last * size * bits // 8)], (last - first) * size).reshape(last - first, size)
         chunk *= scale[first:last, None]
         if zero is not None:
             chunk += zero[first:last, None]
