@@ -32,14 +32,12 @@ What is held at once (llmexport/pipeline.py and the writers it calls):
   serialized model beside it: 16.6-16.7 bytes per weight measured (``ONNX_BYTES_PER_WEIGHT``).
 
 ``--verify`` runs in the export's process after the export (what that still holds: at most the
-process and the kept heap), with the streamed HF references (llmexport.streamed_reference) and
-MNN's runtime in a child process (llmexport/mnn/runtime.py) beside them. The runtime dequantizes
-every linear to fp32 at load on its exact kernels, which verification runs for every quantized
-export (fp16 records are widened the same way on a CPU without fp16 arithmetic): its peak was
-10.1 bytes per linear weight on the 12-layer E2B-shaped export (10,148 MiB for 1005M weights, a
-520-token prompt; llm.mnn.weight is 566 MiB), 9.9 on the 4-layer 32k-vocabulary one at 4 bits,
-9.8 at 16 bits; the fast kernels alone peak at 2.3-2.5 (2294 MiB on the 12-layer one). Prompt
-length adds 0.15-0.25 MiB per token. ``RUNTIME_BYTES_PER_WEIGHT`` = 11.
+process and the kept heap), with the two streamed HF references (llmexport.streamed_reference:
+their small parameters between calls, a block and the logits during one) and MNN's runtime in a
+child process (llmexport/mnn/runtime.py) beside them, one runtime at a time (``runtime_bytes``).
+The runtime dequantizes every linear to fp32 at load on its exact kernels (fp16 records are widened
+the same way on every profile); the exact-kernels run of a fast quantized export is optional:
+verification skips it where it does not fit, and says so (``MemoryPlan.exact_kernels_bytes``).
 """
 
 from __future__ import annotations
@@ -48,7 +46,7 @@ from pathlib import Path
 
 from llmexport.errors import ResourceError
 from llmexport.models.base import Architecture
-from llmexport.options import ExportFormat, ExportOptions
+from llmexport.options import ExportFormat, ExportOptions, RuntimeProfile
 from llmexport.quant.scheme import QuantMethod
 from llmexport.quant.workers import worker_count
 from llmexport.results import ExportPlan, MemoryPlan
@@ -64,8 +62,17 @@ SLICE_BYTES_PER_VALUE = {QuantMethod.RTN: 8, QuantMethod.STORED: 8, QuantMethod.
 TABLE_CHUNK = 64 * MIB  # fp32 rows of the token table in work (mnn/token_table.py)
 KEPT_HEAP = 512 * MIB  # glibc's M_TRIM_THRESHOLD as quant/workers.py sets it
 ONNX_BYTES_PER_WEIGHT = 18
-RUNTIME_BASE = 64 * MIB  # the runtime child of a tiny export: 38-44 MiB
-RUNTIME_BYTES_PER_WEIGHT = 11
+#: MNN's runtime child as verification runs it (520-token prompt, measured with bench/memory.py
+#: --runtime): on its exact kernels (``memory: normal``) every linear is dequantized to fp32 at load,
+#: beside the weight file it read: E4B-shaped 42 layers at 4 bits (4665M linear weights,
+#: llm.mnn.weight 2.5 GiB) 20.5 GiB, E2B-shaped 12 layers (1054M, 0.57 GiB) 5.65 GiB, tiny (vocab
+#: 512) 44 MiB. The fast kernels keep the integers: 4.05, 1.27 GiB and 38 MiB, about 1.5x the weight
+#: file. Both grow with the vocabulary besides (a base per token id, fitted on the two 262,144-id ones).
+RUNTIME_BASE = 64 * MIB
+EXACT_BYTES_PER_WEIGHT = 4
+EXACT_BYTES_PER_ID = 5 << 10
+FAST_FILE_FACTOR = 1.5
+FAST_BYTES_PER_ID = 1600
 
 
 def memory_plan(arch: Architecture, options: ExportOptions, plan: ExportPlan) -> MemoryPlan:
@@ -73,7 +80,16 @@ def memory_plan(arch: Architecture, options: ExportOptions, plan: ExportPlan) ->
     if not (options.verify and options.export is ExportFormat.MNN):
         return MemoryPlan(export)
     kept = min(export, _process_bytes(plan) + KEPT_HEAP)  # what the process still holds after the export
-    return MemoryPlan(export, kept + verify_peak_bytes(arch, plan, options.trust_remote_code))
+    reference = reference_footprint(arch, options.trust_remote_code)
+    weights, weight_file, vocab = _linear_weights(plan), _weight_file_bytes(plan), plan.architecture.vocab_size
+    quantized = any(linear.bits < 16 for linear in plan.linears)
+    # the runtime runs beside the idle references; the exact-kernels run of a fast quantized export
+    # is optional (verification skips it, and says so, where it does not fit)
+    fast = quantized and options.runtime_profile is RuntimeProfile.FAST
+    shipped = runtime_bytes(weights, weight_file, vocab, exact=not fast)
+    exact = runtime_bytes(weights, weight_file, vocab, exact=True) if fast else None
+    return MemoryPlan(export, kept + max(reference.peak, reference.idle + shipped),
+                      None if exact is None else kept + reference.idle + exact)
 
 
 def export_peak_bytes(arch: Architecture, options: ExportOptions, plan: ExportPlan) -> int:
@@ -89,15 +105,26 @@ def export_peak_bytes(arch: Architecture, options: ExportOptions, plan: ExportPl
     return _process_bytes(plan) + work + max(sum(read[:2]), min(table, KEPT_HEAP) + min(table, TABLE_CHUNK))
 
 
-def verify_peak_bytes(arch: Architecture, plan: ExportPlan, trust_remote_code: bool) -> int:
-    """What ``--verify`` adds to the process: the streamed HF references, and MNN's runtime child
-    beside them."""
-    return reference_footprint(arch, trust_remote_code) + runtime_peak_bytes(plan)
+def runtime_bytes(weights: int, weight_file: int, vocab: int, exact: bool) -> int:
+    """MNN's runtime child on an export of ``weights`` linear weights in ``weight_file`` bytes with a
+    ``vocab``-id vocabulary, on its exact kernels (fp16 records are widened the same way on every
+    profile) or its fast ones."""
+    if exact:
+        return RUNTIME_BASE + EXACT_BYTES_PER_ID * vocab + EXACT_BYTES_PER_WEIGHT * weights + weight_file
+    return RUNTIME_BASE + FAST_BYTES_PER_ID * vocab + int(FAST_FILE_FACTOR * weight_file)
 
 
-def runtime_peak_bytes(plan: ExportPlan) -> int:
-    """MNN's runtime child on the export's exact kernels (weights dequantized to fp32 at load)."""
-    return RUNTIME_BASE + RUNTIME_BYTES_PER_WEIGHT * _linear_weights(plan)
+def _weight_file_bytes(plan: ExportPlan) -> int:
+    """llm.mnn.weight's linear records: packed levels and fp16 alpha (two per block when asymmetric)."""
+    total = 0
+    for linear in plan.linears:
+        values = linear.out_features * linear.in_features
+        if linear.bits >= 16:
+            total += 2 * values
+        else:
+            blocks = values // (linear.block or linear.in_features)
+            total += -(-values * linear.bits // 8) + blocks * (2 if linear.sym else 4)
+    return total
 
 
 def _process_bytes(plan: ExportPlan) -> int:
@@ -167,12 +194,25 @@ def gib(value: int) -> str:
 def summary_line(memory: MemoryPlan) -> str:
     """The plan's expected peaks, as ``--dry-run`` prints them."""
     verify = "" if memory.verify_bytes is None else f", --verify {gib(memory.verify_bytes)}"
-    return f"expected peak memory: export {gib(memory.export_bytes)}{verify}"
+    exact = "" if memory.exact_kernels_bytes is None else \
+        f" (its run on MNN's exact kernels {gib(memory.exact_kernels_bytes)}, skipped where it does not fit)"
+    return f"expected peak memory: export {gib(memory.export_bytes)}{verify}{exact}"
 
 
 def fit_line(memory: MemoryPlan, max_memory: float | None) -> str:
     """Whether the planned export fits here (``--dry-run``): the limit and the verdict."""
     limit, label = memory_limit(max_memory)
     reason = refusal(memory, limit, label)
-    return f"memory: {gib(limit)} {label}; " + ("fits" if reason is None else f"would be refused: {reason}")
+    skipped = memory.exact_kernels_bytes is not None and memory.exact_kernels_bytes > limit
+    return f"memory: {gib(limit)} {label}; " + ("fits" if reason is None else f"would be refused: {reason}") + \
+        ("; --verify would skip its exact-kernels run" if reason is None and skipped else "")
+
+
+def exact_kernels_refusal(weights: int, weight_file: int, vocab: int) -> str | None:
+    """Why verification skips an export's run on MNN's exact kernels here (None: it fits)."""
+    need, free = runtime_bytes(weights, weight_file, vocab, exact=True), available_bytes()
+    if need <= free:
+        return None
+    return (f"needs about {gib(need)} of memory (MNN's runtime dequantizes every linear to fp32 at load), "
+            f"{gib(free)} available")
 

@@ -106,11 +106,13 @@ class PlannedTable(_PlainFields):
 
 @dataclass(frozen=True)
 class MemoryPlan(_PlainFields):
-    """Expected peak resident memory, in bytes (llmexport.memory_plan): of the export, and of
-    ``--verify`` (None when the export is not verified)."""
+    """Expected peak resident memory, in bytes (llmexport.memory_plan): of the export, of
+    ``--verify`` (None when the export is not verified) and of its optional run on MNN's exact
+    kernels (a fast export with quantized linears; skipped, and reported, where it does not fit)."""
 
     export_bytes: int
     verify_bytes: int | None = None
+    exact_kernels_bytes: int | None = None
 
 
 @dataclass(frozen=True)
@@ -369,6 +371,8 @@ class VerifyReport:
     prequantized: dict[str, Any] | None = None
     exact_kernels: RunComparison | None = None
     conversation: ConversationCheck | None = None
+    #: checks left out, each with why (the exact-kernels runs where they do not fit in memory)
+    skipped: tuple[str, ...] = ()
 
     @property
     def passed(self) -> bool:
@@ -381,7 +385,8 @@ class VerifyReport:
                      LogitStats.from_json(data["fp32"]), Bounds.from_json(data["bounds"]), tuple(data["failures"]),
                      dict(data["towers"]), data.get("prequantized"),
                      None if "exact_kernels" not in data else RunComparison.from_json(data["exact_kernels"]),
-                     None if "conversation" not in data else ConversationCheck.from_json(data["conversation"]))
+                     None if "conversation" not in data else ConversationCheck.from_json(data["conversation"]),
+                     tuple(data.get("skipped", ())))
         if report.passed != data["passed"]:
             raise ValueError(f"verification report: passed={data['passed']} with {len(report.failures)} failure(s)")
         return report
@@ -406,6 +411,8 @@ class VerifyReport:
             out["exact_kernels"] = self.exact_kernels.to_json()
         if self.conversation is not None:
             out["conversation"] = self.conversation.to_json()
+        if self.skipped:
+            out["skipped"] = list(self.skipped)
         out.update(bounds=self.bounds.to_json(), failures=list(self.failures), passed=self.passed)
         return out
 

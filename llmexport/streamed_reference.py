@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass, field
-from typing import Any, Callable, cast
+from typing import Any, Callable, NamedTuple, cast
 
 import torch
 from torch import nn
@@ -180,14 +180,22 @@ VERIFY_POSITIONS = 64
 _LOGIT_COPIES = 3
 
 
-def reference_footprint(arch: Architecture, trust_remote_code: bool = False) -> int:
+class ReferenceFootprint(NamedTuple):
     """Bytes verification's two streamed references (the oracle and the fp32 model, both alive)
-    hold at the worst moment: both references' residents, the largest block of one and the logits
-    of ``VERIFY_POSITIONS`` positions. Hidden states (a few MB at these prompt lengths) aside."""
+    hold: between calls (``idle``: both references' residents, while MNN's runtime runs beside
+    them) and at the worst moment of a call (``peak``: also the largest block of one and the
+    logits of ``VERIFY_POSITIONS`` positions; hidden states, a few MB at these lengths, aside)."""
+
+    idle: int
+    peak: int
+
+
+def reference_footprint(arch: Architecture, trust_remote_code: bool = False) -> ReferenceFootprint:
     model = arch.empty_reference(trust_remote_code)
     layout = ReferenceLayout.of(model)
     vocab = int(cast(Any, model).get_output_embeddings().weight.shape[0])
-    return 2 * layout.resident_bytes() + layout.largest_block_bytes() + _LOGIT_COPIES * VERIFY_POSITIONS * vocab * 4
+    idle = 2 * layout.resident_bytes()
+    return ReferenceFootprint(idle, idle + layout.largest_block_bytes() + _LOGIT_COPIES * VERIFY_POSITIONS * vocab * 4)
 
 
 def _load_buffers(model: nn.Module, tensors: ReferenceTensors) -> None:

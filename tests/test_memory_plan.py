@@ -36,14 +36,17 @@ def test_the_plan_holds_the_expected_peaks_and_the_dry_run_prints_them(tiny_deco
     assert isinstance(memory, MemoryPlan) and memory.verify_bytes is not None
     assert 256 * MIB < memory.export_bytes < 1 * GIB and memory.verify_bytes > 0
     data = json.loads(json.dumps(plan.to_json()))
-    assert data["memory"] == {"export_bytes": memory.export_bytes, "verify_bytes": memory.verify_bytes}
+    assert data["memory"] == {"export_bytes": memory.export_bytes, "verify_bytes": memory.verify_bytes,
+                              "exact_kernels_bytes": memory.exact_kernels_bytes}
     assert ExportPlan.from_json(data) == plan
     assert llmexport.plan(path).memory == MemoryPlan(memory.export_bytes, None)  # no --verify: no estimate
 
     result = CliRunner().invoke(main, ["--path", str(path), "--dst_path", "unused", "--dry-run", "--verify"])
     assert result.exit_code == 0, result.output
     lines = result.stdout.splitlines()
-    assert f"expected peak memory: export {gib(memory.export_bytes)}, --verify {gib(memory.verify_bytes)}" in lines
+    assert memory.exact_kernels_bytes is not None  # a fast 4-bit export: its exact-kernels run is optional
+    assert (f"expected peak memory: export {gib(memory.export_bytes)}, --verify {gib(memory.verify_bytes)} (its run "
+            f"on MNN's exact kernels {gib(memory.exact_kernels_bytes)}, skipped where it does not fit)") in lines
     assert lines[-1].startswith("memory: ") and lines[-1].endswith(" GiB available; fits")
 
     result = CliRunner().invoke(main, ["--path", str(path), "--dst_path", "unused", "--dry-run",

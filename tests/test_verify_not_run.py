@@ -92,3 +92,24 @@ def test_keep_failed_keeps_an_export_whose_verification_disagreed(tiny_decoder, 
     assert not report.passed and report.failures == (_FAILURE,)
     assert json.loads((dst / "verify.json").read_text())["passed"] is False
     assert "verify.json" in json.loads((dst / "manifest.json").read_text())["files"]
+
+
+@pytest.mark.slow
+def test_exact_kernels_runs_are_skipped_where_they_do_not_fit(tiny_gemma4, tmp_path, monkeypatch):
+    """MNN's exact kernels hold every linear in fp32 (an E4B-shaped export: 20.5 GiB). Where that does
+    not fit, a fast export is verified on its shipped kernels alone, and the report says what was left
+    out and why; the multimodal model's media prompts (run on the exact kernels) likewise."""
+    import llmexport.memory_plan as memory_plan
+    from llmexport import ExportOptions, export
+    from llmexport.quant.scheme import QuantScheme
+
+    out = tmp_path / "out"
+    export(tiny_gemma4("e2b"), out, ExportOptions(quant=QuantScheme(4, 64)))
+    monkeypatch.setattr(memory_plan, "available_bytes", lambda: 1 << 20)
+    report = verification.verify_export(out, tiny_gemma4("e2b"), steps=8)
+    assert report.exact_kernels is None and report.bounds.kernels_max_abs_err is None
+    assert report.skipped[0].startswith("exact-kernels runs: needs about ") and "1.0 MiB" not in report.skipped[0]
+    assert "0.0 GiB available" in report.skipped[0]
+    assert all(turn.exact_kernels is None for turn in report.conversation.turns)
+    assert VerifyReport.read(out / "verify.json").skipped == report.skipped
+    assert "SKIPPED exact-kernels runs" in verification.summary_line(report)

@@ -195,7 +195,8 @@ def _passes(request: dict[str, Any], prompt: Any, out: Path) -> tuple[list[int],
     forced, greedy = [logits], []
     if request["forced"] is not None:
         forced += [_logits(model.forward([token])) for token in request["forced"]]
-        model, _, logits = start()  # fresh instance: see module docstring
+        del model  # before the fresh instance loads (see module docstring): two would double the peak
+        model, _, logits = start()
     for step in range(request["greedy"]):
         greedy.append(int(np.argmax(logits)))
         if step + 1 < request["greedy"]:
