@@ -112,19 +112,30 @@ def _alpha(alpha_raw: bytes, qp: dict) -> np.ndarray:
 _CHUNK_VALUES = 1 << 22
 
 
-def _level_decoder(table: np.ndarray, bits: int) -> Callable[[np.ndarray, int], np.ndarray]:
+def _level_decoder(table: np.ndarray, bits: int) -> Callable[[np.ndarray, int], torch.Tensor]:
     """Packed bytes -> the first ``count`` levels as floats (``table``: the value map). Where ``bits``
-    divides 8 each byte holds whole levels: one lookup per byte in a 256-row table of their values
-    (MSB first), several times faster than splitting the bit stream."""
+    divides 8 each byte holds whole levels (MSB first): a map of consecutive integers (what the
+    writer stores) is an offset added to the bytes' bit fields, on torch's threads; any other map a
+    lookup per byte in a 256-row table of its values. Otherwise the bit stream is split."""
     if 8 % bits:
-        return lambda raw, count: table[_split_stream(raw, bits, count)].astype(np.float32)
-    per_byte = 8 // bits
+        return lambda raw, count: torch.from_numpy(table[_split_stream(raw, bits, count)].astype(np.float32))
+    per_byte, mask = 8 // bits, (1 << bits) - 1
+    if np.array_equal(np.diff(table), np.ones(len(table) - 1, dtype=table.dtype)):
+        offset = float(table[0])
+
+        def fields(raw: np.ndarray, count: int) -> torch.Tensor:
+            packed = torch.from_numpy(raw[: -(-count // per_byte)])
+            parts = [(packed >> shift) & mask for shift in range(8 - bits, -1, -bits)]
+            levels = torch.stack(parts, dim=1).reshape(-1)[:count] if per_byte > 1 else packed
+            return levels.to(torch.float32).add_(offset)
+        return fields
     every_byte = np.arange(256, dtype=np.uint8)
-    by_byte = table.astype(np.float32)[_split_stream(every_byte, bits, 256 * per_byte)].reshape(256, per_byte)
-    return lambda raw, count: by_byte[raw[: -(-count // per_byte)]].reshape(-1)[:count]
+    by_byte = torch.from_numpy(table.astype(np.float32)[_split_stream(every_byte, bits, 256 * per_byte)]
+                               .reshape(256, per_byte))
+    return lambda raw, count: by_byte[torch.from_numpy(raw[: -(-count // per_byte)]).long()].reshape(-1)[:count]
 
 
-def _decode_quantized(blob: bytes, alpha_raw: bytes, qp: dict, oc: int, ic: int, strict: bool) -> np.ndarray:
+def _decode_quantized(blob: memoryview, alpha_raw: memoryview, qp: dict, oc: int, ic: int, strict: bool) -> torch.Tensor:
     table, bits, pos = _parse_header(blob, bool(qp.get("shapeInt32", False)), oc, ic)
     if bits != int(qp.get("aMaxOrBits", bits)):
         raise ValueError(f"value map says {bits} bits, aMaxOrBits says {qp.get('aMaxOrBits')}")
@@ -144,19 +155,20 @@ def _decode_quantized(blob: bytes, alpha_raw: bytes, qp: dict, oc: int, ic: int,
         zero, scale = None, alpha
     size = oc * ic // groups
     packed = np.frombuffer(blob, dtype=np.uint8, offset=pos)
-    out = np.empty((groups, size), dtype=np.float32)
+    out = torch.empty((groups, size), dtype=torch.float32)
+    scales = torch.from_numpy(np.ascontiguousarray(scale))[:, None]
+    zeros = None if zero is None else torch.from_numpy(zero)[:, None]
     decode = _level_decoder(table, bits)
     # chunks of whole groups whose first level starts on a byte (8 levels span ``bits`` bytes)
     step = max(1, _CHUNK_VALUES // size) * (8 // math.gcd(8, size))
     for first in range(0, groups, step):
         last = min(first + step, groups)
         begin = first * size * bits // 8
-        chunk = decode(packed[begin: -(-last * size * bits // 8)], (last - first) * size).reshape(last - first, size)
-        chunk *= scale[first:last, None]
-        if zero is not None:
-            chunk += zero[first:last, None]
-        out[first:last] = chunk
-    return out.reshape(oc, ic)
+        chunk = decode(packed[begin: -(-last * size * bits // 8)], (last - first) * size).view(last - first, size)
+        torch.mul(chunk, scales[first:last], out=out[first:last])
+        if zeros is not None:
+            out[first:last] += zeros[first:last]
+    return out.view(oc, ic)
 
 
 def read_linear(
@@ -173,13 +185,15 @@ def read_linear(
     (readType that does not match the alpha count, aMin 0 on an asymmetric record, ...).
     """
     offset, weight_len, alpha_len, bias_len = (int(v) for v in external[:4])
-    record = _read_span(src, offset, weight_len + alpha_len + bias_len)
-    blob, alpha_raw = record[:weight_len], record[weight_len: weight_len + alpha_len]
+    # writable, so that torch can view the packed levels without a warning (they are only read)
+    record = bytearray(_read_span(src, offset, weight_len + alpha_len + bias_len))
+    view = memoryview(record)
+    blob, alpha_raw = view[:weight_len], view[weight_len: weight_len + alpha_len]
     kind = int(quan_parameter.get("type", 0))
     if kind == 3:
         if weight_len != oc * ic * 2:
             raise ValueError(f"fp16 record holds {weight_len} bytes, {oc * ic * 2} expected")
-        weight = np.frombuffer(blob, dtype="<f2").astype(np.float32).reshape(oc, ic)
+        weight = torch.from_numpy(np.frombuffer(blob, dtype="<f2").astype(np.float32).reshape(oc, ic))
     elif kind == 1:
         weight = _decode_quantized(blob, alpha_raw, quan_parameter, oc, ic, strict)
     else:
@@ -189,7 +203,7 @@ def read_linear(
         if bias_len != 4 * oc:
             raise ValueError(f"bias holds {bias_len} bytes, {4 * oc} expected")
         bias = torch.from_numpy(np.frombuffer(record[weight_len + alpha_len:], dtype="<f4").copy())
-    return torch.from_numpy(np.ascontiguousarray(weight, dtype=np.float32)), bias
+    return weight.contiguous(), bias
 
 
 def read_levels(src: Source, external: list, quan_parameter: dict, oc: int, ic: int) -> tuple[np.ndarray, np.ndarray]:
