@@ -135,7 +135,8 @@ def _level_decoder(table: np.ndarray, bits: int) -> Callable[[np.ndarray, int], 
     return lambda raw, count: by_byte[torch.from_numpy(raw[: -(-count // per_byte)]).long()].reshape(-1)[:count]
 
 
-def _decode_quantized(blob: memoryview, alpha_raw: memoryview, qp: dict, oc: int, ic: int, strict: bool) -> torch.Tensor:
+def _decode_quantized(blob: memoryview, alpha_raw: memoryview, qp: dict, oc: int, ic: int,
+                      strict: bool) -> torch.Tensor:
     table, bits, pos = _parse_header(blob, bool(qp.get("shapeInt32", False)), oc, ic)
     if bits != int(qp.get("aMaxOrBits", bits)):
         raise ValueError(f"value map says {bits} bits, aMaxOrBits says {qp.get('aMaxOrBits')}")
