@@ -29,7 +29,7 @@ from llmexport.mnn.tokenizer_stream import StreamModel
 from llmexport.models.base import Architecture
 from llmexport.options import RuntimeProfile
 from llmexport.results import Bounds, LogitStats, RunComparison, StepStats, TokenizerCheck, VerifyReport
-from llmexport.streamed_reference import streamed_reference
+from llmexport.streamed_reference import mapped_blocks, streamed_reference
 from llmexport.verification_conversation import (
     Conversations,
     conversation_failures,
@@ -131,6 +131,12 @@ def verify_export(export_dir: Path, model_path: Path, steps: int = 24, prompt_id
     model whatever its size. ``trust_remote_code`` must be True for families whose reference
     model is the checkpoint's own modeling code (``Architecture.reference_is_remote_code``).
     """
+    with mapped_blocks():
+        return _verify_export(export_dir, model_path, steps, prompt_ids, raise_on_failure, trust_remote_code)
+
+
+def _verify_export(export_dir: Path, model_path: Path, steps: int, prompt_ids: list[int] | None,
+                   raise_on_failure: bool, trust_remote_code: bool) -> VerifyReport:
     from transformers import AutoTokenizer
 
     arch = open_architecture(Checkpoint.open(model_path))

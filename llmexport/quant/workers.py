@@ -10,6 +10,7 @@ Results come back in order, with a bounded number of slices in flight.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 from collections import deque
@@ -47,6 +48,24 @@ def _keep_freed_memory() -> None:
     process take in turn, made two workers no faster than one (kernels of a 12-layer E2B-shaped
     model: 1.9-2.5 s on two workers and 1.9 s on one; 1.5 s on two with this). Peak memory is
     unchanged (1.21 GiB for that export either way): what is kept is what the export used."""
+    set_malloc(mmap_threshold=256 << 20, trim_threshold=512 << 20)
+
+
+@contextlib.contextmanager
+def malloc_policy(mmap_threshold: int) -> Iterator[None]:
+    """``set_malloc(mmap_threshold)`` for a while; then the workers' policy again where they run."""
+    set_malloc(mmap_threshold)
+    try:
+        yield
+    finally:
+        if _pool is not None:
+            _keep_freed_memory()
+
+
+def set_malloc(mmap_threshold: int, trim_threshold: int | None = None) -> None:
+    """glibc's allocation policy for this process (``mallopt``; nothing elsewhere): blocks of at
+    least ``mmap_threshold`` bytes are mapped on their own (and returned when freed); freed heap
+    above ``trim_threshold`` is returned to the OS."""
     import ctypes
     import ctypes.util
 
@@ -55,8 +74,9 @@ def _keep_freed_memory() -> None:
     if libc is None or not hasattr(libc, "mallopt"):
         return
     m_trim_threshold, m_mmap_threshold = -1, -3
-    libc.mallopt(m_mmap_threshold, 256 << 20)
-    libc.mallopt(m_trim_threshold, 512 << 20)
+    libc.mallopt(m_mmap_threshold, mmap_threshold)
+    if trim_threshold is not None:
+        libc.mallopt(m_trim_threshold, trim_threshold)
 
 
 def _get_pool() -> ThreadPoolExecutor:
