@@ -50,6 +50,7 @@ from llmexport.options import ExportFormat, ExportOptions, RuntimeProfile
 from llmexport.quant.scheme import QuantMethod
 from llmexport.quant.workers import worker_count
 from llmexport.results import ExportPlan, MemoryPlan
+from llmexport.spec import LinearRole
 from llmexport.streamed_reference import reference_footprint
 
 MIB, GIB = 1 << 20, 1 << 30
@@ -82,12 +83,14 @@ def memory_plan(arch: Architecture, options: ExportOptions, plan: ExportPlan) ->
     kept = min(export, _process_bytes(plan) + KEPT_HEAP)  # what the process still holds after the export
     reference = reference_footprint(arch, options.trust_remote_code)
     weights, weight_file, vocab = _linear_weights(plan), _weight_file_bytes(plan), plan.architecture.vocab_size
+    head = 0 if plan.tables else sum(linear.out_features * linear.in_features for linear in plan.linears
+                                     if linear.role is LinearRole.LM_HEAD)
     quantized = any(linear.bits < 16 for linear in plan.linears)
     # the runtime runs beside the idle references; the exact-kernels run of a fast quantized export
     # is optional (verification skips it, and says so, where it does not fit)
     fast = quantized and options.runtime_profile is RuntimeProfile.FAST
-    shipped = runtime_bytes(weights, weight_file, vocab, exact=not fast)
-    exact = runtime_bytes(weights, weight_file, vocab, exact=True) if fast else None
+    shipped = runtime_bytes(weights, weight_file, vocab, exact=not fast, head_as_table=head)
+    exact = runtime_bytes(weights, weight_file, vocab, exact=True, head_as_table=head) if fast else None
     return MemoryPlan(export, kept + max(reference.peak, reference.idle + shipped),
                       None if exact is None else kept + reference.idle + exact)
 
@@ -105,12 +108,18 @@ def export_peak_bytes(arch: Architecture, options: ExportOptions, plan: ExportPl
     return _process_bytes(plan) + work + max(sum(read[:2]), min(table, KEPT_HEAP) + min(table, TABLE_CHUNK))
 
 
-def runtime_bytes(weights: int, weight_file: int, vocab: int, exact: bool) -> int:
+def runtime_bytes(weights: int, weight_file: int, vocab: int, exact: bool, head_as_table: int = 0) -> int:
     """MNN's runtime child on an export of ``weights`` linear weights in ``weight_file`` bytes with a
     ``vocab``-id vocabulary, on its exact kernels (fp16 records are widened the same way on every
-    profile) or its fast ones."""
+    profile) or its fast ones. ``head_as_table``: the lm_head's weights where the runtime also reads
+    its token embedding from that record (a tied model without a token-table file): on the exact
+    kernels they are counted twice. Measured: a 4-layer 31B-shaped export (3.38G linear weights, the
+    head 1.41G of them, no table file) crashed on the exact kernels at 18.1 GiB, above the 15.7 GiB
+    the formula gave without that term; the E4B-shaped export, which has a table file, measured
+    20.46 GiB against 21.2."""
     if exact:
-        return RUNTIME_BASE + EXACT_BYTES_PER_ID * vocab + EXACT_BYTES_PER_WEIGHT * weights + weight_file
+        return (RUNTIME_BASE + EXACT_BYTES_PER_ID * vocab + EXACT_BYTES_PER_WEIGHT * (weights + head_as_table)
+                + weight_file)
     return RUNTIME_BASE + FAST_BYTES_PER_ID * vocab + int(FAST_FILE_FACTOR * weight_file)
 
 
@@ -208,9 +217,9 @@ def fit_line(memory: MemoryPlan, max_memory: float | None) -> str:
         ("; --verify would skip its exact-kernels run" if reason is None and skipped else "")
 
 
-def exact_kernels_refusal(weights: int, weight_file: int, vocab: int) -> str | None:
+def exact_kernels_refusal(weights: int, weight_file: int, vocab: int, head_as_table: int = 0) -> str | None:
     """Why verification skips an export's run on MNN's exact kernels here (None: it fits)."""
-    need, free = runtime_bytes(weights, weight_file, vocab, exact=True), available_bytes()
+    need, free = runtime_bytes(weights, weight_file, vocab, exact=True, head_as_table=head_as_table), available_bytes()
     if need <= free:
         return None
     return (f"needs about {gib(need)} of memory (MNN's runtime dequantizes every linear to fp32 at load), "

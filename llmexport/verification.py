@@ -153,9 +153,10 @@ def _verify_export(export_dir: Path, model_path: Path, steps: int, prompt_ids: l
     prequantized = compare_with_source(arch, arch.checkpoint.weights, stored)
     bounds = bounds_for_export(stored_bits(stored, prequantized), profile)
     # MNN's exact kernels hold every linear in fp32 (E4B: 20 GB): run only where that fits
-    exact_refused = exact_kernels_refusal(sum(stored.records[n].fields["oc"] * stored.records[n].fields["ic"]
-                                              for n in stored.text_linears()), (export_dir / LLM_WEIGHT).stat().st_size,
-                                          int(arch.embedding_table().shape[0]))
+    sizes = {n: stored.records[n].fields["oc"] * stored.records[n].fields["ic"] for n in stored.text_linears()}
+    exact_refused = exact_kernels_refusal(sum(sizes.values()), (export_dir / LLM_WEIGHT).stat().st_size,
+                                          int(arch.embedding_table().shape[0]),
+                                          0 if stored.table_tensors() else sizes.get("lm_head", 0))
     skipped = []
     if exact_refused is not None:
         log.warning("verify: MNN's exact kernels skipped: %s", exact_refused)
