@@ -94,7 +94,7 @@ def main() -> None:
     parser.add_argument("--runtime", action="store_true")
     parser.add_argument("--prompt", type=int, default=520)
     args, flags = parser.parse_known_args()
-    from llmexport.memory_plan import _linear_weights, _weight_file_bytes, runtime_bytes
+    from llmexport.memory_plan import plan_runtime_bytes
 
     plan = _plan(args.checkpoint, flags)
     out = Path(tempfile.mkdtemp(prefix="llmexport-bench-")) / "out"
@@ -113,8 +113,8 @@ def main() -> None:
             from llmexport.mnn.config import EXACT_KERNELS
 
             for label, config in (("shipped config.json", {}), ("exact kernels", EXACT_KERNELS)):
-                estimate = runtime_bytes(_linear_weights(plan), _weight_file_bytes(plan), plan.architecture.vocab_size,
-                                         exact=bool(config) or all(linear.bits >= 16 for linear in plan.linears))
+                estimate = plan_runtime_bytes(plan, (out / "llm.mnn.weight").stat().st_size,
+                                              exact=bool(config) or all(linear.bits >= 16 for linear in plan.linears))
                 used = _runtime(out, args.prompt, config)
                 print(f"runtime, {label}, {args.prompt}-token prompt: peak {used / MIB:.0f} MiB, estimated "
                       f"{estimate / MIB:.0f} MiB ({estimate / used - 1:+.0%})")

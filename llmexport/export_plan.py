@@ -41,23 +41,23 @@ def table_bytes(rows: int, dim: int, bits: int, block: int) -> int:
 
 def export_plan(arch: Architecture, options: ExportOptions, sources: WeightSources | None = None) -> ExportPlan:
     sources = sources or WeightSources(arch, options)
-    linears, adjusted, total = [], [], 0
+    linears, adjusted, records = [], [], 0
     for spec in arch.linears():
         scheme = sources.scheme(spec)
         block = 0 if scheme.is_fp16 else scheme.block_for(spec.in_features)
         if not scheme.is_fp16 and scheme.block and block != scheme.block:
             adjusted.append(AdjustedBlock(spec.name, spec.in_features, requested=scheme.block, used=block))
-        total += record_bytes(spec.out_features, spec.in_features, scheme, spec.bias)
+        records += record_bytes(spec.out_features, spec.in_features, scheme, spec.bias)
         linears.append(PlannedLinear(spec.name, spec.role, spec.out_features, spec.in_features, scheme.bits, block,
                                      scheme.sym, scheme.method))
-    tables = {}
+    tables, total = {}, records
     for name, (table, choice) in sources.tables().items():
         rows, dim = table.shape
         tables[name] = PlannedTable(rows, dim, choice.bits)
         total += table_bytes(rows, dim, choice.bits, choice.block)
     plan = ExportPlan(ArchitectureSummary.from_json(arch.describe()), tuple(linears), tuple(adjusted), tables, total,
                       sources.summary())
-    return dataclasses.replace(plan, memory=memory_plan(arch, options, plan))
+    return dataclasses.replace(plan, memory=memory_plan(arch, options, plan, records))
 
 
 def plan_summary(plan: ExportPlan) -> str:

@@ -76,21 +76,19 @@ FAST_FILE_FACTOR = 1.5
 FAST_BYTES_PER_ID = 1600
 
 
-def memory_plan(arch: Architecture, options: ExportOptions, plan: ExportPlan) -> MemoryPlan:
+def memory_plan(arch: Architecture, options: ExportOptions, plan: ExportPlan, weight_file: int) -> MemoryPlan:
+    """The plan's peaks; ``weight_file``: the bytes of its linear records (llm.mnn.weight)."""
     export = export_peak_bytes(arch, options, plan)
     if not (options.verify and options.export is ExportFormat.MNN):
         return MemoryPlan(export)
     kept = min(export, _process_bytes(plan) + KEPT_HEAP)  # what the process still holds after the export
     reference = reference_footprint(arch, options.trust_remote_code)
-    weights, weight_file, vocab = _linear_weights(plan), _weight_file_bytes(plan), plan.architecture.vocab_size
-    head = 0 if plan.tables else sum(linear.out_features * linear.in_features for linear in plan.linears
-                                     if linear.role is LinearRole.LM_HEAD)
     quantized = any(linear.bits < 16 for linear in plan.linears)
     # the runtime runs beside the idle references; the exact-kernels run of a fast quantized export
     # is optional (verification skips it, and says so, where it does not fit)
     fast = quantized and options.runtime_profile is RuntimeProfile.FAST
-    shipped = runtime_bytes(weights, weight_file, vocab, exact=not fast, head_as_table=head)
-    exact = runtime_bytes(weights, weight_file, vocab, exact=True, head_as_table=head) if fast else None
+    shipped = plan_runtime_bytes(plan, weight_file, exact=not fast)
+    exact = plan_runtime_bytes(plan, weight_file, exact=True) if fast else None
     return MemoryPlan(export, kept + max(reference.peak, reference.idle + shipped),
                       None if exact is None else kept + reference.idle + exact)
 
@@ -123,17 +121,12 @@ def runtime_bytes(weights: int, weight_file: int, vocab: int, exact: bool, head_
     return RUNTIME_BASE + FAST_BYTES_PER_ID * vocab + int(FAST_FILE_FACTOR * weight_file)
 
 
-def _weight_file_bytes(plan: ExportPlan) -> int:
-    """llm.mnn.weight's linear records: packed levels and fp16 alpha (two per block when asymmetric)."""
-    total = 0
-    for linear in plan.linears:
-        values = linear.out_features * linear.in_features
-        if linear.bits >= 16:
-            total += 2 * values
-        else:
-            blocks = values // (linear.block or linear.in_features)
-            total += -(-values * linear.bits // 8) + blocks * (2 if linear.sym else 4)
-    return total
+def plan_runtime_bytes(plan: ExportPlan, weight_file: int, exact: bool) -> int:
+    """``runtime_bytes`` of a planned export whose linear records take ``weight_file`` bytes (the
+    lm_head counted as a table where the plan writes no token-table file)."""
+    head = 0 if plan.tables else sum(linear.out_features * linear.in_features for linear in plan.linears
+                                     if linear.role is LinearRole.LM_HEAD)
+    return runtime_bytes(_linear_weights(plan), weight_file, plan.architecture.vocab_size, exact, head)
 
 
 def _process_bytes(plan: ExportPlan) -> int:

@@ -105,10 +105,6 @@ class ReferenceLayout:
     def largest_block_bytes(self) -> int:
         return max((sum(s.nbytes for s in slots) for slots in self.blocks.values()), default=0)
 
-    def peak_bytes(self) -> int:
-        """Parameters in memory at the worst moment: the residents and the largest block (blocks,
-        the lm_head among them, run one at a time)."""
-        return self.resident_bytes() + self.largest_block_bytes()
 
 
 def _parent(model: nn.Module, name: str) -> nn.Module | None:
@@ -176,11 +172,6 @@ def mapped_blocks() -> contextlib.AbstractContextManager[None]:
     freed into glibc's heap fragment it, and a full-depth E4B-shaped fp32 forward (600 tokens) then
     peaked at 5.5 GiB and kept 1.8 GiB after it; mapped, 4.2 GiB and 0.5 GiB."""
     return malloc_policy(mmap_threshold=1 << 20)
-
-
-def reference_peak_bytes(arch: Architecture, trust_remote_code: bool = False) -> int:
-    """The most parameter bytes the streamed reference holds at once (activations aside)."""
-    return ReferenceLayout.of(arch.empty_reference(trust_remote_code)).peak_bytes()
 
 
 #: positions whose logits verification asks for at once (24 steps; a conversation turn's 8 answer

@@ -21,7 +21,7 @@ from llmexport.checkpoint import Checkpoint, CheckpointTensors
 from llmexport.loading import open_architecture
 from llmexport.quant.scheme import QuantScheme
 from llmexport.spec import rows_at
-from llmexport.streamed_reference import ReferenceLayout, reference_peak_bytes, streamed_reference
+from llmexport.streamed_reference import ReferenceLayout, reference_footprint, streamed_reference
 from llmexport.tiny.decoders import VARIANTS as DECODER_VARIANTS
 from llmexport.tiny.gemma4 import build_gemma4_checkpoint
 from llmexport.tiny.gemma4_towers import build_tiny_multimodal
@@ -135,7 +135,7 @@ def test_one_block_at_a_time(tiny_gemma4):
     arch.reference_logits(model, torch.arange(3, 20))
     assert len(held) == len(layout.blocks) and all(len(h) == 1 for h in held)
     assert loaded() == []
-    assert 0 < reference_peak_bytes(arch) < sum(p.numel() for p in arch.load_reference(None).parameters()) * 4
+    assert 0 < reference_footprint(arch).peak < sum(p.numel() for p in arch.load_reference(None).parameters()) * 4
 
 
 @settings(max_examples=60, deadline=None)

@@ -105,6 +105,7 @@ class StoredTensors:
                  towers: Sequence[SourcedTower] = ()):
         self.base = base
         self.records: dict[str, _Record] = {}
+        self._text: list[str] = []
         self._parts: dict[str, list[tuple[str, int | None]]] = {}
         self._biases: dict[str, str] = {}
         owners: list[tuple[str, Callable[[str], LinearSource], Collection[str] | None, list[LinearSpec]]] = [
@@ -116,13 +117,14 @@ class StoredTensors:
             if missing:
                 raise ValueError(f"{export_dir / (stem + '.mnn')}: {len(missing)} linear(s) have no record in the "
                                  f"graph, e.g. {missing[0]!r}")
+            if stem == "llm":
+                self._text = list(found)
             for name, fields in found.items():
                 self.records[name] = _Record(export_dir / f"{stem}.mnn.weight", fields)
                 source = source_of(name)
                 self._parts.setdefault(source.weight, []).append((name, source.expert))
                 if source.bias:
                     self._biases[source.bias] = name
-        self._text = [name for name in self.records if self.records[name].file.name == "llm.mnn.weight"]
         self._table = stored_tables(export_dir, model).get("embedding")
         self._columns = table_columns(model) if self._table else {}
         self._head: str | None = None
@@ -170,12 +172,7 @@ class StoredTensors:
             return self.read(name)[ids]
         return self.base.rows(name, ids)
 
-    # --- what the export replaced ---------------------------------------------------------------------
-    def replaced(self) -> list[str]:
-        """The tensors whose values come from the export (in the checkpoint's names, plus
-        ``UNTIED_HEAD`` when the lm_head was stored apart)."""
-        return list(self._columns) + list(self._parts) + list(self._biases) + ([UNTIED_HEAD] if self._head else [])
-
+    # --- what the export stored, record by record ----------------------------------------------------
     def text_linears(self) -> list[str]:
         """The text graph's linear records (the towers' follow them in ``records``)."""
         return self._text
