@@ -7,7 +7,7 @@
   stage (from the stage log lines) beside ``plan.memory.export_bytes`` (llmexport/memory_plan.py);
 - ``--runtime``: MNN's runtime child (llmexport/mnn/runtime.py, as verification runs it: a
   ``--prompt``-token prompt, 24 forced and 24 greedy steps) on the export, with the shipped
-  config.json and on the exact kernels, beside ``memory_plan.runtime_peak_bytes``.
+  config.json and on the exact kernels, beside ``memory_plan.plan_runtime_bytes``.
 
 Tree sums count a converter child's pages twice for the instant between its fork and its exec;
 the per-stage peaks of the export's own process are printed too. The export is deleted after.
