@@ -1,7 +1,7 @@
 """Write a random-weight Gemma4 checkpoint with real E2B, E4B, 31B or 26B-A4B dimensions, tensor by tensor.
 
     python bench/make_checkpoint.py OUT [--model e2b|e4b|31b|26b-a4b] [--layers N] [--shard-gb 2]
-                                        [--vocab 262144] [--dry]
+                                        [--vocab 262144] [--dry] [--qk-gamma 0.25]
 
 The model is never held in memory: tensor names and shapes come from the HF model built on the
 meta device, and each tensor is generated in row chunks straight into sharded safetensors files
@@ -12,6 +12,15 @@ shapes (31B is about 58 GiB bf16 in full) to what a disk holds. ``--dry`` prints
 and bytes (total, embedding table, one sliding and one full layer) without writing anything.
 Only the text decoder is written (no vision/audio tower), so the released checkpoints are larger
 by their towers.
+
+Values: linears and tables N(0, 0.02); gammas and layer scalars uniform in [0.6, 1.4], except the
+query and key norms' gammas, which are scaled by ``--qk-gamma`` (0.25 by default). Gemma4 scales
+attention by 1.0 and leans on those norms to keep the softmax soft: with gammas near 1 the scores
+of a 256-wide head have a standard deviation near 16, every softmax is an argmax of noise and a
+full-depth model is chaotic (a 42-layer E4B-shaped model, width 512: a 1e-6 relative perturbation
+of its weights moves the logits by 1.3 and flips 65% of the top-1 tokens; at 0.25, 4e-5 and none),
+so no two correct fp32 implementations agree on it and no verification can pass. ``--qk-gamma 1``
+writes the earlier, chaotic checkpoints.
 """
 
 from __future__ import annotations
@@ -142,12 +151,18 @@ def size_report(cfg: dict, specs: list[tuple[str, tuple[int, ...]]]) -> str:
     return "\n".join(lines)
 
 
-def _generate(name: str, shape: tuple[int, ...], out, generator: torch.Generator) -> None:
+_QK_NORM = re.compile(r"\.self_attn\.[qk]_norm\.weight$")
+
+
+def _generate(name: str, shape: tuple[int, ...], out, generator: torch.Generator, qk_gamma: float) -> None:
     numel = 1
     for d in shape:
         numel *= d
     if len(shape) <= 1:  # gammas and scalars near 1
-        values = (torch.rand(numel, generator=generator) * 0.8 + 0.6).to(torch.bfloat16)
+        values = torch.rand(numel, generator=generator) * 0.8 + 0.6
+        if _QK_NORM.search(name):
+            values = values * qk_gamma
+        values = values.to(torch.bfloat16)
         out.write(values.view(torch.uint8).numpy().tobytes())
         return
     for start in range(0, numel, _CHUNK):
@@ -157,7 +172,7 @@ def _generate(name: str, shape: tuple[int, ...], out, generator: torch.Generator
 
 
 def write_checkpoint(out: Path, model: str, layers: int | None, shard_bytes: int, vocab: int = 262144,
-                     dry: bool = False) -> Path:
+                     dry: bool = False, qk_gamma: float = 0.25) -> Path:
     cfg = text_config(model, layers, vocab)
     specs, config = _tensor_specs(cfg)
     print(f"{model}: " + size_report(cfg, specs), flush=True)
@@ -188,7 +203,7 @@ def write_checkpoint(out: Path, model: str, layers: int | None, shard_bytes: int
         with open(out / file, "wb") as f:
             f.write(struct.pack("<Q", len(raw)) + raw)
             for name, shape in shard:
-                _generate(name, shape, f, generator)
+                _generate(name, shape, f, generator, qk_gamma)
         print(f"wrote {file} ({len(shard)} tensors)", flush=True)
     (out / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
     data = config.to_dict()
@@ -214,8 +229,11 @@ def main() -> None:
     parser.add_argument("--vocab", type=int, default=262144,
                         help="vocabulary (the real one by default; smaller keeps other exporters' memory in reach)")
     parser.add_argument("--dry", action="store_true", help="print tensor count and bytes, write nothing")
+    parser.add_argument("--qk-gamma", type=float, default=0.25,
+                        help="scale of the query/key norm gammas (1: the chaotic checkpoints of earlier runs)")
     args = parser.parse_args()
-    write_checkpoint(args.out, args.model, args.layers, int(args.shard_gb * 2**30), args.vocab, args.dry)
+    write_checkpoint(args.out, args.model, args.layers, int(args.shard_gb * 2**30), args.vocab, args.dry,
+                     args.qk_gamma)
     if not args.dry:
         total = sum(p.stat().st_size for p in args.out.glob("*.safetensors"))
         print(f"checkpoint: {args.out} ({total} bytes, {total / 2**30:.2f} GiB)")
