@@ -3,61 +3,62 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import json
-import math
 from importlib import metadata
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable, Iterable
 
 from llmexport.memory_plan import memory_plan, summary_line
 from llmexport.models.base import Architecture
 from llmexport.options import ExportOptions
-from llmexport.quant.scheme import QuantMethod, QuantScheme
-from llmexport.results import AdjustedBlock, ArchitectureSummary, ExportPlan, PlannedLinear, PlannedTable
-from llmexport.weight_sources import WeightSources
+from llmexport.quant.scheme import QuantScheme
+from llmexport.results import (
+    AdjustedBlock,
+    ArchitectureSummary,
+    ExportPlan,
+    PlannedLinear,
+    PlannedTable,
+    PlannedTower,
+    PrequantizedSummary,
+)
+from llmexport.schemes import Schemes
+from llmexport.spec import LinearSpec
+from llmexport.targets import OutputTarget
 
 
-def record_bytes(out_features: int, in_features: int, scheme: QuantScheme, bias: bool = False) -> int:
-    """Size of one linear record in llm.mnn.weight (see docs/output-format.md)."""
-    extra = 4 * out_features if bias else 0
-    if scheme.is_fp16:
-        return 2 * out_features * in_features + extra
-    block = scheme.block_for(in_features)
-    wide = out_features > 65535 or in_features > 65535
-    header = 1 + (8 if wide else 4) + 1 + 2 ** scheme.bits
-    levels = math.ceil(out_features * in_features * scheme.bits / 8)
-    alpha_size = 4 if scheme.method is QuantMethod.STORED else 2  # transcoded records keep fp32 alpha
-    alpha = out_features * (in_features // block) * (1 if scheme.sym else 2) * alpha_size
-    return header + levels + alpha + extra
+def export_plan(arch: Architecture, options: ExportOptions, schemes: Schemes, target: OutputTarget) -> ExportPlan:
+    """Every linear (text and towers) and table with its scheme, and their bytes in the target's files."""
+    linears, adjusted, records = _planned(arch.linears(), schemes.linear, target)
+    towers = {}
+    for tower in arch.towers():
+        tower_linears, tower_adjusted, tower_bytes = _planned(
+            tower.linears(), functools.partial(schemes.tower, tower.name), target)
+        towers[tower.name] = PlannedTower(tower_linears, tower_adjusted, tower_bytes)
+    tables, total = {}, records
+    for name, (table, choice) in schemes.tables().items():
+        rows, dim = table.shape
+        tables[name] = PlannedTable(rows, dim, choice.bits)
+        total += target.table_bytes(rows, dim, choice.bits, choice.block)
+    plan = ExportPlan(ArchitectureSummary.from_json(arch.describe()), linears, adjusted, tables, total,
+                      schemes.prequantized(), towers=towers)
+    return dataclasses.replace(plan, memory=memory_plan(arch, options, plan, records))
 
 
-def table_bytes(rows: int, dim: int, bits: int, block: int) -> int:
-    if bits == 16:
-        return rows * dim * 2
-    used = dim if block == 0 else block
-    return rows * dim * bits // 8 + rows * (dim // used) * 2 * 4
-
-
-def export_plan(arch: Architecture, options: ExportOptions, sources: WeightSources | None = None) -> ExportPlan:
-    sources = sources or WeightSources(arch, options)
-    linears, adjusted, records = [], [], 0
-    for spec in arch.linears():
-        scheme = sources.scheme(spec)
+def _planned(specs: Iterable[LinearSpec], scheme_of: Callable[[LinearSpec], QuantScheme], target: OutputTarget
+             ) -> tuple[tuple[PlannedLinear, ...], tuple[AdjustedBlock, ...], int]:
+    """One graph's linears as planned, the blocks adjusted to their widths, and their bytes."""
+    linears, adjusted, total = [], [], 0
+    for spec in specs:
+        scheme = scheme_of(spec)
         block = 0 if scheme.is_fp16 else scheme.block_for(spec.in_features)
         if not scheme.is_fp16 and scheme.block and block != scheme.block:
             adjusted.append(AdjustedBlock(spec.name, spec.in_features, requested=scheme.block, used=block))
-        records += record_bytes(spec.out_features, spec.in_features, scheme, spec.bias)
+        total += target.record_bytes(spec, scheme)
         linears.append(PlannedLinear(spec.name, spec.role, spec.out_features, spec.in_features, scheme.bits, block,
                                      scheme.sym, scheme.method))
-    tables, total = {}, records
-    for name, (table, choice) in sources.tables().items():
-        rows, dim = table.shape
-        tables[name] = PlannedTable(rows, dim, choice.bits)
-        total += table_bytes(rows, dim, choice.bits, choice.block)
-    plan = ExportPlan(ArchitectureSummary.from_json(arch.describe()), tuple(linears), tuple(adjusted), tables, total,
-                      sources.summary())
-    return dataclasses.replace(plan, memory=memory_plan(arch, options, plan, records))
+    return tuple(linears), tuple(adjusted), total
 
 
 def plan_summary(plan: ExportPlan) -> str:
@@ -66,37 +67,45 @@ def plan_summary(plan: ExportPlan) -> str:
     lines = [f"architecture: {a.family} (model_type {a.model_type}), {a.layers} layers, "
              f"hidden {a.hidden_size}, vocab {a.vocab_size}"]
     lines += [f"  layer {kind}" for kind in a.layer_kinds]
-    groups: dict[tuple, int] = {}
-    for linear in plan.linears:
-        key = (linear.role.value, linear.bits, linear.block, linear.sym, linear.method.value)
-        groups[key] = groups.get(key, 0) + 1
     lines.append("quantization (role: bits/block/sym/method x count):")
-    lines += [f"  {r}: fp16 (not quantized) x {n}" if b == 16 else
-              f"  {r}: {b} bits, block {bl}, {'sym' if s else 'asym'}, {m} x {n}"
-              for (r, b, bl, s, m), n in sorted(groups.items())]
-    for adj in plan.adjusted_blocks:
-        lines.append(f"  block {adj.requested} does not divide {adj.name} (width {adj.in_features}): using {adj.used}")
+    lines += _scheme_lines(plan.linears, plan.adjusted_blocks)
     for name, t in plan.tables.items():
         lines.append(f"table {name}: {t.rows} x {t.dim} at {t.bits} bits")
     lines += _prequantized_lines(plan.prequantized)
     lines.append(f"estimated size: {plan.estimated_bytes / 2**20:.1f} MiB")
+    for name, tower in plan.towers.items():
+        lines.append(f"tower {name}: {len(tower.linears)} linears, records {tower.record_bytes / 2**20:.1f} MiB "
+                     f"in {name}.mnn.weight (beside its converted constants):")
+        lines += _scheme_lines(tower.linears, tower.adjusted_blocks)
     if plan.memory is not None:
         lines.append(summary_line(plan.memory))
     return "\n".join(lines)
 
 
-def _prequantized_lines(pre: dict[str, Any] | None) -> list[str]:
+def _scheme_lines(linears: Iterable[PlannedLinear], adjusted: Iterable[AdjustedBlock]) -> list[str]:
+    """Linears grouped by role and scheme, then the blocks adjusted to a width."""
+    groups: dict[tuple, int] = {}
+    for linear in linears:
+        key = (linear.role.value, linear.bits, linear.block, linear.sym, linear.method.value)
+        groups[key] = groups.get(key, 0) + 1
+    lines = [f"  {r}: fp16 (not quantized) x {n}" if b == 16 else
+             f"  {r}: {b} bits, block {bl}, {'sym' if s else 'asym'}, {m} x {n}"
+             for (r, b, bl, s, m), n in sorted(groups.items())]
+    return lines + [f"  block {adj.requested} does not divide {adj.name} (width {adj.in_features}): using {adj.used}"
+                    for adj in adjusted]
+
+
+def _prequantized_lines(pre: PrequantizedSummary | None) -> list[str]:
     """What a pre-quantized (MLX) checkpoint keeps as stored and what it does not, with reasons."""
-    if not pre:
+    if pre is None:
         return []
-    lines = [f"MLX checkpoint, as stored by default: {pre['transcoded']} linear(s) keep their integers "
-             f"({pre['alpha']}); {len(pre['kept_float'])} float linear(s) stay fp16"]
-    for key, label in (("requantized", "requantized"), ("quantized_from_float", "quantized")):
-        lines += [f"  {label}: {e['name']} ({e['stored']} -> {e['bits']} bits, block {e['block']}): {e['reason']}"
-                  for e in pre[key]]
-    for name, t in pre["tables"].items():
-        how = "kept as stored" if t["kept"] else f"{t['bits']} bits: {t['reason']}"
-        lines.append(f"  table {name} ({t['stored']}): {how}")
+    lines = [f"MLX checkpoint, as stored by default: {pre.transcoded} linear(s) keep their integers "
+             f"({pre.alpha}); {len(pre.kept_float)} float linear(s) stay fp16"]
+    for changed, label in ((pre.requantized, "requantized"), (pre.quantized_from_float, "quantized")):
+        lines += [f"  {label}: {e.name} ({e.stored} -> {e.bits} bits, block {e.block}): {e.reason}" for e in changed]
+    for name, t in pre.tables.items():
+        how = "kept as stored" if t.kept else f"{t.bits} bits: {t.reason}"
+        lines.append(f"  table {name} ({t.stored}): {how}")
     return lines
 
 
@@ -127,7 +136,7 @@ def write_manifest(out: Path, options: ExportOptions, plan: ExportPlan) -> None:
                 "options": _jsonable(options.manifest_fields()),
                 "adjusted_blocks": [a.to_json() for a in plan.adjusted_blocks], "files": files}
     if plan.prequantized is not None:
-        manifest["prequantized"] = plan.prequantized
+        manifest["prequantized"] = plan.prequantized.to_json()
     (out / "manifest.json").write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
 
 

@@ -46,8 +46,9 @@ from __future__ import annotations
 from pathlib import Path
 
 from llmexport.errors import ResourceError
+from llmexport.mnn.config import RuntimeProfile
 from llmexport.models.base import Architecture
-from llmexport.options import ExportFormat, ExportOptions, RuntimeProfile
+from llmexport.options import ExportFormat, ExportOptions
 from llmexport.quant.scheme import QuantMethod
 from llmexport.quant.workers import worker_count
 from llmexport.results import ExportPlan, MemoryPlan

@@ -6,29 +6,15 @@ from dataclasses import dataclass, field
 from enum import Enum
 
 from llmexport.errors import UsageError
+from llmexport.mnn.config import RuntimeProfile
+from llmexport.mnn.limits import TABLE_BITS
 from llmexport.quant.recipes import QuantPlan, QuantRule
 from llmexport.quant.scheme import QuantScheme
-from llmexport.spec import LinearRole, LinearSpec
-
-EMBED_BITS = (16, 8, 4)
 
 
 class ExportFormat(str, Enum):
     MNN = "mnn"
     ONNX = "onnx"
-
-
-class RuntimeProfile(str, Enum):
-    """How MNN's runtime executes the quantized linears (``config.json``; see llmexport.mnn.config).
-
-    ``FAST``: MNN's low-memory kernels, which keep the 4/8-bit weights packed and quantize each
-    linear's input to 8 bits on the fly (``memory: low``); several times faster to decode, at a
-    measured logit cost (docs/benchmarks.md). ``EXACT``: weights dequantized to float at load and
-    float matmuls (``memory: normal``): the logits of the stored weights, slower and larger in memory.
-    """
-
-    FAST = "fast"
-    EXACT = "exact"
 
 
 class ChatThinking(str, Enum):
@@ -59,7 +45,7 @@ class ExportOptions:
     ``runtime_profile`` picks the runtime's kernels for quantized linears (written to config.json).
 
     An already-quantized (MLX) checkpoint keeps its stored integers per module by default (see
-    llmexport.weight_sources): explicit rules, ``lm_quant`` and ``embed_bit`` override that for
+    llmexport.schemes): explicit rules, ``lm_quant`` and ``embed_bit`` override that for
     what they name, and ``requantize`` dequantizes everything and applies the scheme above.
 
     ``trust_remote_code`` lets ``verify`` run a checkpoint's own modeling code where the family's
@@ -101,8 +87,9 @@ class ExportOptions:
                 scheme.validate()
             except ValueError as exc:
                 raise UsageError(f"{flag}: {exc}") from None
-        if self.table_bits not in EMBED_BITS:
-            raise UsageError(f"--embed_bit: {self.table_bits} is not one of {', '.join(map(str, EMBED_BITS))} "
+        table_bits = self.embed_bit if self.embed_bit is not None else self.recipe_embed_bit
+        if table_bits is not None and table_bits not in TABLE_BITS:
+            raise UsageError(f"--embed_bit: {table_bits} is not one of {', '.join(map(str, TABLE_BITS))} "
                              "(MNN 3.6.1 decodes 2- and 3-bit tables wrongly)")
         for flag, bits in (("--visual_quant_bit", self.visual_quant_bit), ("--audio_quant_bit", self.audio_quant_bit)):
             if bits not in (4, 8, 16):
@@ -120,24 +107,6 @@ class ExportOptions:
             raise UsageError(f"--chat_thinking: {self.chat_thinking!r} is not one of "
                              f"{', '.join(t.value for t in ChatThinking)}")
         return self
-
-    @property
-    def table_bits(self) -> int:
-        """Bits of the embedding/PLE tables."""
-        if self.embed_bit is not None:
-            return self.embed_bit
-        return self.recipe_embed_bit if self.recipe_embed_bit is not None else 16
-
-    def scheme_for(self, spec: LinearSpec) -> QuantScheme:
-        """The quantization scheme of one linear layer."""
-        if spec.role is LinearRole.LM_HEAD and self.lm_quant is not None:
-            return self.lm_quant
-        return QuantPlan(self.quant, self.rules).scheme_for(spec)
-
-    def tower_scheme(self, tower: str) -> QuantScheme:
-        """Scheme of every linear of a multimodal tower ("visual", "audio")."""
-        bits = {"visual": self.visual_quant_bit, "audio": self.audio_quant_bit}.get(tower, self.quant.bits)
-        return QuantScheme(bits=bits, block=self.quant.block, sym=self.quant.sym, method=self.quant.method)
 
     def manifest_fields(self) -> dict:
         """The options that decide the exported bytes, as recorded in manifest.json."""

@@ -4,7 +4,7 @@ Plain data that every layer may import (the pipeline builds them, the API and th
 them). ``to_json()`` gives the JSON-ready dict that is printed and written (``verify.json`` is
 written in this key order; the manifest copies parts of the plan) and ``from_json()`` reads one
 back. Sections that other modules produce and only pass through to JSON (the towers' reports,
-the pre-quantized checkpoint's summaries, the family-specific architecture fields) stay dicts.
+the verification's pre-quantized summary, the family-specific architecture fields) stay dicts.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Mapping, Sequence, TypeVar
 
-from llmexport.options import RuntimeProfile
+from llmexport.mnn.config import RuntimeProfile
 from llmexport.quant.scheme import QuantMethod
 from llmexport.spec import LinearRole
 
@@ -105,6 +105,56 @@ class PlannedTable(_PlainFields):
 
 
 @dataclass(frozen=True)
+class ChangedLinear(_PlainFields):
+    """A linear of a pre-quantized checkpoint written with the export's scheme instead of as stored."""
+
+    name: str
+    stored: str
+    reason: str
+    bits: int
+    block: int
+
+
+@dataclass(frozen=True)
+class PrequantizedTable(_PlainFields):
+    """How a pre-quantized checkpoint's token table is written: kept as stored, or why not."""
+
+    stored: str | None
+    bits: int
+    block: int
+    kept: bool
+    reason: str | None
+
+
+@dataclass(frozen=True)
+class PrequantizedSummary:
+    """What a pre-quantized (MLX) checkpoint keeps as stored and what it does not, with the reasons
+    (llmexport.schemes.Schemes.prequantized; the plan, ``--dry-run`` and the manifest)."""
+
+    format: str
+    default: str
+    alpha: str
+    transcoded: int
+    kept_float: tuple[str, ...]
+    requantized: tuple[ChangedLinear, ...]
+    quantized_from_float: tuple[ChangedLinear, ...]
+    tables: Mapping[str, PrequantizedTable]
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> PrequantizedSummary:
+        return cls(data["format"], data["default"], data["alpha"], data["transcoded"], tuple(data["kept_float"]),
+                   tuple(ChangedLinear.from_json(e) for e in data["requantized"]),
+                   tuple(ChangedLinear.from_json(e) for e in data["quantized_from_float"]),
+                   {name: PrequantizedTable.from_json(t) for name, t in data["tables"].items()})
+
+    def to_json(self) -> dict[str, Any]:
+        return {"format": self.format, "default": self.default, "alpha": self.alpha, "transcoded": self.transcoded,
+                "kept_float": list(self.kept_float), "requantized": [e.to_json() for e in self.requantized],
+                "quantized_from_float": [e.to_json() for e in self.quantized_from_float],
+                "tables": {name: t.to_json() for name, t in self.tables.items()}}
+
+
+@dataclass(frozen=True)
 class MemoryPlan(_PlainFields):
     """Expected peak resident memory, in bytes (llmexport.memory_plan): of the export, of
     ``--verify`` (None when the export is not verified) and of its optional run on MNN's exact
@@ -116,10 +166,30 @@ class MemoryPlan(_PlainFields):
 
 
 @dataclass(frozen=True)
+class PlannedTower:
+    """A multimodal tower's linears with their schemes, and the exact bytes of their records in
+    ``{name}.mnn.weight`` (which also holds the constants MNN's converter moves out of the graph)."""
+
+    linears: tuple[PlannedLinear, ...]
+    adjusted_blocks: tuple[AdjustedBlock, ...]
+    record_bytes: int
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> PlannedTower:
+        return cls(tuple(PlannedLinear.from_json(x) for x in data["linears"]),
+                   tuple(AdjustedBlock.from_json(x) for x in data["adjusted_blocks"]), data["record_bytes"])
+
+    def to_json(self) -> dict[str, Any]:
+        return {"linears": [x.to_json() for x in self.linears],
+                "adjusted_blocks": [x.to_json() for x in self.adjusted_blocks], "record_bytes": self.record_bytes}
+
+
+@dataclass(frozen=True)
 class ExportPlan:
     """What an export writes (``--dry-run`` prints it): the architecture, each linear's scheme, the
     adjusted blocks, the tables and the exact size of the weight files; ``prequantized``: what a
-    pre-quantized (MLX) checkpoint keeps as stored (llmexport.weight_sources.WeightSources.summary);
+    pre-quantized (MLX) checkpoint keeps as stored (llmexport.schemes.Schemes.prequantized); ``towers``:
+    each multimodal tower's linears and record bytes;
     ``memory``: the expected peak memory of the export and its verification."""
 
     architecture: ArchitectureSummary
@@ -127,26 +197,30 @@ class ExportPlan:
     adjusted_blocks: tuple[AdjustedBlock, ...]
     tables: Mapping[str, PlannedTable]
     estimated_bytes: int
-    prequantized: dict[str, Any] | None = None
+    prequantized: PrequantizedSummary | None = None
     memory: MemoryPlan | None = None
+    towers: Mapping[str, PlannedTower] = field(default_factory=dict)
 
     @classmethod
     def from_json(cls, data: Mapping[str, Any]) -> ExportPlan:
-        memory = data.get("memory")
+        memory, pre = data.get("memory"), data.get("prequantized")
         return cls(ArchitectureSummary.from_json(data["architecture"]),
                    tuple(PlannedLinear.from_json(x) for x in data["linears"]),
                    tuple(AdjustedBlock.from_json(x) for x in data["adjusted_blocks"]),
                    {name: PlannedTable.from_json(t) for name, t in data["tables"].items()},
-                   data["estimated_bytes"], data.get("prequantized"),
-                   None if memory is None else MemoryPlan.from_json(memory))
+                   data["estimated_bytes"], None if pre is None else PrequantizedSummary.from_json(pre),
+                   None if memory is None else MemoryPlan.from_json(memory),
+                   {name: PlannedTower.from_json(t) for name, t in data.get("towers", {}).items()})
 
     def to_json(self) -> dict[str, Any]:
         out = {"architecture": self.architecture.to_json(), "linears": [x.to_json() for x in self.linears],
                "adjusted_blocks": [x.to_json() for x in self.adjusted_blocks],
                "tables": {name: t.to_json() for name, t in self.tables.items()},
                "estimated_bytes": self.estimated_bytes}
+        if self.towers:
+            out["towers"] = {name: t.to_json() for name, t in self.towers.items()}
         if self.prequantized is not None:
-            out["prequantized"] = self.prequantized
+            out["prequantized"] = self.prequantized.to_json()
         if self.memory is not None:
             out["memory"] = self.memory.to_json()
         return out

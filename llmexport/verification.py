@@ -22,12 +22,11 @@ from llmexport.errors import UsageError, VerificationFailed
 from llmexport.importers.mlx import compare_with_source
 from llmexport.loading import open_architecture
 from llmexport.memory_plan import exact_kernels_refusal
-from llmexport.mnn.config import EXACT_KERNELS, LLM_WEIGHT, profile_of
+from llmexport.mnn.config import EXACT_KERNELS, LLM_WEIGHT, RuntimeProfile, profile_of
 from llmexport.mnn.readback import StoredTensors
 from llmexport.mnn.runtime import run_runtime
 from llmexport.mnn.tokenizer_stream import StreamModel
 from llmexport.models.base import Architecture
-from llmexport.options import RuntimeProfile
 from llmexport.results import Bounds, LogitStats, RunComparison, StepStats, TokenizerCheck, VerifyReport
 from llmexport.streamed_reference import mapped_blocks, streamed_reference
 from llmexport.verification_conversation import (

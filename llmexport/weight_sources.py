@@ -1,181 +1,27 @@
-"""Where each exported weight comes from and how it is written ("as stored" for MLX checkpoints).
-
-For an ordinary checkpoint this is the family's ``linear_weight`` and the options' scheme. For an
-MLX-quantized checkpoint (llmexport.importers.mlx) the default is *as stored*: every quantized linear
-and embedding table keeps MLX's integers and affine map (``QuantMethod.STORED``, alpha in fp32),
-and what MLX left in floats (its predicate skips layers whose width the group does not divide and
-modules without ``to_quantized``, such as K2-Horizon's routers) stays in floats: fp16 linear
-records, bf16 tables. The export is then the model the user validated.
-
-A tensor is instead dequantized (fp32) and written with the export's scheme (``--quant_bit``,
-``--quant_block``, ``--quant_config``, ``--embed_bit``), and the plan, manifest and verification
-report list it with the reason, when
-
-* MNN cannot hold the stored form: bits other than 2, 3, 4, 8 (MLX also has 5 and 6), tables and
-  a tied lm_head (which the runtime also reads as the token embedding) at other than 4 or 8 bits,
-  parts joined into one linear (Gemma4's expert gate/up) stored in different formats;
-* the user asked for it: ``requantize`` (``--requantize``: everything), a ``--quant_config`` rule
-  or recipe rule that matches the linear, ``--lm_quant_bit``/``--lm_quant_block`` (lm_head),
-  ``--embed_bit`` or a quant_config ``embed_bit`` (tables).
-"""
+"""Where each exported linear's weights come from: the family's checkpoint tensors, or, for a
+linear an MLX-quantized checkpoint keeps as stored (llmexport.schemes), MLX's own integers."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any, Callable, Iterable
+from typing import Any
 
 import torch
 
-from llmexport.checkpoint import LazyTensor
-from llmexport.importers.mlx import MlxLazy, MlxWeights, stored_format, tables_format
-from llmexport.mnn.token_table import JoinedColumns, token_table
 from llmexport.models.base import Architecture
-from llmexport.options import ExportOptions
-from llmexport.quant.scheme import ALLOWED_BLOCKS, FP16_BITS, QUANT_BITS, QuantMethod, QuantScheme
-from llmexport.quant.transcode import transcode
-from llmexport.spec import LinearRole, LinearSpec, QuantInfo
-
-#: widths at which MNN 3.6.1's DiskEmbedding decodes a quantized table correctly
-TABLE_BITS = (4, 8)
-ALPHA_NOTE = ("transcoded records keep MLX's integers; their alpha [zero, scale] is stored in fp32 "
-              "(zero = bias + 2^(bits-1) * scale needs more mantissa than fp16 has, and bf16 scales can "
-              "exceed fp16's range)")
-
-
-@dataclass(frozen=True)
-class Choice:
-    """How one linear is written: its scheme, the source format, and why it is not transcoded."""
-
-    scheme: QuantScheme
-    stored: str
-    reason: str | None = None  # None: kept as stored (same integers, or fp16 for a float source)
-
-
-@dataclass(frozen=True)
-class TableChoice:
-    """How one embedding table is written: bits, block, row chunks and the quantizer."""
-
-    bits: int
-    block: int
-    chunks: Callable[[], Iterable[Any]]
-    quantizer: Callable | None = None
-    stored: str | None = None
-    reason: str | None = None
+from llmexport.schemes import Schemes
 
 
 class WeightSources:
-    """Weights and schemes of an export's linears and tables (see the module docstring)."""
+    """The weights of an export's text linears, as its schemes need them."""
 
-    def __init__(self, arch: Architecture, options: ExportOptions):
-        self.arch, self.options = arch, options
-        weights = arch.checkpoint.weights
-        self.mlx = weights if isinstance(weights, MlxWeights) else None
-        self.choices: dict[str, Choice] = {}
-        if self.mlx is not None:
-            self.choices = {spec.name: self._choose(self.mlx, spec) for spec in arch.linears()}
-
-    # --- linears ---------------------------------------------------------------------------------
-    def _choose(self, mlx: MlxWeights, spec: LinearSpec) -> Choice:
-        infos = mlx.quantization(self.arch.linear_source(spec.name).weight)
-        reason = self._requested(spec) or self._unfit(spec, infos)
-        if reason is not None:
-            return Choice(self.options.scheme_for(spec), stored_format(infos), reason)
-        if infos[0] is None:  # float in MLX: kept as fp16
-            return Choice(QuantScheme(FP16_BITS), stored_format(infos))
-        info = infos[0]
-        return Choice(QuantScheme(info.bits, info.group, method=QuantMethod.STORED), str(info))
-
-    def _requested(self, spec: LinearSpec) -> str | None:
-        """Why the user's options take this linear off "as stored", if they do."""
-        o = self.options
-        if o.requantize:
-            return "requantize requested"
-        rule = next((r for r in o.rules if r.matches(spec)), None)
-        if rule is not None:
-            return f"quant_config rule {rule.match!r}"
-        if spec.role is LinearRole.LM_HEAD and o.lm_quant is not None:
-            return "--lm_quant_bit/--lm_quant_block"
-        return None
-
-    def _unfit(self, spec: LinearSpec, infos: tuple[QuantInfo | None, ...]) -> str | None:
-        """Why MNN cannot hold the stored integers of this linear, if it cannot."""
-        if len(set(infos)) > 1:
-            return "its joined parts are stored in different formats"
-        info = infos[0]
-        if info is None:
-            return None
-        if info.bits not in QUANT_BITS:
-            return f"{info.bits}-bit: MNN linears take {', '.join(map(str, QUANT_BITS))} bits"
-        if info.group not in ALLOWED_BLOCKS:
-            return f"group {info.group}: MNN blocks are {', '.join(map(str, ALLOWED_BLOCKS[1:]))}"
-        if spec.role is LinearRole.LM_HEAD and self.arch.tied_embedding and info.bits not in TABLE_BITS:
-            return f"{info.bits}-bit tied lm_head: the runtime reads it as the token embedding, at 4 or 8 bits only"
-        return None
-
-    def scheme(self, spec: LinearSpec) -> QuantScheme:
-        choice = self.choices.get(spec.name)
-        return choice.scheme if choice is not None else self.options.scheme_for(spec)
+    def __init__(self, arch: Architecture, schemes: Schemes):
+        self.arch, self.schemes = arch, schemes
 
     def weight(self, name: str) -> tuple[Any, torch.Tensor | None]:
         """A transcoded linear's ``Prequantized`` integers (and bias), else the family's weights."""
-        choice = self.choices.get(name)
-        if self.mlx is None or choice is None or choice.scheme.method is not QuantMethod.STORED:
+        mlx = self.schemes.mlx
+        if mlx is None or not self.schemes.stored(name):
             return self.arch.linear_weight(name)
         source = self.arch.linear_source(name)
-        bias = self.mlx.tensor(source.bias) if source.bias else None
-        return self.mlx.prequantized(source.weight, source.expert), bias
-
-    # --- tables ----------------------------------------------------------------------------------
-    def table(self, lazy: LazyTensor) -> TableChoice:
-        o = self.options
-        plain = TableChoice(o.table_bits, o.quant.block, lazy.row_chunks)
-        if self.mlx is None or not isinstance(lazy, MlxLazy):
-            return plain
-        info = lazy.quantization[0]
-        reason = None
-        if o.requantize:
-            reason = "requantize requested"
-        elif o.embed_bit is not None or o.recipe_embed_bit is not None:
-            reason = "--embed_bit / quant_config embed_bit"
-        elif info is not None and info.bits not in TABLE_BITS:
-            reason = f"{info.bits}-bit: MNN 3.6.1 decodes tables at 4 or 8 bits only (else bf16)"
-        stored = stored_format(lazy.quantization)
-        if reason is not None:
-            return TableChoice(o.table_bits, o.quant.block, lazy.row_chunks, None, stored, reason)
-        if info is None:  # float in MLX: kept as bf16
-            return TableChoice(16, 0, lazy.row_chunks, None, stored)
-        return TableChoice(info.bits, info.group, lazy.quantized_chunks, transcode, stored)
-
-    def tables(self) -> dict[str, tuple[Any, TableChoice]]:
-        """The table the runtime reads per token (mnn/token_table.py: the embedding of untied
-        models, joined with the PLE rows where there are any) with how it is written."""
-        table = token_table(self.arch)
-        if table is None:
-            return {}
-        choice = self.table(table)
-        if isinstance(table, JoinedColumns) and any(isinstance(p, MlxLazy) for p in table.parts):
-            choice = TableChoice(choice.bits, choice.block, choice.chunks, None, tables_format(table.parts),
-                                 "joined with the PLE rows into one table (docs/output-format.md)")
-        return {"embedding": (table, choice)}
-
-    # --- report ----------------------------------------------------------------------------------
-    def summary(self) -> dict[str, Any] | None:
-        """What keeps its stored form and what does not, with reasons (plan and manifest);
-        None for a checkpoint that is not pre-quantized."""
-        if self.mlx is None:
-            return None
-        specs = {spec.name: spec for spec in self.arch.linears()}
-
-        def entry(name: str, c: Choice) -> dict[str, Any]:
-            block = 0 if c.scheme.is_fp16 else c.scheme.block_for(specs[name].in_features)
-            return {"name": name, "stored": c.stored, "reason": c.reason, "bits": c.scheme.bits, "block": block}
-
-        changed = [entry(n, c) for n, c in self.choices.items() if c.reason is not None]
-        tables = {name: {"stored": t.stored, "bits": t.bits, "block": t.block, "kept": t.reason is None,
-                         "reason": t.reason} for name, (_, t) in self.tables().items()}
-        return {"format": "mlx-affine", "default": "as stored", "alpha": ALPHA_NOTE,
-                "transcoded": sum(c.scheme.method is QuantMethod.STORED for c in self.choices.values()),
-                "kept_float": [n for n, c in self.choices.items() if c.reason is None and c.scheme.is_fp16],
-                "requantized": [e for e in changed if e["stored"] != "unquantized"],
-                "quantized_from_float": [e for e in changed if e["stored"] == "unquantized"],
-                "tables": tables}
+        bias = mlx.tensor(source.bias) if source.bias else None
+        return mlx.prequantized(source.weight, source.expert), bias

@@ -144,7 +144,7 @@ def test_tower_sections_keep_their_layout(exported):
 
 def test_summary_line_reports_a_failed_audio_prompt():
     """A disagreement on the audio prompt (HF's framing) makes the summary line FAIL and say so."""
-    from llmexport.options import RuntimeProfile
+    from llmexport.mnn.config import RuntimeProfile
     from llmexport.results import Bounds, LogitStats, RunComparison, StepStats, TokenizerCheck, VerifyReport
     from llmexport.verification import judge
 

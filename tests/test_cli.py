@@ -12,7 +12,7 @@ import pytest
 from click.testing import CliRunner
 
 from llmexport.cli import main
-from llmexport.options import RuntimeProfile
+from llmexport.mnn.config import RuntimeProfile
 from llmexport.results import VerifyReport
 from llmexport.verification import summary_line
 

@@ -8,7 +8,7 @@ import json
 import pytest
 
 from llmexport import ExportOptions, export
-from llmexport.options import RuntimeProfile
+from llmexport.mnn.config import RuntimeProfile
 from llmexport.quant.scheme import QuantScheme
 from llmexport.verification import summary_line, verify_export
 

@@ -9,7 +9,8 @@ import torch
 
 from llmexport.mnn.weight_reader import read_linear
 from llmexport.mnn.weights import WeightFileWriter
-from llmexport.quant.hqq import quantize_hqq, quantizer_for
+from llmexport.quant.hqq import quantize_hqq
+from llmexport.quant.methods import quantizer_for
 from llmexport.quant.rtn import dequantize, quantize_rtn
 from llmexport.quant.scheme import QuantMethod, QuantScheme
 
@@ -132,6 +133,8 @@ def test_sym_falls_back_to_rtn_and_dispatch() -> None:
     assert quantizer_for(QuantMethod.HQQ) is quantize_hqq
     assert quantizer_for(QuantMethod.RTN) is quantize_rtn
     assert quantizer_for("hqq") is quantize_hqq
+    with pytest.raises(ValueError, match="'stored' has no quantizer"):
+        quantizer_for(QuantMethod.STORED)
     # iters=0 is RTN exactly
     zero_iters = quantize_hqq(w, 4, 64, iters=0)
     rtn = quantize_rtn(w, 4, 64)

@@ -21,18 +21,22 @@ ALLOWED: dict[str, tuple[str, ...]] = {
     "llmexport.errors": (),
     "llmexport.input_files": ("llmexport.errors",),
     "llmexport.checkpoint": ("llmexport.errors", "llmexport.input_files", "llmexport.spec"),
-    "llmexport.quant": ("llmexport.quant", "llmexport.spec", "llmexport.errors"),
+    "llmexport.quant": ("llmexport.quant", "llmexport.spec", "llmexport.errors", "llmexport.mnn.limits"),
     "llmexport.importers": ("llmexport.importers", "llmexport.spec", "llmexport.errors", "llmexport.checkpoint",
                             "llmexport.quant"),
     "llmexport.mnn": ("llmexport.mnn", "llmexport.spec", "llmexport.errors", "llmexport.quant",
-                      "llmexport.input_files", "llmexport.options", "llmexport.ops"),
+                      "llmexport.input_files", "llmexport.ops"),
+    # MNN's format limits and config keys, read by the options that are checked against them
+    "llmexport.mnn.limits": (),
+    "llmexport.mnn.config": (),
     "llmexport.ops": ("llmexport.spec",),
     "llmexport.media": ("llmexport.media", "llmexport.errors"),
     "llmexport.reference": ("llmexport.reference",),
     "llmexport.models": ("llmexport.models", "llmexport.spec", "llmexport.errors", "llmexport.checkpoint",
                          "llmexport.input_files", "llmexport.ops", "llmexport.media", "llmexport.reference"),
     "llmexport.tiny": ("llmexport.tiny", "llmexport.reference", "llmexport.mnn.tokenizer_pipeline"),
-    "llmexport.options": ("llmexport.options", "llmexport.errors", "llmexport.spec", "llmexport.quant"),
+    "llmexport.options": ("llmexport.options", "llmexport.errors", "llmexport.spec", "llmexport.quant",
+                          "llmexport.mnn.limits", "llmexport.mnn.config"),
 }
 #: what nothing below the entry points may import
 ENTRY_POINTS = {"llmexport.cli": 0, "llmexport.run_cli": 0, "llmexport.api": 1, "llmexport.pipeline": 2}
@@ -118,6 +122,8 @@ def test_rules_cover_the_lower_layers():
     where it stands."""
     upper = ("llmexport", "llmexport.cli", "llmexport.api", "llmexport.pipeline", "llmexport.export_plan",
              "llmexport.memory_plan", "llmexport.loading", "llmexport.weight_sources", "llmexport.streamed_reference",
+             "llmexport.schemes", "llmexport.targets", "llmexport.targets.base", "llmexport.targets.mnn_target",
+             "llmexport.targets.onnx_target",
              "llmexport.verification", "llmexport.verification_media", "llmexport.verification_towers",
              "llmexport.results", "llmexport.onnx_export", "llmexport.eager", "llmexport.staging",
              "llmexport.progress", "llmexport.run_cli")

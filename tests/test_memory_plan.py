@@ -13,6 +13,7 @@ from click.testing import CliRunner
 
 import llmexport
 import llmexport.pipeline as pipeline
+import llmexport.targets.mnn_target as mnn_target
 from llmexport.cli import main
 from llmexport.errors import ResourceError
 from llmexport.memory_plan import GIB, MIB, available_bytes, gib
@@ -59,7 +60,7 @@ def test_an_export_that_would_not_fit_is_refused_before_it_starts(tiny_decoder, 
     def never(*args, **kwargs):
         raise AssertionError("a heavy stage ran")
 
-    monkeypatch.setattr(pipeline, "_export_mnn", never)
+    monkeypatch.setattr(mnn_target.MnnTarget, "write", never)
     dst = tmp_path / "out"
     path = tiny_decoder("llama3")
     result = CliRunner().invoke(main, ["--path", str(path), "--dst_path", str(dst), "--max_memory", "0.001"])
@@ -76,7 +77,7 @@ def test_a_verification_that_would_not_fit_is_refused_before_the_export(tiny_dec
     memory = llmexport.plan(path, ExportOptions(verify=True)).memory
     if memory.verify_bytes <= memory.export_bytes:
         pytest.skip("the verification's estimate is not above the export's")
-    monkeypatch.setattr(pipeline, "_export_mnn", lambda *args: pytest.fail("a heavy stage ran"))
+    monkeypatch.setattr(mnn_target.MnnTarget, "write", lambda *args: pytest.fail("a heavy stage ran"))
     limit = (memory.export_bytes + memory.verify_bytes) / 2 / GIB
     dst = tmp_path / "out"
     result = CliRunner().invoke(main, ["--path", str(path), "--dst_path", str(dst), "--verify",
@@ -126,7 +127,7 @@ def test_memory_running_out_in_a_stage_is_a_resource_error(tiny_decoder, tmp_pat
     def write_tables(*args):
         raise exc
 
-    monkeypatch.setattr(pipeline, "_write_tables", write_tables)
+    monkeypatch.setattr(mnn_target, "write_tables", write_tables)
     dst = tmp_path / "out"
     dst.mkdir()
     (dst / "previous.txt").write_text("old export")
@@ -154,6 +155,6 @@ def test_other_runtime_errors_stay_internal_errors(tiny_decoder, tmp_path, monke
     def write_tables(*args):
         raise RuntimeError("shape mismatch")
 
-    monkeypatch.setattr(pipeline, "_write_tables", write_tables)
+    monkeypatch.setattr(mnn_target, "write_tables", write_tables)
     result = CliRunner().invoke(main, ["--path", str(tiny_decoder("llama3")), "--dst_path", str(tmp_path / "out")])
     assert result.exit_code == 1 and "internal error: RuntimeError: shape mismatch" in result.output

@@ -253,11 +253,11 @@ def test_mlx_checkpoint_exports_as_stored_and_verifies(mlx_checkpoints, tmp_path
     mlx_path, to_mlx = mlx_checkpoints(case)
     result = export(mlx_path, tmp_path / "out", ExportOptions())
     pre = result.plan.prequantized
-    requantized = {e["name"]: e["reason"] for e in pre["requantized"]}
+    requantized = {e.name: e.reason for e in pre.requantized}
     assert set(requantized) >= set(CASES[case]) and all(r in requantized[n] for n, r in CASES[case].items())
-    assert not pre["quantized_from_float"]
+    assert not pre.quantized_from_float
     transcoded = {linear.name for linear in result.plan.linears if linear.method is QuantMethod.STORED}
-    assert len(transcoded) == pre["transcoded"] > 0
+    assert len(transcoded) == pre.transcoded > 0
     assert _check_records(result.dst, mlx_path, to_mlx, transcoded) == len(transcoded)
     written = sum(p.stat().st_size for p in result.dst.iterdir() if p.name == "llm.mnn.weight" or p.suffix == ".bin")
     assert result.plan.estimated_bytes == written
@@ -265,14 +265,14 @@ def test_mlx_checkpoint_exports_as_stored_and_verifies(mlx_checkpoints, tmp_path
     assert manifest["prequantized"]["transcoded"] == len(transcoded)
 
     report = verify_export(result.dst, mlx_path, steps=24, trust_remote_code=True)
-    print(f"\n{case}: {summary_line(report)}; {pre['transcoded']} transcoded, requantized {sorted(requantized)}")
+    print(f"\n{case}: {summary_line(report)}; {pre.transcoded} transcoded, requantized {sorted(requantized)}")
     assert all(step.top1_match for step in report.exact_kernels.per_step)
     assert report.exact_kernels.max_abs_err < 0.2 and report.passed
     assert report.prequantized["fp32_alpha_records"] == len(transcoded)
     changed = report.prequantized["linears_changed"]
     assert not set(changed) & transcoded and set(changed) >= set(requantized)
     for name, table in report.prequantized["tables"].items():
-        assert table["exact"] == pre["tables"][name]["kept"], name
+        assert table["exact"] == pre.tables[name].kept, name
 
 
 def test_explicit_options_override_as_stored(mlx_checkpoints):
@@ -281,10 +281,10 @@ def test_explicit_options_override_as_stored(mlx_checkpoints):
     from llmexport.cli import main
 
     mlx_path, _ = mlx_checkpoints("26b-a4b:q4")
-    assert plan(mlx_path, ExportOptions(requantize=True)).prequantized["transcoded"] == 0
+    assert plan(mlx_path, ExportOptions(requantize=True)).prequantized.transcoded == 0
     rule = QuantRule("*.self_attn.o_proj", QuantScheme(8, 32))
     pre = plan(mlx_path, ExportOptions(rules=(rule,), lm_quant=QuantScheme(8, 64))).prequantized
-    reasons = {e["name"]: e["reason"] for e in pre["requantized"]}
+    reasons = {e.name: e.reason for e in pre.requantized}
     assert reasons["lm_head"] == "--lm_quant_bit/--lm_quant_block"
     assert reasons["model.language_model.layers.0.self_attn.o_proj"] == "quant_config rule '*.self_attn.o_proj'"
     result = CliRunner().invoke(main, ["--path", str(mlx_path), "--dst_path", "unused", "--dry-run", "--requantize"])

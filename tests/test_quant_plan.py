@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 from llmexport.options import ExportOptions
 from llmexport.quant.recipes import QuantPlan, QuantRule, load_quant_config, recipe
 from llmexport.quant.scheme import QuantMethod, QuantScheme
+from llmexport.schemes import requested_scheme, requested_table_bits, tower_scheme
 from llmexport.spec import LinearRole, LinearSpec
 
 DEFAULT = QuantScheme(4, 64)
@@ -104,7 +105,14 @@ def test_bad_quant_config_names_file_and_problem(tmp_path, content, needle):
 
 def test_options_lm_override_and_table_bits():
     options = ExportOptions(quant=DEFAULT, lm_quant=QuantScheme(8, 128)).with_plan(recipe("mlp4-attn8", DEFAULT))
-    assert options.scheme_for(LM) == QuantScheme(8, 128)
-    assert options.table_bits == 8
-    assert ExportOptions().table_bits == 16
-    assert ExportOptions(embed_bit=4).with_plan(recipe("mlp4-attn8", DEFAULT)).table_bits == 4
+    assert requested_scheme(options, LM) == QuantScheme(8, 128)
+    assert requested_table_bits(options) == 8
+    assert requested_table_bits(ExportOptions()) == 16
+    assert requested_table_bits(ExportOptions(embed_bit=4).with_plan(recipe("mlp4-attn8", DEFAULT))) == 4
+
+
+def test_tower_schemes_take_the_tower_bits_and_the_default_rest():
+    options = ExportOptions(quant=QuantScheme(4, 32, sym=True, method=QuantMethod.HQQ), visual_quant_bit=8,
+                            audio_quant_bit=16)
+    assert tower_scheme(options, "visual") == QuantScheme(8, 32, sym=True, method=QuantMethod.HQQ)
+    assert tower_scheme(options, "audio").is_fp16

@@ -18,12 +18,14 @@ import llmexport
 from llmexport.checkpoint import Checkpoint
 from llmexport.export_plan import plan_summary
 from llmexport.loading import open_architecture
-from llmexport.options import ExportOptions, RuntimeProfile
+from llmexport.mnn.config import RuntimeProfile
+from llmexport.options import ExportOptions
 from llmexport.quant.scheme import QuantMethod, QuantScheme
 from llmexport.results import (
     AdjustedBlock,
     ArchitectureSummary,
     Bounds,
+    ChangedLinear,
     ConversationCheck,
     ConversationTurn,
     ExportPlan,
@@ -31,6 +33,9 @@ from llmexport.results import (
     MemoryPlan,
     PlannedLinear,
     PlannedTable,
+    PlannedTower,
+    PrequantizedSummary,
+    PrequantizedTable,
     RunComparison,
     StepStats,
     TokenizerCheck,
@@ -45,7 +50,8 @@ REPORT_KEYS = ["prompt_tokens", "steps", "tokenizer", "runtime_profile", "oracle
                "[prequantized]", "[exact_kernels]", "[conversation]", "bounds", "failures", "passed"]
 RUN_KEYS = ["greedy_ref", "greedy_mnn", "greedy_match", "top1_agreement", "max_abs_err", "mean_abs_err", "per_step"]
 STEP_KEYS = ["max_abs_err", "mean_abs_err", "ref_top2_margin", "top1_match", "mnn_top1", "ref_top1"]
-PLAN_KEYS = ["architecture", "linears", "adjusted_blocks", "tables", "estimated_bytes", "[prequantized]", "[memory]"]
+PLAN_KEYS = ["architecture", "linears", "adjusted_blocks", "tables", "estimated_bytes", "[towers]", "[prequantized]",
+             "[memory]"]
 LINEAR_KEYS = ["name", "role", "shape", "bits", "block", "sym", "method"]
 
 floats = st.floats(allow_nan=False, allow_infinity=False)
@@ -81,22 +87,23 @@ _KNOWN = set(ArchitectureSummary._HEAD + ArchitectureSummary._TAIL)
 architectures = st.builds(ArchitectureSummary, names, names, small, small, small, st.booleans(),
                           st.lists(names, max_size=3).map(tuple),
                           st.dictionaries(names.filter(lambda k: k not in _KNOWN), json_values, max_size=3))
-# WeightSources.summary() of a pre-quantized (MLX) checkpoint: passed through, printed by the dry run
-_changed = st.fixed_dictionaries({"name": names, "stored": names, "reason": names, "bits": small, "block": small})
-prequantized = st.fixed_dictionaries({
-    "format": names, "default": names, "alpha": names, "transcoded": small, "kept_float": st.lists(names, max_size=2),
-    "requantized": st.lists(_changed, max_size=2), "quantized_from_float": st.lists(_changed, max_size=2),
-    "tables": st.dictionaries(names, st.fixed_dictionaries({"stored": names, "bits": small, "block": small,
-                                                             "kept": st.booleans(), "reason": st.none() | names}),
-                              max_size=2)})
+# Schemes.prequantized() of a pre-quantized (MLX) checkpoint, printed by the dry run
+_changed = st.lists(st.builds(ChangedLinear, names, names, names, small, small), max_size=2).map(tuple)
+prequantized = st.builds(
+    PrequantizedSummary, names, names, names, small, st.lists(names, max_size=2).map(tuple), _changed, _changed,
+    st.dictionaries(names, st.builds(PrequantizedTable, st.none() | names, small, small, st.booleans(),
+                                     st.none() | names), max_size=2))
+_linears = st.lists(st.builds(PlannedLinear, names, st.sampled_from(LinearRole), small, small,
+                              st.sampled_from([2, 3, 4, 8, 16]), small, st.booleans(), st.sampled_from(QuantMethod)),
+                    max_size=4).map(tuple)
+_adjusted = st.lists(st.builds(AdjustedBlock, names, small, small, small), max_size=2).map(tuple)
 plans = st.builds(
     ExportPlan, architectures,
-    st.lists(st.builds(PlannedLinear, names, st.sampled_from(LinearRole), small, small,
-                       st.sampled_from([2, 3, 4, 8, 16]), small, st.booleans(), st.sampled_from(QuantMethod)),
-             max_size=4).map(tuple),
-    st.lists(st.builds(AdjustedBlock, names, small, small, small), max_size=2).map(tuple),
+    _linears, _adjusted,
     st.dictionaries(names, st.builds(PlannedTable, small, small, st.sampled_from([4, 8, 16])), max_size=2),
-    small, st.none() | prequantized, st.none() | st.builds(MemoryPlan, small, st.none() | small))
+    small, st.none() | prequantized, st.none() | st.builds(MemoryPlan, small, st.none() | small),
+    st.dictionaries(st.sampled_from(["visual", "audio"]), st.builds(PlannedTower, _linears, _adjusted, small),
+                    max_size=2))
 
 
 def _plain_json(value) -> bool:

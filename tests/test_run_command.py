@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 
 from llmexport import ExportOptions, export
-from llmexport.options import RuntimeProfile
+from llmexport.mnn.config import RuntimeProfile
 from llmexport.quant.scheme import QuantScheme
 
 STATS = re.compile(r"^\[prefill \d+ tok, [\d.]+ tok/s \| decode \d+ tok, ([\d.]+|-) tok/s \| context \d+/\d+")

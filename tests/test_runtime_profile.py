@@ -9,8 +9,7 @@ import pytest
 
 from llmexport import ExportOptions, export
 from llmexport.errors import UsageError
-from llmexport.mnn.config import PROFILE_KEYS, profile_of, runtime_config
-from llmexport.options import RuntimeProfile
+from llmexport.mnn.config import PROFILE_KEYS, RuntimeProfile, profile_of, runtime_config
 from llmexport.quant.scheme import QuantScheme
 from llmexport.results import Bounds, LogitStats, StepStats, TokenizerCheck, VerifyReport
 from llmexport.verification import (

@@ -15,7 +15,7 @@ import sys
 import pytest
 
 from llmexport import ExportOptions, export
-from llmexport.options import RuntimeProfile
+from llmexport.mnn.config import RuntimeProfile
 from llmexport.quant.scheme import QuantScheme
 
 # Runs in a child: the runtime may crash at interpreter exit (os._exit ends it).

@@ -21,10 +21,10 @@ from llmexport import ExportOptions, export
 from llmexport.checkpoint import Checkpoint
 from llmexport.cli import main
 from llmexport.loading import open_architecture
-from llmexport.mnn.config import profile_of
+from llmexport.mnn.config import RuntimeProfile, profile_of
 from llmexport.mnn.runtime import ChatTurnRun
 from llmexport.mnn.tokenizer_stream import StreamModel
-from llmexport.options import ChatThinking, RuntimeProfile
+from llmexport.options import ChatThinking
 from llmexport.quant.scheme import QuantScheme
 from llmexport.results import (
     Bounds,

@@ -17,7 +17,7 @@ from click.testing import CliRunner
 import llmexport.verification as verification
 from llmexport.cli import main
 from llmexport.errors import ConversionError, NotVerified, VerificationFailed
-from llmexport.options import RuntimeProfile
+from llmexport.mnn.config import RuntimeProfile
 from llmexport.results import Bounds, LogitStats, RunComparison, StepStats, TokenizerCheck, VerifyReport
 
 

@@ -3,14 +3,62 @@
 from __future__ import annotations
 
 import json
+from dataclasses import asdict, dataclass
+from enum import Enum
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, Mapping
 
-from llmexport.options import RuntimeProfile
+if TYPE_CHECKING:  # config.py stays light: the options import it
+    from llmexport.mnn.embeddings import EmbeddingRecord
+    from llmexport.mnn.weights import LinearRecord
 
 LLM_MODEL = "llm.mnn"
 LLM_WEIGHT = "llm.mnn.weight"
 TOKENIZER_FILE = "tokenizer.mtok"
+
+
+class RuntimeProfile(str, Enum):
+    """How MNN's runtime executes the quantized linears (what ``PROFILE_KEYS`` below writes to ``config.json``).
+
+    ``FAST``: MNN's low-memory kernels, which keep the 4/8-bit weights packed and quantize each
+    linear's input to 8 bits on the fly (``memory: low``); several times faster to decode, at a
+    measured logit cost (docs/benchmarks.md). ``EXACT``: weights dequantized to float at load and
+    float matmuls (``memory: normal``): the logits of the stored weights, slower and larger in memory.
+    """
+
+    FAST = "fast"
+    EXACT = "exact"
+
+
+@dataclass(frozen=True)
+class TableKeys:
+    """llm_config.json's ``tie_embeddings``: where the runtime reads a quantized token table, in the
+    tied lm_head record of llm.mnn.weight or at byte 0 of the table's own file (mnn/embeddings.py)."""
+
+    weight_offset: int
+    alpha_offset: int
+    alpha_size: int
+    quant_bit: int
+    quant_block: int
+    alpha_dtype: str  # "fp16" or "fp32"
+
+    @classmethod
+    def of_record(cls, record: LinearRecord) -> TableKeys:
+        """A tied lm_head record read as the token table."""
+        return cls(record.weight_offset, record.alpha_offset, record.alpha_bytes, record.bits, record.block,
+                   "fp32" if record.alpha_fp32 else "fp16")
+
+    @classmethod
+    def of_table(cls, record: EmbeddingRecord) -> TableKeys:
+        """A quantized table written at byte 0 of its own file (its alpha is fp32)."""
+        return cls(0, record.weight_bytes, record.alpha_bytes, record.bits, record.block, "fp32")
+
+    @classmethod
+    def from_config(cls, data: Mapping[str, Any]) -> TableKeys:
+        return cls(**{key: data[key] for key in cls.__dataclass_fields__})
+
+    def to_config(self) -> dict[str, Any]:
+        return asdict(self)
 
 
 def embedding_file_name(bits: int) -> str:

@@ -34,6 +34,7 @@ from typing import BinaryIO, Iterable, Optional, Union
 import numpy as np
 import torch
 
+from llmexport.mnn.limits import BLOCKS, TABLE_BITS
 from llmexport.quant.pack import pack_bits
 from llmexport.quant.rtn import NonFiniteError, quantize_rtn
 from llmexport.quant.workers import map_ordered
@@ -41,8 +42,6 @@ from llmexport.spec import Quantizer
 
 TableSource = Union[torch.Tensor, Iterable[torch.Tensor]]
 
-EMBEDDING_BITS = (16, 8, 4)
-_STANDARD_BLOCKS = (0, 32, 64, 128, 256)
 _CHUNK_ELEMENTS = 1 << 22  # rows per chunk are chosen to keep about this many values in flight
 _SLICE_ELEMENTS = 1 << 20  # values one quantization worker takes at a time
 _SPOOL_BYTES = 64 << 20
@@ -66,18 +65,27 @@ class EmbeddingRecord:
         return [0, self.weight_bytes, self.alpha_bytes, self.bits, self.block]
 
 
+def table_size(rows: int, dim: int, bits: int, block: int) -> int:
+    """The bytes ``write_embedding_table`` writes for a ``[rows, dim]`` table (fp32 ``[zero, scale]``
+    per row and block after the packed levels; bf16 at 16 bits)."""
+    if bits == 16:
+        return rows * dim * 2
+    used = dim if block == 0 else block
+    return rows * dim * bits // 8 + rows * (dim // used) * 2 * 4
+
+
 def resolve_block(dim: int, bits: int, block: int) -> int:
     """Validate ``bits``/``block`` for a table of width ``dim``; return the block to use."""
-    if bits not in EMBEDDING_BITS:
+    if bits not in TABLE_BITS:
         raise ValueError(
-            f"embedding tables support {list(EMBEDDING_BITS)} bits; MNN 3.6.1 decodes other widths "
+            f"embedding tables support {list(TABLE_BITS)} bits; MNN 3.6.1 decodes other widths "
             f"with its 4-bit routine, got {bits}"
         )
     if bits == 16:
         return 0
     used = dim if block == 0 else block
     if used <= 0 or dim % used != 0 or (used * bits) % 8 != 0:
-        valid = [b for b in _STANDARD_BLOCKS if (b == 0 or dim % b == 0) and ((b or dim) * bits) % 8 == 0]
+        valid = [b for b in BLOCKS if (b == 0 or dim % b == 0) and ((b or dim) * bits) % 8 == 0]
         raise ValueError(
             f"block {block} does not split an embedding of width {dim} into whole-byte blocks "
             f"at {bits} bits; valid blocks: {valid}"

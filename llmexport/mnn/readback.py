@@ -16,6 +16,7 @@ from typing import Callable, Collection, Sequence
 
 import torch
 
+from llmexport.mnn.config import TableKeys
 from llmexport.mnn.convert import mnn_to_json
 from llmexport.mnn.embeddings import read_embedding_table
 from llmexport.mnn.token_table import token_table
@@ -67,7 +68,8 @@ def stored_tables(export_dir: Path, arch: ModelTables) -> dict[str, StoredTable]
     llm_config = json.loads((export_dir / "llm_config.json").read_text())
     config = json.loads((export_dir / "config.json").read_text())
     tie = llm_config.get("tie_embeddings")
-    layout = (16, 0, None) if tie is None else (tie["quant_bit"], tie["quant_block"], tie["alpha_size"])
+    keys = None if tie is None else TableKeys.from_config(tie)
+    layout = (16, 0, None) if keys is None else (keys.quant_bit, keys.quant_block, keys.alpha_size)
     return {"embedding": _table(export_dir / config["embedding_file"], table.shape, layout)}
 
 

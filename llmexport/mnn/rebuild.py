@@ -13,7 +13,7 @@ import copy
 import logging
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, BinaryIO, Callable, Iterable
+from typing import Any, BinaryIO, Callable, Iterable, Mapping
 
 import torch
 
@@ -144,13 +144,10 @@ def _linear_order(ops: list[dict], rename: Callable[[str], str] = str) -> list[s
 
 class _Rebuilder:
     def __init__(self, linears: Iterable[LinearSpec], weight_fn: WeightFn, scheme_fn: SchemeFn,
-                 weight_file: BinaryIO, use_gpu: bool, progress: Callable[[int], None] | None):
-        from llmexport.quant.device import on_best_device
-        from llmexport.quant.hqq import quantizer_for
-
+                 weight_file: BinaryIO, quantizers: Mapping[QuantMethod, Quantizer],
+                 progress: Callable[[int], None] | None):
         # STORED linears carry their own integers (llmexport.quant.transcode): no quantizer
-        self.quantizers: dict[QuantMethod, Quantizer] = {
-            m: on_best_device(quantizer_for(m), enabled=use_gpu) for m in QuantMethod if m is not QuantMethod.STORED}
+        self.quantizers = quantizers
         self.specs = {spec.name: spec for spec in linears}
         self.writer = WeightFileWriter(weight_file, offset=0)
         self.weight_fn, self.scheme_fn, self.progress = weight_fn, scheme_fn, progress
@@ -205,16 +202,17 @@ def _expert_subgraphs(rb: _Rebuilder, template: dict[str, Any], experts: ExpertT
 
 
 def rebuild_graph(graph: dict[str, Any], linears: Iterable[LinearSpec], weight_fn: WeightFn,
-                  scheme_fn: SchemeFn, weight_file: BinaryIO, use_gpu: bool = True,
+                  scheme_fn: SchemeFn, weight_file: BinaryIO, quantizers: Mapping[QuantMethod, Quantizer],
                   progress: Callable[[int], None] | None = None,
                   experts: Iterable[tuple[dict[str, Any], ExpertTemplate]] = ()) -> RebuildResult:
     """Rewrite ``graph`` in place and stream every linear's weights into ``weight_file``.
 
-    ``experts``: converted expert template graphs with their instances, which become the
-    ``/expert/{layer}_{e}`` subgraphs MNN's MoE op runs.
+    ``quantizers``: the quantizer of each scheme method (llmexport.quant.methods, chosen by the
+    pipeline); ``experts``: converted expert template graphs with their instances, which become
+    the ``/expert/{layer}_{e}`` subgraphs MNN's MoE op runs.
     """
     experts = list(experts)
-    rb = _Rebuilder(linears, weight_fn, scheme_fn, weight_file, use_gpu, progress)
+    rb = _Rebuilder(linears, weight_fn, scheme_fn, weight_file, quantizers, progress)
     order = _linear_order(graph["oplists"]) + [
         name for template_json, template in experts for _, _, replacement in template.instances
         for name in _linear_order(template_json["oplists"], lambda n: n.replace(template.marker, replacement))]

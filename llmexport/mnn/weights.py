@@ -34,8 +34,9 @@ from typing import BinaryIO, Iterator, Optional
 import numpy as np
 import torch
 
+from llmexport.quant.methods import quantizer_for
 from llmexport.quant.pack import pack_bits
-from llmexport.quant.rtn import NonFiniteError, quantize_rtn
+from llmexport.quant.rtn import NonFiniteError
 from llmexport.quant.scheme import FP16_BITS, QuantMethod, QuantScheme
 from llmexport.quant.transcode import transcode
 from llmexport.quant.workers import map_ordered
@@ -102,6 +103,20 @@ class LinearRecord:
             "weightSize": 0,
             "scaleStorage": "FP32" if self.alpha_fp32 else "FP16",
         }
+
+
+def record_size(oc: int, ic: int, scheme: QuantScheme, bias: bool = False) -> int:
+    """The bytes ``WeightFileWriter.write_linear`` writes for an ``[oc, ic]`` linear under ``scheme``
+    (what the plan and ``--dry-run`` count; the module docstring has the layout)."""
+    extra = 4 * oc if bias else 0
+    if scheme.is_fp16:
+        return 2 * oc * ic + extra
+    block = scheme.block_for(ic)
+    header = len(record_header(oc, ic, scheme.bits))
+    levels = -(-oc * ic * scheme.bits // 8)
+    alpha_size = 4 if scheme.method is QuantMethod.STORED else 2  # transcoded records keep fp32 alpha
+    alpha = oc * (ic // block) * (1 if scheme.sym else 2) * alpha_size
+    return header + levels + alpha + extra
 
 
 def value_map(bits: int) -> bytes:
@@ -243,7 +258,7 @@ class WeightFileWriter:
         if scheme.block not in (0, block):
             log.debug("linear %dx%d: block %d does not divide %d, using %d",
                       oc, ic, scheme.block, ic, block)
-        quantize = quantizer or quantize_rtn
+        quantize = quantizer or quantizer_for(scheme.method)
         header_bytes = self._write(record_header(oc, ic, scheme.bits))
         packed_bytes, alphas = 0, []
         for packed, alpha in map_ordered(lambda rows: _quantized_slice(weight, rows, scheme, block, quantize),

@@ -42,16 +42,15 @@ Symmetric quantization has no zero point to optimise, so ``sym=True`` is plain R
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Optional, Union
+from typing import TYPE_CHECKING, Optional
 
 import torch
 
 from llmexport.quant.rtn import _check_alpha, _check_args, _to_storage, quantize_rtn
-from llmexport.quant.scheme import QuantMethod
 from llmexport.spec import QuantizedTensor
 
 if TYPE_CHECKING:  # the writer owns the Quantizer signature; importing it at runtime is not needed
-    from llmexport.spec import Quantizer
+    pass
 
 # Defaults of hqq 0.2.8.post1 (hqq/core/optimize.py, optimize_weights_proximal_legacy).
 HQQ_LP_NORM = 0.7
@@ -223,11 +222,3 @@ def quantize_hqq(
         q=torch.cat([p.q for p in parts]), scale=torch.cat([p.scale for p in parts]),
         zero=torch.cat([p.zero for p in parts if p.zero is not None]), bits=bits, block=block,
     )
-
-
-def quantizer_for(method: Union[QuantMethod, str]) -> "Quantizer":
-    """The quantizer function of a ``QuantScheme.method``: ``quantize_rtn`` or ``quantize_hqq``."""
-    method = QuantMethod(method)
-    if method is QuantMethod.HQQ:
-        return quantize_hqq
-    return quantize_rtn

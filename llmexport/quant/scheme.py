@@ -12,10 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from enum import Enum
 
-FP16_BITS = 16
-QUANT_BITS = (2, 3, 4, 8)
-ALLOWED_BITS = QUANT_BITS + (FP16_BITS,)
-ALLOWED_BLOCKS = (0, 32, 64, 128, 256)
+from llmexport.mnn.limits import BLOCKS, FP16_BITS, RECORD_BITS
 
 # Blocks narrower than a requested one are only accepted in steps of 8 elements, so that a
 # block is whole bytes at every bit width (3-bit blocks of 8 values are exactly 3 bytes).
@@ -53,13 +50,13 @@ class QuantScheme:
 
     def validate(self) -> "QuantScheme":
         """Raise ValueError for settings MNN cannot store; return self so calls can chain."""
-        if self.bits not in ALLOWED_BITS:
+        if self.bits not in RECORD_BITS:
             raise ValueError(
-                f"quantization bits must be one of {list(ALLOWED_BITS)} (16 = fp16), got {self.bits}"
+                f"quantization bits must be one of {list(RECORD_BITS)} (16 = fp16), got {self.bits}"
             )
-        if self.block not in ALLOWED_BLOCKS:
+        if self.block not in BLOCKS:
             raise ValueError(
-                f"quantization block must be one of {list(ALLOWED_BLOCKS)} "
+                f"quantization block must be one of {list(BLOCKS)} "
                 f"(0 = one block per output channel), got {self.block}"
             )
         if not isinstance(self.method, QuantMethod):

@@ -1,0 +1,214 @@
+"""Every scheme an export writes, decided in one place for the plan (``--dry-run``) and the export.
+
+* **text linears**: the options' default scheme, ``--quant_config`` / recipe rules (first match,
+  llmexport.quant.recipes) and ``--lm_quant_bit``/``--lm_quant_block`` for lm_head; for an
+  MLX-quantized checkpoint, its stored integers where MNN can hold them (below);
+* **tower linears**: ``--visual_quant_bit`` / ``--audio_quant_bit`` with the default's block, sym
+  and method;
+* **the token table**: ``--embed_bit`` (else the recipe's, else bf16) at the default's block, or
+  an MLX table as stored.
+
+For an MLX-quantized checkpoint (llmexport.importers.mlx) the default is *as stored*: every
+quantized linear and embedding table keeps MLX's integers and affine map (``QuantMethod.STORED``,
+alpha in fp32), and what MLX left in floats (its predicate skips layers whose width the group does
+not divide and modules without ``to_quantized``, such as K2-Horizon's routers) stays in floats:
+fp16 linear records, bf16 tables. The export is then the model the user validated. A tensor is
+instead dequantized (fp32) and written with the export's scheme, and the plan, manifest and
+verification report list it with the reason, when
+
+* MNN cannot hold the stored form (llmexport.mnn.limits): bits other than 2, 3, 4, 8 (MLX also has
+  5 and 6), tables and a tied lm_head (which the runtime also reads as the token embedding) at
+  other than 4 or 8 bits, parts joined into one linear (Gemma4's expert gate/up) stored in
+  different formats;
+* the user asked for it: ``requantize`` (``--requantize``: everything), a ``--quant_config`` rule
+  or recipe rule that matches the linear, ``--lm_quant_bit``/``--lm_quant_block`` (lm_head),
+  ``--embed_bit`` or a quant_config ``embed_bit`` (tables).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Any, Callable, Iterable
+
+from llmexport.checkpoint import LazyTensor
+from llmexport.importers.mlx import MlxLazy, MlxWeights, stored_format, tables_format
+from llmexport.mnn.limits import BLOCKS, FP16_BITS, LINEAR_BITS, QUANTIZED_TABLE_BITS
+from llmexport.mnn.token_table import JoinedColumns, token_table
+from llmexport.models.base import Architecture
+from llmexport.options import ExportOptions
+from llmexport.quant.recipes import QuantPlan
+from llmexport.quant.scheme import QuantMethod, QuantScheme
+from llmexport.quant.transcode import transcode
+from llmexport.results import ChangedLinear, PrequantizedSummary, PrequantizedTable
+from llmexport.spec import LinearRole, LinearSpec, QuantInfo
+
+ALPHA_NOTE = ("transcoded records keep MLX's integers; their alpha [zero, scale] is stored in fp32 "
+              "(zero = bias + 2^(bits-1) * scale needs more mantissa than fp16 has, and bf16 scales can "
+              "exceed fp16's range)")
+#: the option that sets each tower's bits
+TOWER_BITS: dict[str, Callable[[ExportOptions], int]] = {
+    "visual": lambda o: o.visual_quant_bit,
+    "audio": lambda o: o.audio_quant_bit,
+}
+
+
+@dataclass(frozen=True)
+class Choice:
+    """How one linear is written: its scheme, the source format, and why it is not transcoded."""
+
+    scheme: QuantScheme
+    stored: str
+    reason: str | None = None  # None: kept as stored (same integers, or fp16 for a float source)
+
+
+@dataclass(frozen=True)
+class TableChoice:
+    """How one embedding table is written: bits, block, row chunks and the quantizer."""
+
+    bits: int
+    block: int
+    chunks: Callable[[], Iterable[Any]]
+    quantizer: Callable | None = None
+    stored: str | None = None
+    reason: str | None = None
+
+
+def requested_scheme(options: ExportOptions, spec: LinearSpec) -> QuantScheme:
+    """The scheme the options ask for one text linear (lm_head's own, else the first matching rule)."""
+    if spec.role is LinearRole.LM_HEAD and options.lm_quant is not None:
+        return options.lm_quant
+    return QuantPlan(options.quant, options.rules).scheme_for(spec)
+
+
+def requested_table_bits(options: ExportOptions) -> int:
+    """Bits of the token table the options ask for: ``--embed_bit``, else the recipe's, else 16."""
+    if options.embed_bit is not None:
+        return options.embed_bit
+    return options.recipe_embed_bit if options.recipe_embed_bit is not None else 16
+
+
+def tower_scheme(options: ExportOptions, tower: str) -> QuantScheme:
+    """Scheme of every linear of a multimodal tower ("visual", "audio")."""
+    bits = TOWER_BITS[tower](options) if tower in TOWER_BITS else options.quant.bits
+    return replace(options.quant, bits=bits)
+
+
+class Schemes:
+    """The scheme of every linear (text and towers) and table of one export (module docstring)."""
+
+    def __init__(self, arch: Architecture, options: ExportOptions):
+        self.arch, self.options = arch, options
+        weights = arch.checkpoint.weights
+        self.mlx = weights if isinstance(weights, MlxWeights) else None
+        self.choices: dict[str, Choice] = {}
+        if self.mlx is not None:
+            self.choices = {spec.name: self._choose(self.mlx, spec) for spec in arch.linears()}
+
+    # --- linears ---------------------------------------------------------------------------------
+    def linear(self, spec: LinearSpec) -> QuantScheme:
+        """The scheme of one text-graph linear."""
+        choice = self.choices.get(spec.name)
+        return choice.scheme if choice is not None else requested_scheme(self.options, spec)
+
+    def tower(self, tower: str, spec: LinearSpec) -> QuantScheme:
+        """The scheme of one linear of a tower (the same for all of a tower's linears)."""
+        return tower_scheme(self.options, tower)
+
+    def stored(self, name: str) -> bool:
+        """True when a text linear keeps its checkpoint's own integers (``QuantMethod.STORED``)."""
+        choice = self.choices.get(name)
+        return choice is not None and choice.scheme.method is QuantMethod.STORED
+
+    def _choose(self, mlx: MlxWeights, spec: LinearSpec) -> Choice:
+        infos = mlx.quantization(self.arch.linear_source(spec.name).weight)
+        reason = self._requested(spec) or self._unfit(spec, infos)
+        if reason is not None:
+            return Choice(requested_scheme(self.options, spec), stored_format(infos), reason)
+        if infos[0] is None:  # float in MLX: kept as fp16
+            return Choice(QuantScheme(FP16_BITS), stored_format(infos))
+        info = infos[0]
+        return Choice(QuantScheme(info.bits, info.group, method=QuantMethod.STORED), str(info))
+
+    def _requested(self, spec: LinearSpec) -> str | None:
+        """Why the user's options take this linear off "as stored", if they do."""
+        o = self.options
+        if o.requantize:
+            return "requantize requested"
+        rule = next((r for r in o.rules if r.matches(spec)), None)
+        if rule is not None:
+            return f"quant_config rule {rule.match!r}"
+        if spec.role is LinearRole.LM_HEAD and o.lm_quant is not None:
+            return "--lm_quant_bit/--lm_quant_block"
+        return None
+
+    def _unfit(self, spec: LinearSpec, infos: tuple[QuantInfo | None, ...]) -> str | None:
+        """Why MNN cannot hold the stored integers of this linear, if it cannot."""
+        if len(set(infos)) > 1:
+            return "its joined parts are stored in different formats"
+        info = infos[0]
+        if info is None:
+            return None
+        if info.bits not in LINEAR_BITS:
+            return f"{info.bits}-bit: MNN linears take {', '.join(map(str, LINEAR_BITS))} bits"
+        if info.group not in BLOCKS:
+            return f"group {info.group}: MNN blocks are {', '.join(map(str, BLOCKS[1:]))}"
+        if spec.role is LinearRole.LM_HEAD and self.arch.tied_embedding and info.bits not in QUANTIZED_TABLE_BITS:
+            return f"{info.bits}-bit tied lm_head: the runtime reads it as the token embedding, at 4 or 8 bits only"
+        return None
+
+    # --- tables ----------------------------------------------------------------------------------
+    def table(self, lazy: LazyTensor) -> TableChoice:
+        o = self.options
+        bits = requested_table_bits(o)
+        plain = TableChoice(bits, o.quant.block, lazy.row_chunks)
+        if self.mlx is None or not isinstance(lazy, MlxLazy):
+            return plain
+        info = lazy.quantization[0]
+        reason = None
+        if o.requantize:
+            reason = "requantize requested"
+        elif o.embed_bit is not None or o.recipe_embed_bit is not None:
+            reason = "--embed_bit / quant_config embed_bit"
+        elif info is not None and info.bits not in QUANTIZED_TABLE_BITS:
+            reason = f"{info.bits}-bit: MNN 3.6.1 decodes tables at 4 or 8 bits only (else bf16)"
+        stored = stored_format(lazy.quantization)
+        if reason is not None:
+            return TableChoice(bits, o.quant.block, lazy.row_chunks, None, stored, reason)
+        if info is None:  # float in MLX: kept as bf16
+            return TableChoice(16, 0, lazy.row_chunks, None, stored)
+        return TableChoice(info.bits, info.group, lazy.quantized_chunks, transcode, stored)
+
+    def tables(self) -> dict[str, tuple[Any, TableChoice]]:
+        """The table the runtime reads per token (mnn/token_table.py: the embedding of untied
+        models, joined with the PLE rows where there are any) with how it is written."""
+        table = token_table(self.arch)
+        if table is None:
+            return {}
+        choice = self.table(table)
+        if isinstance(table, JoinedColumns) and any(isinstance(p, MlxLazy) for p in table.parts):
+            choice = TableChoice(choice.bits, choice.block, choice.chunks, None, tables_format(table.parts),
+                                 "joined with the PLE rows into one table (docs/output-format.md)")
+        return {"embedding": (table, choice)}
+
+    # --- report ----------------------------------------------------------------------------------
+    def prequantized(self) -> PrequantizedSummary | None:
+        """What keeps its stored form and what does not, with reasons (plan and manifest);
+        None for a checkpoint that is not pre-quantized."""
+        if self.mlx is None:
+            return None
+        specs = {spec.name: spec for spec in self.arch.linears()}
+
+        def changed(name: str, c: Choice) -> ChangedLinear:
+            block = 0 if c.scheme.is_fp16 else c.scheme.block_for(specs[name].in_features)
+            return ChangedLinear(name, c.stored, c.reason or "", c.scheme.bits, block)
+
+        off = [changed(n, c) for n, c in self.choices.items() if c.reason is not None]
+        tables = {name: PrequantizedTable(t.stored, t.bits, t.block, t.reason is None, t.reason)
+                  for name, (_, t) in self.tables().items()}
+        return PrequantizedSummary(
+            format="mlx-affine", default="as stored", alpha=ALPHA_NOTE,
+            transcoded=sum(c.scheme.method is QuantMethod.STORED for c in self.choices.values()),
+            kept_float=tuple(n for n, c in self.choices.items() if c.reason is None and c.scheme.is_fp16),
+            requantized=tuple(e for e in off if e.stored != "unquantized"),
+            quantized_from_float=tuple(e for e in off if e.stored == "unquantized"),
+            tables=tables)

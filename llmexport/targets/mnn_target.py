@@ -1,0 +1,183 @@
+"""The MNN target: the folder MNN's LLM runtime loads.
+
+Each graph (the text decoder, then each tower) is traced to ONNX, converted by MNN's converter,
+and rebuilt with its linears streamed from the checkpoint into ``{stem}.mnn.weight`` (llmexport.mnn.rebuild);
+then the token table, config.json / llm_config.json and the tokenizer. Every byte layout, file
+name, config key and limit is llmexport.mnn's; this module only runs the stages in order.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import shutil
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, Iterator
+
+from llmexport.checkpoint import Checkpoint
+from llmexport.errors import InputError
+from llmexport.mnn import config as mnn_config
+from llmexport.mnn.embeddings import table_size
+from llmexport.mnn.weights import record_size
+from llmexport.models.base import Architecture
+from llmexport.progress import Progress
+from llmexport.quant.methods import quantizers
+from llmexport.quant.rtn import NonFiniteError
+from llmexport.quant.scheme import QuantScheme
+from llmexport.spec import GraphInputs, LinearSpec
+from llmexport.targets.base import ExportJob, OutputTarget
+from llmexport.weight_sources import WeightSources
+
+log = logging.getLogger(__name__)
+TRACE_SEQ_LEN = 3
+
+
+class MnnTarget(OutputTarget):
+    verifiable = True
+
+    def prepare(self, checkpoint: Checkpoint, arch: Architecture) -> bytes:
+        """The runtime's tokenizer file, converted in memory (unsupported tokenizers fail here)."""
+        from llmexport.mnn.tokenizer import mnn_tokenizer_bytes
+
+        checkpoint.tokenizer_file()
+        checkpoint.check_tokenizer_side_files()
+        try:
+            return mnn_tokenizer_bytes(checkpoint.path, end_of_turn=arch.end_of_turn_tokens())
+        except ValueError as exc:
+            raise InputError(str(exc)) from None
+
+    def record_bytes(self, spec: LinearSpec, scheme: QuantScheme) -> int:
+        return record_size(spec.out_features, spec.in_features, scheme, spec.bias)
+
+    def table_bytes(self, rows: int, dim: int, bits: int, block: int) -> int:
+        return table_size(rows, dim, bits, block)
+
+    def write(self, job: ExportJob) -> None:
+        arch, options, out = job.arch, job.options, job.out
+        work = out / ".work"
+        work.mkdir()
+        sources = WeightSources(arch, job.schemes)
+        family_llm, family_runtime = dict(arch.llm_config()), dict(arch.runtime_config())  # reads files: fail early
+        graphs = _GraphWriter(job, work, quantizers(options.use_gpu))
+        rebuilt = graphs.write("llm", job.graph, arch.graph_inputs(TRACE_SEQ_LEN), arch.linears(), sources.weight,
+                               job.schemes.linear, arch.linear_source, _convert_expert_templates(arch, work))
+        files: dict[str, Any] = {}
+        towers = arch.towers()
+        tail = _media_token_tail(arch, job.schemes) if towers else None
+        for tower in towers:
+            graphs.write(tower.name, tower.build_graph(tail), tower.graph_inputs(), tower.linears(),
+                         tower.linear_weight, functools.partial(job.schemes.tower, tower.name),
+                         tower.linear_source)
+            family_llm.update(tower.llm_config())
+            family_runtime.update(tower.runtime_config())
+        with job.stage("embeddings"):
+            embedding_file = write_tables(arch, out, job.schemes, rebuilt.records, files)
+        with job.stage("configs"):
+            if options.chat_thinking.template_context() and "jinja" not in family_llm:
+                log.warning("--chat_thinking: the checkpoint has no chat template; nothing to set")
+            mnn_config.write_json(out / "llm_config.json", mnn_config.llm_config(
+                family_llm, files, options.chat_thinking.template_context()))
+            mnn_config.write_json(out / "config.json", mnn_config.runtime_config(
+                family_runtime, options.thread_num, embedding_file, options.runtime_profile))
+        with job.stage("tokenizer"):
+            (out / mnn_config.TOKENIZER_FILE).write_bytes(job.prepared)
+        shutil.rmtree(work, ignore_errors=True)
+
+
+class _GraphWriter:
+    """One graph: trace -> ONNX -> MNN -> JSON -> rebuilt with streamed weights -> {stem}.mnn(.weight)."""
+
+    def __init__(self, job: ExportJob, work: Path, quantizers):
+        self.job, self.work, self.quantizers = job, work, quantizers
+
+    def write(self, stem: str, graph, inputs, linears, weight_fn, scheme_fn, source_of, experts=()):
+        """``source_of`` names the checkpoint tensor behind a linear (LinearSource) in error messages."""
+        from llmexport.mnn.convert import json_to_mnn, mnn_to_json, onnx_to_mnn
+        from llmexport.mnn.external import rehome_external
+        from llmexport.mnn.rebuild import NonFiniteLinear, rebuild_graph
+        from llmexport.onnx_export import export_onnx
+
+        job, work, out = self.job, self.work, self.job.out
+        label = "" if stem == "llm" else f"{stem}_"
+        with job.stage(f"{label}onnx"):
+            export_onnx(graph, inputs, work / f"{stem}.onnx", for_mnn=True)
+        with job.stage(f"{label}convert"):
+            onnx_to_mnn(work / f"{stem}.onnx", work / f"{stem}.mnn")
+            graph_json = mnn_to_json(work / f"{stem}.mnn", work / f"{stem}.mnn.json")
+        linears = list(linears)
+        total = sum(spec.in_features * spec.out_features for spec in linears)
+        with job.stage(f"{label}weights"), open(out / f"{stem}.mnn.weight", "wb") as weight_file, \
+                Progress(f"{stem} weights", total, job.options.quiet, unit="param") as progress:
+            try:
+                rebuilt = rebuild_graph(graph_json, linears, weight_fn, scheme_fn, weight_file, self.quantizers,
+                                        experts=experts, progress=progress.update)
+            except NonFiniteLinear as exc:
+                source = source_of(exc.linear)
+                row = f" (expert {source.expert})" if source.expert is not None else ""
+                raise InputError(f"tensor {source.weight!r}{row}: {exc.reason}") from None
+            # Constants the converter moved out of the graph (norms wider than 1024, tables, convolutions).
+            rehome_external(rebuilt.graph, work / f"{stem}.mnn.weight", weight_file, skip=rebuilt.records)
+        with job.stage(f"{label}rebuild"):
+            json_to_mnn(rebuilt.graph, work / f"{stem}.rebuilt.json", out / f"{stem}.mnn")
+        return rebuilt
+
+
+def _convert_expert_templates(arch: Architecture, work: Path) -> list:
+    """Trace and convert each expert template graph: [(converted JSON, template), ...]."""
+    import torch
+
+    from llmexport.mnn.convert import mnn_to_json, onnx_to_mnn
+    from llmexport.onnx_export import export_onnx
+
+    converted = []
+    for i, template in enumerate(arch.expert_templates()):
+        inputs = GraphInputs((torch.randn(TRACE_SEQ_LEN, template.hidden_size),), ["hidden_states"],
+                             {"hidden_states": {0: "tokens"}}, ["expert_out"])
+        export_onnx(template.module, inputs, work / f"expert{i}.onnx", for_mnn=True)
+        onnx_to_mnn(work / f"expert{i}.onnx", work / f"expert{i}.mnn")
+        converted.append((mnn_to_json(work / f"expert{i}.mnn", work / f"expert{i}.json"), template))
+    return converted
+
+
+def write_tables(arch: Architecture, out: Path, schemes, records, files: dict[str, Any]) -> str | None:
+    """The token table (mnn/token_table.py); returns the embedding file name config.json must name."""
+    from llmexport.mnn.embeddings import write_embedding_table
+
+    tables = schemes.tables()
+    if "embedding" not in tables:  # the runtime reads the tied lm_head record
+        files["tie_embeddings"] = mnn_config.TableKeys.of_record(records["lm_head"]).to_config()
+        return None
+    table, choice = tables["embedding"]
+    embedding_file = mnn_config.embedding_file_name(choice.bits)
+    with open(out / embedding_file, "wb") as f, _table_errors(table, "embedding"):
+        rec = write_embedding_table(f, choice.chunks(), choice.bits, choice.block, choice.quantizer)
+    files["hidden_size"] = rec.dim  # the width the runtime reads a row at (embedding + PLE)
+    if choice.bits != 16:
+        files["tie_embeddings"] = mnn_config.TableKeys.of_table(rec).to_config()
+    return embedding_file
+
+
+def _media_token_tail(arch: Architecture, schemes):
+    """What a soft token carries after its features: the PLE columns of the media id's row as
+    the token table stores it (mnn/token_table.py); None when the table has no such columns."""
+    from llmexport.mnn.token_table import split_rows, stored_row
+
+    tables = schemes.tables()
+    if "embedding" not in tables or arch.ple_table() is None:
+        return None
+    table, choice = tables["embedding"]
+    with _table_errors(table, "embedding"):
+        row = stored_row(table, arch.media_ple_id(), choice.bits, choice.block, choice.quantizer)
+    return split_rows(arch, row)[1]
+
+
+@contextmanager
+def _table_errors(table, what: str) -> Iterator[None]:
+    """A table's values or its bits/block refused by the writer, as the input errors they are."""
+    try:
+        yield
+    except NonFiniteError as exc:
+        raise InputError(f"{what} table {table.name!r}: {exc}") from None
+    except ValueError as exc:
+        raise InputError(f"--embed_bit/--quant_block: {what} table of width {table.shape[-1]}: {exc}") from None

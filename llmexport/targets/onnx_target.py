@@ -1,0 +1,24 @@
+"""The ONNX target: one standard-op ``llm.onnx`` with the checkpoint's weights as fp32
+initializers, which onnxruntime runs (no quantization, no token table, no runtime files)."""
+
+from __future__ import annotations
+
+from llmexport.quant.scheme import QuantScheme
+from llmexport.spec import LinearSpec
+from llmexport.targets.base import ExportJob, OutputTarget
+
+TRACE_SEQ_LEN = 3
+
+
+class OnnxTarget(OutputTarget):
+    def record_bytes(self, spec: LinearSpec, scheme: QuantScheme) -> int:
+        """fp32 weight and bias initializers, whatever the scheme."""
+        return 4 * spec.out_features * (spec.in_features + int(spec.bias))
+
+    def write(self, job: ExportJob) -> None:
+        from llmexport.eager import bind_weights
+        from llmexport.onnx_export import export_onnx
+
+        with job.stage("onnx"):
+            bind_weights(job.graph, job.arch.linear_weight)
+            export_onnx(job.graph, job.arch.graph_inputs(TRACE_SEQ_LEN), job.out / "llm.onnx", for_mnn=False)
