@@ -44,7 +44,7 @@ QUERY_CHUNK = 1024  # fp64 attention is computed this many queries at a time
 
 def export_16bit(checkpoint: Path, out: Path) -> float:
     from llmexport import ExportOptions, export
-    from llmexport.options import RuntimeProfile
+    from llmexport.mnn.config import RuntimeProfile
     from llmexport.quant.scheme import QuantScheme
 
     start = time.perf_counter()
