@@ -20,6 +20,7 @@ from torch import nn
 from llmexport.mnn.config import EXACT_KERNELS
 from llmexport.mnn.runtime import MediaRun, run_media_prompt
 from llmexport.models.tower_check import PromptLogits, TowerCheck
+from llmexport.verification_logits import compare_logits, step_failures
 
 GREEDY_STEPS = 16
 
@@ -97,8 +98,6 @@ def compare_prompt(run, prompt_ids: list[int], greedy_ref: list[int], ref_logits
     Failures follow the text verification's rule: a teacher-forced top-1 disagreement counts
     unless the oracle's own top-2 margin is below the error measured at that step (a near-tie).
     """
-    from llmexport.verification import step_stats, summarize
-
     report: dict[str, Any] = {"prompt_tokens": len(prompt_ids), "ids_match": run.ids == prompt_ids,
                               "greedy_ref": greedy_ref, "greedy_mnn": run.greedy_ids,
                               "greedy_match": greedy_ref == run.greedy_ids}
@@ -106,14 +105,11 @@ def compare_prompt(run, prompt_ids: list[int], greedy_ref: list[int], ref_logits
     if not report["ids_match"]:
         failures.append(f"runtime prompt ids differ from HF's ({len(run.ids)} vs {len(prompt_ids)} tokens)")
     if report["ids_match"]:
-        forced = summarize(step_stats(run.forced_logits, ref_logits))
-        report["forced"] = forced
-        for i, s in enumerate(forced["per_step"]):
-            if not s["top1_match"] and s["ref_top2_margin"] >= s["max_abs_err"]:
-                failures.append(f"step {i}: top-1 {s['mnn_top1']} != {s['ref_top1']} "
-                                f"(margin {s['ref_top2_margin']:.4f})")
+        forced = compare_logits(run.forced_logits, ref_logits)
+        report["forced"] = forced.to_json()
+        failures += step_failures("", forced)
         if fp32_logits is not None:
-            report["fp32"] = {k: v for k, v in summarize(step_stats(run.forced_logits, fp32_logits)).items()
+            report["fp32"] = {k: v for k, v in compare_logits(run.forced_logits, fp32_logits).to_json().items()
                               if k != "per_step"}
     if not report["greedy_match"]:
         failures.append(f"greedy tokens differ: mnn {run.greedy_ids} vs hf {greedy_ref}")

@@ -38,7 +38,8 @@ from llmexport.results import (
 )
 from llmexport.spec import LinearRole
 from llmexport.tiny.registry import TINY_BUILDERS
-from llmexport.verification import compare_logits, judge, step_stats, summarize, summary_line
+from llmexport.verification import judge, summary_line
+from llmexport.verification_logits import compare_logits
 
 # verify.json's keys, in the order it is written (docs/verification.md); [optional] ones in brackets
 REPORT_KEYS = ["prompt_tokens", "steps", "tokenizer", "runtime_profile", "oracle", "fp32", "towers",
@@ -159,8 +160,6 @@ def test_logit_comparison_matches_a_step_by_step_reading(mnn, data):
                                                                    int(m.argmax()) == int(r.argmax()))
     assert stats.top1_agreement == np.mean([s.top1_match for s in stats.per_step])
     assert stats.max_abs_err == max(s.max_abs_err for s in stats.per_step)
-    # the JSON views the towers' reports use are the same numbers
-    assert summarize(step_stats(mnn, ref)) == stats.to_json()
 
 
 errors = st.floats(0, 1e3)
