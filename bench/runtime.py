@@ -160,8 +160,8 @@ def _fidelity(checkpoint: Path, exports: dict[str, Path], work: Path, steps: int
     for name, path in exports.items():
         run = run_runtime(path, prompt, greedy[:-1], steps, config={"thread_num": 2})
         versus = ("stored", "fp32") if name in PROFILES else ("fp32",)
-        out[name] = {label: {k: v for k, v in compare_logits(run.forced_logits, references[label]).to_json().items()
-                             if k != "per_step"} for label in versus}
+        out[name] = {label: compare_logits(run.forced_logits, references[label]).summary().to_json()
+                     for label in versus}
         out[name]["greedy_match"] = run.greedy_ids == greedy
     return out
 

@@ -27,7 +27,7 @@ from llmexport.mnn.runtime import run_runtime
 from llmexport.mnn.tokenizer_stream import StreamModel
 from llmexport.models.base import Architecture
 from llmexport.options import RuntimeProfile
-from llmexport.results import Bounds, LogitStats, RunComparison, TokenizerCheck, VerifyReport
+from llmexport.results import Bounds, LogitStats, RunComparison, TokenizerCheck, TowerReport, VerifyReport
 from llmexport.streamed_reference import mapped_blocks, streamed_reference
 from llmexport.verification_conversation import (
     Conversations,
@@ -203,7 +203,7 @@ def stored_bits(stored: StoredTensors, prequantized: dict[str, Any] | None) -> s
 
 
 def judge(bounds: Bounds, oracle: LogitStats, tokenizer: TokenizerCheck, exact_kernels: LogitStats | None = None,
-          towers: Mapping[str, dict[str, Any]] | None = None) -> tuple[str, ...]:
+          towers: Mapping[str, TowerReport] | None = None) -> tuple[str, ...]:
     """The failures of a verification. A run passes when every teacher-forced step agrees on top-1
     (unless the oracle's own top-2 margin is below the error measured at that step: a near-tie)
     and errors stay in bounds; judged for the shipped run and (fast profile) the exact-kernels run."""
@@ -215,7 +215,7 @@ def judge(bounds: Bounds, oracle: LogitStats, tokenizer: TokenizerCheck, exact_k
     if not tokenizer.agree:
         failures.append(f"tokenizer disagrees on {len(tokenizer.mismatches)} sample(s)")
     for name, tower in (towers or {}).items():
-        failures += [f"{name}: {failure}" for failure in tower["failures"]]
+        failures += [f"{name}: {failure}" for failure in tower.failures]
     return tuple(failures)
 
 
