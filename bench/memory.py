@@ -16,7 +16,6 @@ the per-stage peaks of the export's own process are printed too. The export is d
 from __future__ import annotations
 
 import argparse
-import inspect
 import json
 import shutil
 import subprocess
@@ -70,11 +69,10 @@ def _sampled(cmd: list[str], stdin: str | None = None) -> tuple[dict[str, tuple[
 
 def _plan(checkpoint: Path, flags: list[str]):
     import llmexport
-    from llmexport.cli import _options, main
+    from llmexport.cli import export_options, parse_command
 
-    params = main.make_context("llmexport", ["--path", str(checkpoint), "--dst_path", "unused", *flags]).params
-    wanted = inspect.signature(_options).parameters
-    return llmexport.plan(checkpoint, _options(**{k: v for k, v in params.items() if k in wanted}).validate())
+    command = parse_command(["--path", str(checkpoint), "--dst_path", "unused", *flags])
+    return llmexport.plan(checkpoint, export_options(command).validate())
 
 
 def _runtime(export: Path, prompt: int, config: dict) -> int:

@@ -139,7 +139,8 @@ def _fidelity(checkpoint: Path, exports: dict[str, Path], work: Path, steps: int
     from llmexport.mnn.readback import StoredTensors
     from llmexport.mnn.runtime import run_runtime
     from llmexport.streamed_reference import streamed_reference
-    from llmexport.verification import default_prompt, step_stats, summarize
+    from llmexport.verification import default_prompt
+    from llmexport.verification_logits import compare_logits
     from llmexport.verification_media import reference_greedy
 
     arch = open_architecture(Checkpoint.open(checkpoint))
@@ -159,8 +160,8 @@ def _fidelity(checkpoint: Path, exports: dict[str, Path], work: Path, steps: int
     for name, path in exports.items():
         run = run_runtime(path, prompt, greedy[:-1], steps, config={"thread_num": 2})
         versus = ("stored", "fp32") if name in PROFILES else ("fp32",)
-        out[name] = {label: {k: v for k, v in summarize(step_stats(run.forced_logits, references[label])).items()
-                             if k != "per_step"} for label in versus}
+        out[name] = {label: compare_logits(run.forced_logits, references[label]).summary().to_json()
+                     for label in versus}
         out[name]["greedy_match"] = run.greedy_ids == greedy
     return out
 

@@ -12,13 +12,15 @@ import signal
 import sys
 import threading
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, NoReturn
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, NoReturn, Sequence
 
 import click
 
 from llmexport import __version__
 
 if TYPE_CHECKING:  # heavy: imported only after parsing
+    from llmexport.options import ExportOptions
     from llmexport.results import ExportResult
 
 EXIT_INTERNAL = 1
@@ -27,6 +29,37 @@ EXIT_INTERNAL = 1
 def _configure_logging(quiet: bool) -> None:
     logging.basicConfig(level=logging.WARNING if quiet else logging.INFO,
                         format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+
+
+@dataclass(frozen=True)
+class ExportCommand:
+    """The command line as click parsed it, one field per parameter of ``main`` under the same name
+    (the flags, their defaults, choices and help live in ``main``'s decorators only); click hands
+    them over by name and ``export_options`` maps them to ``ExportOptions``."""
+
+    path: str
+    export_format: str
+    dst_path: str
+    quant_bit: int
+    quant_block: int
+    sym: bool
+    hqq: bool
+    quant_config: str | None
+    lm_quant_bit: int | None
+    lm_quant_block: int | None
+    embed_bit: int | None
+    visual_quant_bit: int
+    audio_quant_bit: int
+    requantize: bool
+    thread_num: int
+    runtime_profile: str
+    chat_thinking: str
+    dry_run: bool
+    verify: bool
+    keep_failed: bool
+    max_memory: float | None
+    trust_remote_code: bool
+    quiet: bool
 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
@@ -76,21 +109,15 @@ def _configure_logging(quiet: bool) -> None:
                    "remote code, such as k2_horizon).")
 @click.option("--quiet", is_flag=True, help="Only warnings and errors.")
 @click.version_option(__version__, "--version", prog_name="llmexport")
-def main(path: str, export_format: str, dst_path: str, quant_bit: int, quant_block: int, sym: bool, hqq: bool,
-         quant_config: str | None, lm_quant_bit: int | None, lm_quant_block: int | None, embed_bit: int | None,
-         visual_quant_bit: int, audio_quant_bit: int, requantize: bool, thread_num: int, runtime_profile: str,
-         chat_thinking: str, dry_run: bool, verify: bool, keep_failed: bool, max_memory: float | None,
-         trust_remote_code: bool, quiet: bool) -> None:
+def main(**flags: Any) -> None:
     """Export a HuggingFace LLM checkpoint to MNN (or ONNX), optionally verified."""
-    _configure_logging(quiet)
+    command = ExportCommand(**flags)
+    _configure_logging(command.quiet)
     from llmexport.errors import LlmExportError, ResourceError
 
     try:
         with _termination_as_interrupt():
-            result = _run(path, dst_path, dry_run, export_format, quant_bit, quant_block, sym, hqq, quant_config,
-                          lm_quant_bit, lm_quant_block, embed_bit, verify, quiet, thread_num, visual_quant_bit,
-                          audio_quant_bit, requantize, trust_remote_code, runtime_profile, chat_thinking,
-                          keep_failed, max_memory)
+            result = _run(command)
     except LlmExportError as exc:
         _fail(str(exc), exc.exit_code)
     except KeyboardInterrupt as exc:
@@ -106,7 +133,7 @@ def main(path: str, export_format: str, dst_path: str, quant_bit: int, quant_blo
         click.echo(f"llmexport: internal error: {type(exc).__name__}: {exc}", err=True)
         sys.exit(EXIT_INTERNAL)
     if result is not None:
-        _report(result, quiet)
+        _report(result, command.quiet)
         _exit_unverified(result)
 
 
@@ -127,21 +154,21 @@ def _exit_unverified(result: ExportResult) -> None:
               f"{'; '.join(result.verification.failures)}; verify.json records it", VerificationFailed.exit_code)
 
 
-def _run(path, dst_path, dry_run, *flags):
+def _run(command: ExportCommand) -> ExportResult | None:
     """The export (or with --dry-run, the printed plan and None)."""
     from llmexport.api import export, plan
 
-    options = _options(*flags)
-    if dry_run:
+    options = export_options(command)
+    if command.dry_run:
         from llmexport.export_plan import plan_summary
         from llmexport.memory_plan import fit_line
 
-        planned = plan(path, options)
+        planned = plan(command.path, options)
         click.echo(plan_summary(planned))
         assert planned.memory is not None  # every plan estimates it
         click.echo(fit_line(planned.memory, options.max_memory))
         return None
-    return export(path, dst_path, options)
+    return export(command.path, command.dst_path, options)
 
 
 class Terminated(KeyboardInterrupt):
@@ -170,29 +197,37 @@ def _termination_as_interrupt():
             signal.signal(signum, handler)
 
 
-def _options(export_format, quant_bit, quant_block, sym, hqq, quant_config, lm_quant_bit, lm_quant_block,
-             embed_bit, verify, quiet, thread_num, visual_quant_bit=16, audio_quant_bit=16, requantize=False,
-             trust_remote_code=False, runtime_profile="fast", chat_thinking="default", keep_failed=False,
-             max_memory=None):
+def parse_command(args: Sequence[str]) -> ExportCommand:
+    """``args`` parsed as ``llmexport`` parses them, defaults filled in (for tests and benchmarks)."""
+    return ExportCommand(**main.make_context("llmexport", list(args)).params)
+
+
+def export_options(command: ExportCommand) -> ExportOptions:
+    """The ``ExportOptions`` a command line asks for (``UsageError`` for a bad ``--quant_config``)."""
     from pathlib import Path
 
     from llmexport.errors import UsageError
-    from llmexport.options import ChatThinking, ExportFormat, ExportOptions, RuntimeProfile
+    from llmexport.mnn.config import RuntimeProfile
+    from llmexport.options import ChatThinking, ExportFormat, ExportOptions
     from llmexport.quant.recipes import RECIPES, load_quant_config, recipe
     from llmexport.quant.scheme import QuantMethod, QuantScheme
 
-    method = QuantMethod.HQQ if hqq else QuantMethod.RTN
-    default = QuantScheme(bits=quant_bit, block=quant_block, sym=sym, method=method)
+    method = QuantMethod.HQQ if command.hqq else QuantMethod.RTN
+    default = QuantScheme(bits=command.quant_bit, block=command.quant_block, sym=command.sym, method=method)
     lm = None
-    if lm_quant_bit is not None or lm_quant_block is not None:
-        lm = QuantScheme(bits=quant_bit if lm_quant_bit is None else lm_quant_bit,
-                         block=quant_block if lm_quant_block is None else lm_quant_block, sym=sym, method=method)
-    options = ExportOptions(export=ExportFormat(export_format), quant=default, lm_quant=lm, embed_bit=embed_bit,
-                            verify=verify, quiet=quiet, thread_num=thread_num, visual_quant_bit=visual_quant_bit,
-                            audio_quant_bit=audio_quant_bit, requantize=requantize,
-                            trust_remote_code=trust_remote_code, runtime_profile=RuntimeProfile(runtime_profile),
-                            chat_thinking=ChatThinking(chat_thinking), keep_failed=keep_failed,
-                            max_memory=max_memory)
+    if command.lm_quant_bit is not None or command.lm_quant_block is not None:
+        lm = QuantScheme(bits=command.quant_bit if command.lm_quant_bit is None else command.lm_quant_bit,
+                         block=command.quant_block if command.lm_quant_block is None else command.lm_quant_block,
+                         sym=command.sym, method=method)
+    options = ExportOptions(export=ExportFormat(command.export_format), quant=default, lm_quant=lm,
+                            embed_bit=command.embed_bit, verify=command.verify, quiet=command.quiet,
+                            thread_num=command.thread_num, visual_quant_bit=command.visual_quant_bit,
+                            audio_quant_bit=command.audio_quant_bit, requantize=command.requantize,
+                            trust_remote_code=command.trust_remote_code,
+                            runtime_profile=RuntimeProfile(command.runtime_profile),
+                            chat_thinking=ChatThinking(command.chat_thinking), keep_failed=command.keep_failed,
+                            max_memory=command.max_memory)
+    quant_config = command.quant_config
     if quant_config is None:
         return options
     try:

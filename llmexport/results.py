@@ -3,8 +3,9 @@
 Plain data that every layer may import (the pipeline builds them, the API and the CLI read
 them). ``to_json()`` gives the JSON-ready dict that is printed and written (``verify.json`` is
 written in this key order; the manifest copies parts of the plan) and ``from_json()`` reads one
-back. Sections that other modules produce and only pass through to JSON (the towers' reports,
-the verification's pre-quantized summary, the family-specific architecture fields) stay dicts.
+back. Sections that other modules produce and only pass through to JSON (the verification's
+pre-quantized summary, the family-specific architecture fields, a tower's own case and prompt
+fields) stay dicts.
 """
 
 from __future__ import annotations
@@ -246,13 +247,23 @@ class StepStats(_PlainFields):
 
 
 @dataclass(frozen=True)
-class LogitStats:
-    """Teacher-forced logits of a run against a reference, over all steps."""
+class LogitSummary(_PlainFields):
+    """Teacher-forced logits of a run against a reference: the numbers over all steps."""
 
     top1_agreement: float
     max_abs_err: float
     mean_abs_err: float
+
+
+@dataclass(frozen=True)
+class LogitStats(LogitSummary):
+    """Teacher-forced logits of a run against a reference, over all steps and step by step."""
+
     per_step: tuple[StepStats, ...]
+
+    def summary(self) -> LogitSummary:
+        """The numbers over all steps, without the steps (as reports print them against fp32 HF)."""
+        return LogitSummary(self.top1_agreement, self.max_abs_err, self.mean_abs_err)
 
     @classmethod
     def from_json(cls, data: Mapping[str, Any]) -> LogitStats:
@@ -430,6 +441,106 @@ class ConversationCheck:
 
 
 @dataclass(frozen=True)
+class MediaPromptReport:
+    """One media prompt through MNN's runtime against HF's full model on it
+    (llmexport/verification_media.py).
+
+    ``ids_match``: the runtime's prompt ids are HF's processor's; ``greedy_ref`` / ``greedy_mnn``:
+    each side's greedy tokens, through the first media token (``stopped_at_media_token``: that ended
+    them); ``forced``: the runtime's teacher-forced logits against HF carrying the stored weights and
+    ``fp32`` against the fp32 HF, when the ids match; ``bos_count``: BOS tokens in the runtime's
+    prompt; ``label``: the prompt's, ``info``: its own fields (``PromptCase.info``), written last.
+    """
+
+    prompt_tokens: int
+    ids_match: bool
+    greedy_ref: tuple[int, ...]
+    greedy_mnn: tuple[int, ...]
+    failures: tuple[str, ...]
+    forced: LogitStats | None = None
+    fp32: LogitSummary | None = None
+    label: str = ""
+    stopped_at_media_token: bool = False
+    bos_count: int = 1
+    info: Mapping[str, Any] = field(default_factory=dict)
+
+    _OWN = ("prompt_tokens", "ids_match", "greedy_ref", "greedy_mnn", "greedy_match", "forced", "fp32", "failures",
+            "label", "stopped_at_media_token", "bos_count")
+
+    @property
+    def greedy_match(self) -> bool:
+        return self.greedy_ref == self.greedy_mnn
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> MediaPromptReport:
+        forced, fp32 = data.get("forced"), data.get("fp32")
+        report = cls(data["prompt_tokens"], data["ids_match"], tuple(data["greedy_ref"]), tuple(data["greedy_mnn"]),
+                     tuple(data["failures"]), None if forced is None else LogitStats.from_json(forced),
+                     None if fp32 is None else LogitSummary.from_json(fp32), data["label"],
+                     data["stopped_at_media_token"], data["bos_count"],
+                     {k: v for k, v in data.items() if k not in cls._OWN})
+        if report.greedy_match != data["greedy_match"]:
+            raise ValueError(f"media prompt {report.label}: greedy_match={data['greedy_match']} with greedy ids "
+                             f"{data['greedy_ref']} vs {data['greedy_mnn']}")
+        return report
+
+    def to_json(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"prompt_tokens": self.prompt_tokens, "ids_match": self.ids_match,
+                               "greedy_ref": list(self.greedy_ref), "greedy_mnn": list(self.greedy_mnn),
+                               "greedy_match": self.greedy_match}
+        if self.forced is not None:
+            out["forced"] = self.forced.to_json()
+        if self.fp32 is not None:
+            out["fp32"] = self.fp32.to_json()
+        out.update(failures=list(self.failures), label=self.label, stopped_at_media_token=self.stopped_at_media_token,
+                   bos_count=self.bos_count)
+        out.update(self.info)
+        return out
+
+
+@dataclass(frozen=True)
+class TowerReport:
+    """One tower's section of ``verify.json`` (llmexport/verification_towers.py), ``passed`` when
+    nothing failed: the tower graph alone on each case of its ``TowerCheck`` against HF's features
+    (``cases``, written under ``cases_key``: each case's own fields, then its measures, as the
+    check names them), and its media prompts; ``notes``: the check's fields, reported as they are.
+    """
+
+    failures: tuple[str, ...]
+    feature_bound: float
+    cases_key: str
+    cases: tuple[Mapping[str, Any], ...]
+    prompts: tuple[MediaPromptReport, ...] = ()
+    notes: Mapping[str, Any] = field(default_factory=dict)
+
+    @property
+    def passed(self) -> bool:
+        return not self.failures
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> TowerReport:
+        """The section's keys in their written order: passed, failures, the notes, feature_bound,
+        the cases' key, prompts."""
+        keys = list(data)
+        bound = keys.index("feature_bound") if "feature_bound" in keys else -1
+        if keys[:2] != ["passed", "failures"] or bound < 2 or keys[bound + 2:] != ["prompts"]:
+            raise ValueError(f"tower section: keys {keys}, expected passed, failures, notes, feature_bound, "
+                             "the cases, prompts")
+        cases_key = keys[bound + 1]
+        report = cls(tuple(data["failures"]), data["feature_bound"], cases_key, tuple(data[cases_key]),
+                     tuple(MediaPromptReport.from_json(p) for p in data["prompts"]),
+                     {k: data[k] for k in keys[2:bound]})
+        if report.passed != data["passed"]:
+            raise ValueError(f"tower section: passed={data['passed']} with {len(report.failures)} failure(s)")
+        return report
+
+    def to_json(self) -> dict[str, Any]:
+        return {"passed": self.passed, "failures": list(self.failures), **self.notes,
+                "feature_bound": self.feature_bound, self.cases_key: [dict(case) for case in self.cases],
+                "prompts": [p.to_json() for p in self.prompts]}
+
+
+@dataclass(frozen=True)
 class VerifyReport:
     """The verification of an export (docs/verification.md); ``passed`` when nothing failed."""
 
@@ -441,7 +552,7 @@ class VerifyReport:
     fp32: LogitStats
     bounds: Bounds
     failures: tuple[str, ...]
-    towers: Mapping[str, dict[str, Any]] = field(default_factory=dict)
+    towers: Mapping[str, TowerReport] = field(default_factory=dict)
     prequantized: dict[str, Any] | None = None
     exact_kernels: RunComparison | None = None
     conversation: ConversationCheck | None = None
@@ -457,7 +568,7 @@ class VerifyReport:
         report = cls(data["prompt_tokens"], data["steps"], TokenizerCheck.from_json(data["tokenizer"]),
                      RuntimeProfile(data["runtime_profile"]), RunComparison.from_json(data["oracle"]),
                      LogitStats.from_json(data["fp32"]), Bounds.from_json(data["bounds"]), tuple(data["failures"]),
-                     dict(data["towers"]), data.get("prequantized"),
+                     {name: TowerReport.from_json(t) for name, t in data["towers"].items()}, data.get("prequantized"),
                      None if "exact_kernels" not in data else RunComparison.from_json(data["exact_kernels"]),
                      None if "conversation" not in data else ConversationCheck.from_json(data["conversation"]),
                      tuple(data.get("skipped", ())))
@@ -478,7 +589,7 @@ class VerifyReport:
         out: dict[str, Any] = {
             "prompt_tokens": self.prompt_tokens, "steps": self.steps, "tokenizer": self.tokenizer.to_json(),
             "runtime_profile": self.runtime_profile.value, "oracle": self.oracle.to_json(),
-            "fp32": self.fp32.to_json(), "towers": dict(self.towers)}
+            "fp32": self.fp32.to_json(), "towers": {name: t.to_json() for name, t in self.towers.items()}}
         if self.prequantized is not None:
             out["prequantized"] = self.prequantized
         if self.exact_kernels is not None:

@@ -12,8 +12,9 @@ import json
 import os
 import signal
 import sys
+from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, TYPE_CHECKING
+from typing import IO, TYPE_CHECKING, Any
 
 import click
 
@@ -27,6 +28,23 @@ EXIT_INTERNAL = 1
 PROG = "llmexport-run"
 COMMANDS = {"/reset": "forget the conversation (the runtime's KV cache) and start over",
             "/exit": "quit (also /quit, end of input, Ctrl-C)", "/help": "this list"}
+
+
+@dataclass(frozen=True)
+class RunCommand:
+    """The command line as click parsed it, one field per parameter of ``main`` under the same name
+    (the flags, their defaults and help live in ``main``'s decorators only)."""
+
+    export_dir: str
+    prompt: str | None
+    images: tuple[str, ...]
+    audios: tuple[str, ...]
+    max_new_tokens: int | None
+    system: str | None
+    raw: bool
+    thread_num: int | None
+    transcript: str | None
+    quiet: bool
 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
@@ -46,10 +64,9 @@ COMMANDS = {"/reset": "forget the conversation (the runtime's KV cache) and star
               help="Append each turn (text, ids, the KV cache's ids, timings) to this file as JSON lines.")
 @click.option("--quiet", is_flag=True, help="No banner and no timings.")
 @click.version_option(__version__, "--version", prog_name=PROG)
-def main(export_dir: str, prompt: str | None, images: tuple[str, ...], audios: tuple[str, ...],
-         max_new_tokens: int | None, system: str | None, raw: bool, thread_num: int | None, transcript: str | None,
-         quiet: bool) -> None:
+def main(**flags: Any) -> None:
     """Run an exported folder in MNN's runtime: chat with it, or answer one --prompt (greedy decoding)."""
+    command = RunCommand(**flags)
     from llmexport.errors import LlmExportError
 
     for stream in (sys.stdout, sys.stderr):  # an answer's text must not fail on a terminal's narrow encoding
@@ -58,8 +75,7 @@ def main(export_dir: str, prompt: str | None, images: tuple[str, ...], audios: t
     for signum in (signal.SIGTERM, signal.SIGHUP):  # leave through the finally blocks that stop the runtime
         signal.signal(signum, _raise_exit)
     try:
-        code = _run(Path(export_dir), prompt, images, audios, max_new_tokens, system, raw, thread_num, transcript,
-                    quiet)
+        code = _run(command)
     except LlmExportError as exc:
         click.echo(f"{PROG}: error: {exc}", err=True)
         sys.exit(exc.exit_code)
@@ -88,30 +104,29 @@ def _raise_exit(signum, frame):
     raise _Signalled(signum)
 
 
-def _run(folder: Path, prompt: str | None, images: tuple[str, ...], audios: tuple[str, ...],
-         max_new_tokens: int | None, system: str | None, raw: bool, thread_num: int | None, transcript: str | None,
-         quiet: bool) -> int:
+def _run(command: RunCommand) -> int:
     from llmexport.mnn.chat import ChatSession
     from llmexport.mnn.export_check import check_export
 
+    folder, quiet = Path(command.export_dir), command.quiet
     export = check_export(folder)
-    media = _media(export, images, audios)
-    if not raw and not export.has_template:
+    media = _media(export, command.images, command.audios)
+    if not command.raw and not export.has_template:
         from llmexport.errors import UsageError
 
         raise UsageError(f"{folder}: llm_config.json has no chat template (jinja.chat_template); use --raw")
-    limit = max_new_tokens or export.max_new_tokens
-    log = _open_transcript(transcript) if transcript else None
+    limit = command.max_new_tokens or export.max_new_tokens
+    log = _open_transcript(command.transcript) if command.transcript else None
     try:
         if not quiet:
             context = f"context {export.context} tokens" if export.context else "no declared context"
             click.echo(f"loading {folder} ({export.model_type}, {context}) ...", err=True)
-        session = ChatSession(export, system=system, template=not raw, thread_num=thread_num)
+        session = ChatSession(export, system=command.system, template=not command.raw, thread_num=command.thread_num)
         try:
             if not quiet:
                 click.echo(f"loaded in {session.load_s:.2f} s", err=True)
-            if prompt is not None:
-                _answer(session, media + prompt, limit, quiet, log, 1)
+            if command.prompt is not None:
+                _answer(session, media + command.prompt, limit, quiet, log, 1)
                 return 0
             return _chat(session, media, limit, quiet, log)
         except BaseException:

@@ -13,7 +13,6 @@ import logging
 from pathlib import Path
 from typing import Any, Mapping, cast
 
-import numpy as np
 import torch
 from torch import nn
 
@@ -27,7 +26,7 @@ from llmexport.mnn.readback import StoredTensors
 from llmexport.mnn.runtime import run_runtime
 from llmexport.mnn.tokenizer_stream import StreamModel
 from llmexport.models.base import Architecture
-from llmexport.results import Bounds, LogitStats, RunComparison, StepStats, TokenizerCheck, VerifyReport
+from llmexport.results import Bounds, LogitStats, RunComparison, TokenizerCheck, TowerReport, VerifyReport
 from llmexport.streamed_reference import mapped_blocks, streamed_reference
 from llmexport.verification_conversation import (
     Conversations,
@@ -35,6 +34,7 @@ from llmexport.verification_conversation import (
     conversation_summary,
     reference_stop_ids,
 )
+from llmexport.verification_logits import compare_logits, run_failures
 from llmexport.verification_media import greedy_along, prompt_summary
 from llmexport.verification_towers import verify_towers
 
@@ -76,32 +76,6 @@ def bounds_for_export(stored_bits: set[int], profile: RuntimeProfile = RuntimePr
     if profile is RuntimeProfile.FAST:
         return Bounds(profile.value, FAST_MAX_ABS_ERR, FAST_MEAN_ABS_ERR, QUANT_MAX_ABS_ERR)
     return Bounds(profile.value, QUANT_MAX_ABS_ERR)
-
-
-def compare_logits(mnn: np.ndarray, ref: np.ndarray) -> LogitStats:
-    """Teacher-forced logits of a runtime run ``[steps, vocab]`` against the reference's."""
-    steps = []
-    for m, r in zip(mnn, ref):
-        top2 = np.sort(r)[-2:]
-        err = np.abs(m - r)
-        steps.append(StepStats(float(err.max()), float(err.mean()), float(top2[1] - top2[0]),
-                               int(m.argmax()) == int(r.argmax()), int(m.argmax()), int(r.argmax())))
-    return _over_steps(steps)
-
-
-def _over_steps(steps: list[StepStats]) -> LogitStats:
-    return LogitStats(sum(s.top1_match for s in steps) / len(steps), max(s.max_abs_err for s in steps),
-                      float(np.mean([s.mean_abs_err for s in steps])), tuple(steps))
-
-
-def step_stats(mnn: np.ndarray, ref: np.ndarray) -> list[dict[str, Any]]:
-    """``compare_logits``'s steps as JSON (for the towers' reports)."""
-    return [s.to_json() for s in compare_logits(mnn, ref).per_step]
-
-
-def summarize(steps: list[dict[str, Any]]) -> dict[str, Any]:
-    """``step_stats`` steps summarized, as JSON (``LogitStats.to_json``)."""
-    return _over_steps([StepStats.from_json(s) for s in steps]).to_json()
 
 
 def default_prompt(tokenizer, min_tokens: int) -> list[int]:
@@ -228,7 +202,7 @@ def stored_bits(stored: StoredTensors, prequantized: dict[str, Any] | None) -> s
 
 
 def judge(bounds: Bounds, oracle: LogitStats, tokenizer: TokenizerCheck, exact_kernels: LogitStats | None = None,
-          towers: Mapping[str, dict[str, Any]] | None = None) -> tuple[str, ...]:
+          towers: Mapping[str, TowerReport] | None = None) -> tuple[str, ...]:
     """The failures of a verification. A run passes when every teacher-forced step agrees on top-1
     (unless the oracle's own top-2 margin is below the error measured at that step: a near-tie)
     and errors stay in bounds; judged for the shipped run and (fast profile) the exact-kernels run."""
@@ -240,18 +214,8 @@ def judge(bounds: Bounds, oracle: LogitStats, tokenizer: TokenizerCheck, exact_k
     if not tokenizer.agree:
         failures.append(f"tokenizer disagrees on {len(tokenizer.mismatches)} sample(s)")
     for name, tower in (towers or {}).items():
-        failures += [f"{name}: {failure}" for failure in tower["failures"]]
+        failures += [f"{name}: {failure}" for failure in tower.failures]
     return tuple(failures)
-
-
-def run_failures(label: str, run: LogitStats, max_abs: float, mean_abs: float | None) -> list[str]:
-    failures = [f"{label}step {i}: top-1 {s.mnn_top1} != {s.ref_top1} (margin {s.ref_top2_margin:.4f})"
-                for i, s in enumerate(run.per_step) if s.flipped]
-    if run.max_abs_err >= max_abs:
-        failures.append(f"{label}max abs logit error {run.max_abs_err:.5f} >= {max_abs}")
-    if mean_abs is not None and run.mean_abs_err >= mean_abs:
-        failures.append(f"{label}mean abs logit error {run.mean_abs_err:.5f} >= {mean_abs}")
-    return failures
 
 
 def summary_line(report: VerifyReport) -> str:

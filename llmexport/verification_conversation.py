@@ -32,6 +32,7 @@ from llmexport.mnn.runtime import ChatRun, ChatTurnRun, common_prefix_length, ru
 from llmexport.mnn.tokenizer_stream import StreamModel, streamed_text_difference
 from llmexport.models.base import Architecture
 from llmexport.results import ConversationCheck, ConversationTurn, RunComparison
+from llmexport.verification_logits import compare_logits, run_failures
 from llmexport.verification_media import greedy_along, reference_greedy
 
 #: greedy steps per answer
@@ -146,8 +147,6 @@ class Conversations:
         """Per turn: the runtime's ids of the history against HF's rendering, answers, streamed text
         against HF's decode of the same ids (a difference classified by ``stream``), teacher-forced
         logits; the exact-kernels run on its logits and answers only."""
-        from llmexport.verification import compare_logits
-
         turns = []
         for i, (run, ref) in enumerate(zip(self.shipped.turns, self.oracle)):
             answer = run.answer[:-1] if run.stopped else run.answer
@@ -200,8 +199,6 @@ def conversation_failures(check: ConversationCheck, max_abs: float, mean_abs: fl
     the runtime renders or tokenizes differently from HF, streamed text that no known difference
     explains, answers that stop at different places, teacher-forced top-1 flips or errors over the
     bounds (those of the single-prompt check)."""
-    from llmexport.verification import run_failures
-
     failures = []
     for turn in check.turns:
         label = f"{turn.label}: "

@@ -10,9 +10,10 @@ greedy continuation wherever the two agree (``check_media_prompts``).
 
 from __future__ import annotations
 
+import dataclasses
 import tempfile
 from pathlib import Path
-from typing import Any, Collection, Sequence
+from typing import Collection, Sequence
 
 import numpy as np
 from torch import nn
@@ -20,6 +21,8 @@ from torch import nn
 from llmexport.mnn.config import EXACT_KERNELS
 from llmexport.mnn.runtime import MediaRun, run_media_prompt
 from llmexport.models.tower_check import PromptLogits, TowerCheck
+from llmexport.results import MediaPromptReport, TowerReport
+from llmexport.verification_logits import compare_logits, step_failures
 
 GREEDY_STEPS = 16
 
@@ -63,10 +66,10 @@ def through_stop(tokens: Sequence[int], stop_ids: Collection[int]) -> list[int]:
 
 
 def check_media_prompts(export_dir: Path, check: TowerCheck, oracle: nn.Module,
-                        fp32: nn.Module) -> list[dict[str, Any]]:
+                        fp32: nn.Module) -> list[MediaPromptReport]:
     """Each prompt through MNN's runtime (its medium saved into a temporary folder), then HF
     (``oracle``: the stored weights; ``fp32``) on the runtime's ids: one ``compare_prompt`` report
-    per prompt."""
+    per prompt, with the prompt's label and fields and its runtime prompt's BOS count."""
     reports = []
     with tempfile.TemporaryDirectory(prefix="llmexport-media-") as tmp:
         for i, prompt in enumerate(check.prompts):
@@ -80,56 +83,48 @@ def check_media_prompts(export_dir: Path, check: TowerCheck, oracle: nn.Module,
             logits = check.prompt_logits(oracle, prompt)(context, len(prompt.ids) - 1).numpy()
             forced32 = check.prompt_logits(fp32, prompt)(context, len(prompt.ids) - 1).numpy()
             report = compare_prompt(run, prompt.ids, greedy_along(logits, tokens, check.stop_ids), logits, forced32)
-            report["label"] = prompt.label
-            report["stopped_at_media_token"] = len(tokens) < GREEDY_STEPS
-            report["bos_count"] = run.ids.count(check.bos_id)
-            if report["bos_count"] != 1:
-                report["failures"].append(f"{report['bos_count']} BOS tokens in the runtime's prompt")
-            report.update(prompt.info)
-            reports.append(report)
+            bos_count = run.ids.count(check.bos_id)
+            bos = (f"{bos_count} BOS tokens in the runtime's prompt",) if bos_count != 1 else ()
+            reports.append(dataclasses.replace(report, failures=report.failures + bos, label=prompt.label,
+                                               stopped_at_media_token=len(tokens) < GREEDY_STEPS,
+                                               bos_count=bos_count, info=dict(prompt.info)))
     return reports
 
 
-def compare_prompt(run, prompt_ids: list[int], greedy_ref: list[int], ref_logits: np.ndarray,
-                   fp32_logits: np.ndarray | None = None) -> dict[str, Any]:
-    """Runtime media-prompt run vs HF: token ids, greedy tokens, teacher-forced logits.
+def compare_prompt(run: MediaRun, prompt_ids: list[int], greedy_ref: list[int], ref_logits: np.ndarray,
+                   fp32_logits: np.ndarray | None = None) -> MediaPromptReport:
+    """Runtime media-prompt run vs HF: token ids, greedy tokens, teacher-forced logits (the
+    prompt's label, fields and BOS count are ``check_media_prompts``'s to fill in).
 
-    Failures follow the text verification's rule: a teacher-forced top-1 disagreement counts
-    unless the oracle's own top-2 margin is below the error measured at that step (a near-tie).
+    Failures follow the text verification's rule (llmexport/verification_logits.py): a
+    teacher-forced top-1 disagreement counts unless the oracle's own top-2 margin is below the
+    error measured at that step (a near-tie).
     """
-    from llmexport.verification import step_stats, summarize
-
-    report: dict[str, Any] = {"prompt_tokens": len(prompt_ids), "ids_match": run.ids == prompt_ids,
-                              "greedy_ref": greedy_ref, "greedy_mnn": run.greedy_ids,
-                              "greedy_match": greedy_ref == run.greedy_ids}
-    failures = []
-    if not report["ids_match"]:
+    ids_match = run.ids == prompt_ids
+    failures, forced, fp32 = [], None, None
+    if not ids_match:
         failures.append(f"runtime prompt ids differ from HF's ({len(run.ids)} vs {len(prompt_ids)} tokens)")
-    if report["ids_match"]:
-        forced = summarize(step_stats(run.forced_logits, ref_logits))
-        report["forced"] = forced
-        for i, s in enumerate(forced["per_step"]):
-            if not s["top1_match"] and s["ref_top2_margin"] >= s["max_abs_err"]:
-                failures.append(f"step {i}: top-1 {s['mnn_top1']} != {s['ref_top1']} "
-                                f"(margin {s['ref_top2_margin']:.4f})")
+    else:
+        forced = compare_logits(run.forced_logits, ref_logits)
+        failures += step_failures("", forced)
         if fp32_logits is not None:
-            report["fp32"] = {k: v for k, v in summarize(step_stats(run.forced_logits, fp32_logits)).items()
-                              if k != "per_step"}
-    if not report["greedy_match"]:
+            fp32 = compare_logits(run.forced_logits, fp32_logits).summary()
+    if greedy_ref != run.greedy_ids:
         failures.append(f"greedy tokens differ: mnn {run.greedy_ids} vs hf {greedy_ref}")
-    report["failures"] = failures
-    return report
+    return MediaPromptReport(len(prompt_ids), ids_match, tuple(greedy_ref), tuple(run.greedy_ids), tuple(failures),
+                             forced, fp32)
 
 
-def prompt_summary(name: str, report: dict[str, Any]) -> str:
+def prompt_summary(name: str, tower: TowerReport) -> str:
     """One phrase per tower for the verification summary line."""
-    prompts = report.get("prompts", [])
-    state = "ok" if report.get("passed") else "FAILED"
+    prompts = tower.prompts
+    state = "ok" if tower.passed else "FAILED"
     if not prompts:
         return f"{name} {state}"
-    if not all(p["ids_match"] for p in prompts):
+    forced = [p.forced for p in prompts if p.ids_match and p.forced is not None]
+    if len(forced) < len(prompts):
         return f"{name} {state} (prompt vs HF: token ids DIFFER)"
-    top1 = min(p["forced"]["top1_agreement"] for p in prompts)
-    err = max(p["forced"]["max_abs_err"] for p in prompts)
-    greedy = "greedy match" if all(p["greedy_match"] for p in prompts) else "greedy DIFFERS"
+    top1 = min(f.top1_agreement for f in forced)
+    err = max(f.max_abs_err for f in forced)
+    greedy = "greedy match" if all(p.greedy_match for p in prompts) else "greedy DIFFERS"
     return f"{name} {state} (prompt vs HF: top-1 {top1:.0%}, {greedy}, max |dlogit| {err:.2e})"

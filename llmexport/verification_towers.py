@@ -3,9 +3,10 @@
 The fair oracle is HF carrying the weights the export stored, the tower's linears decoded from
 ``{name}.mnn.weight`` as MNN decodes them (``mnn.readback.StoredTensors``); the fp32 HF is reported
 beside it. Both are streamed references (llmexport/streamed_reference.py): a tower's layers are in
-memory one at a time. A tower's section of ``verify.json``: ``passed``, ``failures``, the check's
-``notes``, ``feature_bound``, one row per tower-alone case (under ``cases_key``: the case's fields,
-then ``measures``) and one report per media prompt (llmexport/verification_media.py).
+memory one at a time. A tower's section of ``verify.json`` is a ``TowerReport`` (llmexport/results.py):
+``passed``, ``failures``, the check's ``notes``, ``feature_bound``, one row per tower-alone case
+(under ``cases_key``: the case's fields, then ``measures``) and one ``MediaPromptReport`` per media
+prompt (llmexport/verification_media.py).
 """
 
 from __future__ import annotations
@@ -21,11 +22,12 @@ from torch import nn
 from llmexport.mnn.runtime import run_module
 from llmexport.models.base import Architecture, Tower
 from llmexport.models.tower_check import FeatureCase, Measure, TowerCheck
+from llmexport.results import TowerReport
 from llmexport.verification_media import check_media_prompts
 
 
 def verify_towers(arch: Architecture, export_dir: Path, oracle: nn.Module, fp32: nn.Module,
-                  media: bool = True) -> dict[str, dict[str, Any]]:
+                  media: bool = True) -> dict[str, TowerReport]:
     """``verify.json``'s ``towers``: one section per tower of ``arch``, keyed by its name
     (``oracle``: HF carrying the stored weights; ``fp32``: HF as the checkpoint holds it;
     ``media``: False leaves the media prompts out, which run the whole model on MNN's exact kernels)."""
@@ -33,7 +35,7 @@ def verify_towers(arch: Architecture, export_dir: Path, oracle: nn.Module, fp32:
 
 
 def verify_tower(tower: Tower, export_dir: Path, oracle: nn.Module, fp32: nn.Module,
-                 check: TowerCheck | None = None, media: bool = True) -> dict[str, Any]:
+                 check: TowerCheck | None = None, media: bool = True) -> TowerReport:
     """One tower's section (``check``: ``tower.check()`` unless given, e.g. with other prompts)."""
     check = tower.check() if check is None else check
     outputs = run_module(export_dir / f"{tower.name}.mnn", [case.feeds for case in check.cases], [check.output])
@@ -44,9 +46,9 @@ def verify_tower(tower: Tower, export_dir: Path, oracle: nn.Module, fp32: nn.Mod
         rows.append({**case.info, **{key: values[m] for key, m in check.measures.items()}})
         failures += case_failures(check, case, values)
     prompts = check_media_prompts(export_dir, check, oracle, fp32) if media else []
-    failures += [f"{prompt.name}: {f}" for prompt, report in zip(check.prompts, prompts) for f in report["failures"]]
-    return {"passed": not failures, "failures": failures, **check.notes, "feature_bound": check.feature_bound,
-            check.cases_key: rows, "prompts": prompts}
+    failures += [f"{prompt.name}: {f}" for prompt, report in zip(check.prompts, prompts) for f in report.failures]
+    return TowerReport(tuple(failures), check.feature_bound, check.cases_key, tuple(rows), tuple(prompts),
+                       dict(check.notes))
 
 
 def measure(check: TowerCheck, output: np.ndarray, ref: torch.Tensor, ref32: torch.Tensor) -> dict[Measure, Any]:

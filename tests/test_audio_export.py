@@ -49,9 +49,10 @@ def test_audio_tower_matches_hf_features_for_three_lengths(exported):
     _, _, report = exported
     audio = report.towers["audio"]
     chunk = 4
-    tokens = [clip["tokens"] for clip in audio["clips"]]
+    assert audio.cases_key == "clips"
+    tokens = [clip["tokens"] for clip in audio.cases]
     assert tokens[0] < chunk and tokens[1] % chunk and tokens[2] > 2 * chunk
-    for clip in audio["clips"]:
+    for clip in audio.cases:
         print(f"\naudio {clip['samples']} samples, {clip['frames']} frames, {clip['tokens']} tokens: rel err "
               f"{clip['rel_err']:.2e} vs stored weights, {clip['rel_err_fp32']:.2e} vs fp32")
         assert clip["mnn_tokens"] == clip["tokens"] and clip["rel_err"] < 1e-3
@@ -68,16 +69,17 @@ def test_padded_clips_give_hfs_answer(exported):
     tower = next(t for t in arch.towers() if t.name == "audio")
     report = verify_tower(tower, out, *reference_pair(arch, stored_tensors(out, arch)),
                           tower.check(prompt_lengths=PROMPT_LENGTHS))
-    for prompt in report["prompts"]:
-        forced = prompt["forced"]
-        print(f"\naudio prompt {prompt['samples']} samples: frames HF {prompt['frames']['hf']}, runtime "
-              f"{prompt['frames']['runtime']} (unpadded {prompt['frames']['runtime_unpadded']}), {prompt['tokens']} "
-              f"tokens: greedy {'match' if prompt['greedy_match'] else 'DIFFERS'}, "
-              f"top-1 {forced['top1_agreement']:.0%}, max |dlogit| {forced['max_abs_err']:.2e}")
-        assert prompt["frames"]["hf"] == prompt["frames"]["runtime"] == hf_frame_count(prompt["samples"])
-        assert prompt["ids_match"] and prompt["bos_count"] == 1 and prompt["greedy_match"]
-        assert forced["top1_agreement"] == 1.0
-    assert report["passed"], report["failures"]
+    for prompt in report.prompts:
+        forced, info = prompt.forced, prompt.info
+        assert forced is not None
+        print(f"\naudio prompt {info['samples']} samples: frames HF {info['frames']['hf']}, runtime "
+              f"{info['frames']['runtime']} (unpadded {info['frames']['runtime_unpadded']}), {info['tokens']} "
+              f"tokens: greedy {'match' if prompt.greedy_match else 'DIFFERS'}, "
+              f"top-1 {forced.top1_agreement:.0%}, max |dlogit| {forced.max_abs_err:.2e}")
+        assert info["frames"]["hf"] == info["frames"]["runtime"] == hf_frame_count(info["samples"])
+        assert prompt.ids_match and prompt.bos_count == 1 and prompt.greedy_match
+        assert forced.top1_agreement == 1.0
+    assert report.passed, report.failures
 
 
 @pytest.mark.slow
@@ -97,7 +99,7 @@ def test_unpadded_clip_loses_a_token(exported, tmp_path):
 def test_verify_passes_with_both_towers(exported):
     _, out, report = exported
     assert report.passed, report.failures
-    assert report.towers["visual"]["passed"] and report.towers["audio"]["passed"]
+    assert report.towers["visual"].passed and report.towers["audio"].passed
     assert json.loads((out / "verify.json").read_text())["towers"]["audio"]["passed"]
     line = summary_line(report)
     assert "visual ok (prompt vs HF: top-1 100%" in line and "audio ok (prompt vs HF: top-1 100%" in line
@@ -145,14 +147,23 @@ def test_tower_sections_keep_their_layout(exported):
 def test_summary_line_reports_a_failed_audio_prompt():
     """A disagreement on the audio prompt (HF's framing) makes the summary line FAIL and say so."""
     from llmexport.mnn.config import RuntimeProfile
-    from llmexport.results import Bounds, LogitStats, RunComparison, StepStats, TokenizerCheck, VerifyReport
+    from llmexport.results import (
+        Bounds,
+        LogitStats,
+        MediaPromptReport,
+        RunComparison,
+        StepStats,
+        TokenizerCheck,
+        TowerReport,
+        VerifyReport,
+    )
     from llmexport.verification import judge
 
     text = LogitStats(1.0, 1e-5, 1e-6, (StepStats(1e-5, 1e-6, 1.0, True, 1, 1),))
-    prompt = {"ids_match": True, "greedy_match": False, "forced": {"top1_agreement": 0.5, "max_abs_err": 0.7},
-              "failures": ["greedy tokens differ"]}
-    towers = {"audio": {"passed": False, "failures": ["audio prompt 16017 samples (HF framing): greedy "
-                                                      "tokens differ"], "prompts": [prompt]}}
+    prompt = MediaPromptReport(20, True, (3, 4), (3, 5), ("greedy tokens differ",),
+                               LogitStats(0.5, 0.7, 0.1, ()), label="16017 samples")
+    towers = {"audio": TowerReport(("audio prompt 16017 samples (HF framing): greedy tokens differ",), 1e-3, "clips",
+                                   (), (prompt,))}
     oracle, tokenizer = RunComparison.of(text, [3, 4], [3, 4]), TokenizerCheck(True, 7, ())
     bounds = Bounds("exact", 0.005)
     report = VerifyReport(40, 1, tokenizer, RuntimeProfile.EXACT, oracle, text, bounds,

@@ -110,3 +110,41 @@ def test_help_and_version_do_not_import_torch():
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
     assert "llmexport, version" in proc.stdout
+
+
+@pytest.mark.parametrize("command,fields", [("llmexport.cli:main", "llmexport.cli:ExportCommand"),
+                                            ("llmexport.run_cli:main", "llmexport.run_cli:RunCommand")])
+def test_click_hands_every_parameter_by_name_to_one_typed_command(command, fields):
+    """Each command's click parameters are the fields of its frozen dataclass, same names, same order."""
+    import dataclasses
+    import importlib
+
+    def load(name):
+        module, _, attr = name.partition(":")
+        return getattr(importlib.import_module(module), attr)
+
+    params = [p.name for p in load(command).params if p.name not in ("help", "version")]
+    assert params == [f.name for f in dataclasses.fields(load(fields))]
+
+
+def test_flags_map_to_options_by_name():
+    from llmexport.cli import export_options, parse_command
+    from llmexport.options import ChatThinking, ExportFormat
+    from llmexport.quant.scheme import QuantMethod, QuantScheme
+
+    base = ["--path", "x", "--dst_path", "y"]
+    command = parse_command(base)
+    assert (command.path, command.dst_path, command.dry_run, command.quant_config) == ("x", "y", False, None)
+    options = export_options(parse_command([*base, "--export", "onnx", "--quant_bit", "8", "--quant_block", "32",
+                                            "--sym", "--hqq", "--lm_quant_bit", "16", "--embed_bit", "4",
+                                            "--visual_quant_bit", "8", "--audio_quant_bit", "4", "--requantize",
+                                            "--thread_num", "2", "--chat_thinking", "off", "--verify",
+                                            "--keep_failed", "--max_memory", "1.5", "--trust_remote_code",
+                                            "--quiet"]))
+    assert options.export is ExportFormat.ONNX and options.chat_thinking is ChatThinking.OFF
+    assert options.quant == QuantScheme(8, 32, sym=True, method=QuantMethod.HQQ)
+    assert options.lm_quant == QuantScheme(16, 32, sym=True, method=QuantMethod.HQQ)
+    assert (options.embed_bit, options.visual_quant_bit, options.audio_quant_bit, options.thread_num,
+            options.max_memory) == (4, 8, 4, 2, 1.5)
+    assert options.requantize and options.verify and options.keep_failed and options.trust_remote_code
+    assert options.quiet and export_options(parse_command(base)).lm_quant is None

@@ -524,13 +524,13 @@ def test_runtime_messages_and_context():
 def test_chat_thinking_option():
     from click.testing import CliRunner
 
-    from llmexport.cli import _options, main
+    from llmexport.cli import export_options, main, parse_command
     from llmexport.errors import UsageError
     from llmexport.options import ExportOptions
 
-    flags = ("mnn", 4, 64, False, False, None, None, None, None, False, True, 4)
-    assert _options(*flags).chat_thinking is ChatThinking.DEFAULT
-    on = _options(*flags, chat_thinking="on")
+    flags = ["--path", "x", "--dst_path", "y"]
+    assert export_options(parse_command(flags)).chat_thinking is ChatThinking.DEFAULT
+    on = export_options(parse_command([*flags, "--chat_thinking", "on"]))
     assert on.chat_thinking is ChatThinking.ON and on.validate() is on
     assert on.manifest_fields()["chat_thinking"] == "on"
     with pytest.raises(UsageError, match="--chat_thinking"):

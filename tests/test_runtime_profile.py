@@ -42,12 +42,12 @@ def test_any_memory_mode_but_low_dequantizes_at_load(memory):
 
 
 def test_profile_option_default_cli_value_and_validation():
-    from llmexport.cli import _options
+    from llmexport.cli import export_options, parse_command
 
     assert ExportOptions().runtime_profile is FAST
-    args = ("mnn", 4, 64, False, False, None, None, None, None, False, True, 4)
-    assert _options(*args).runtime_profile is FAST
-    assert _options(*args, runtime_profile="exact").runtime_profile is EXACT
+    args = ["--path", "x", "--dst_path", "y"]
+    assert export_options(parse_command(args)).runtime_profile is FAST
+    assert export_options(parse_command([*args, "--runtime_profile", "exact"])).runtime_profile is EXACT
     with pytest.raises(UsageError, match="--runtime_profile"):
         ExportOptions(runtime_profile="fast").validate()  # a plain string, not the enum
 

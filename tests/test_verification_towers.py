@@ -19,6 +19,7 @@ from llmexport.loading import open_architecture
 from llmexport.models.base import Tower
 from llmexport.models.gemma4_tower_checks import PROMPT_HEAD
 from llmexport.models.tower_check import FeatureCase, Measure, PromptCase, TowerCheck
+from llmexport.results import MediaPromptReport, TowerReport
 from llmexport.spec import LinearRole, LinearSource, LinearSpec
 from llmexport.tiny.gemma4_towers import build_tiny_multimodal
 from llmexport.tiny.tokenizer import SPECIAL_TOKENS
@@ -99,7 +100,7 @@ def test_section_layout_and_the_oracle_against_the_fp32_reference(tmp_path, monk
     graph = oracle.proj(x).detach().numpy()
     monkeypatch.setattr(vt, "run_module", lambda model, feeds, outputs: [{"embeds": graph[None]} for _ in feeds])
     monkeypatch.setattr(vt, "check_media_prompts", lambda folder, check, oracle, fp32: [
-        {"failures": ["greedy tokens differ"], "label": p.label} for p in check.prompts])
+        MediaPromptReport(2, True, (1,), (2,), ("greedy tokens differ",), label=p.label) for p in check.prompts])
     prompt = PromptCase("one", "probe prompt one", {"input_ids": torch.tensor([[2, 5]])}, lambda folder: "")
     check = _check(output="embeds", cases=(FeatureCase("case a", {"x": x.numpy()}, {"size": 1}),
                                            FeatureCase("case b", {"x": x.numpy()}, {"size": 2})),
@@ -107,11 +108,13 @@ def test_section_layout_and_the_oracle_against_the_fp32_reference(tmp_path, monk
                    measures={"tokens": Measure.ROWS, "rel_err": Measure.REL_ERR, "rel_err_fp32": Measure.REL_ERR_FP32},
                    prompts=(prompt,), prompt_logits=lambda model, p: lambda ids: torch.eye(8)[ids],
                    notes={"scale_note": 7})
-    section = vt.verify_tower(_Tower(), tmp_path, oracle, fp32, check)
+    report = vt.verify_tower(_Tower(), tmp_path, oracle, fp32, check)
+    section = report.to_json()
     assert list(section) == ["passed", "failures", "scale_note", "feature_bound", "probes", "prompts"]
     assert [list(row) for row in section["probes"]] == [["size", "tokens", "rel_err", "rel_err_fp32"]] * 2
-    assert all(row["rel_err"] < 1e-6 and row["rel_err_fp32"] > 0.1 and row["tokens"] == 2 for row in section["probes"])
-    assert section["failures"] == ["probe prompt one: greedy tokens differ"] and not section["passed"]
+    assert all(row["rel_err"] < 1e-6 and row["rel_err_fp32"] > 0.1 and row["tokens"] == 2 for row in report.cases)
+    assert report.failures == ("probe prompt one: greedy tokens differ",) and not report.passed
+    assert section["prompts"][0]["label"] == "one" and TowerReport.from_json(section) == report
 
 
 @pytest.fixture(scope="module")

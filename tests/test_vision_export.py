@@ -87,7 +87,7 @@ def test_bidirectional_image_attention_is_exported(exported):
     path, out = exported("vision-64-bidirectional")
     report = verify_export(out, path, steps=16)
     assert report.passed, report.failures
-    assert report.towers["visual"]["marks_images"]
+    assert report.towers["visual"].notes["marks_images"]
     _check(report.towers["visual"], "vision-64 bidirectional")
 
 
@@ -101,9 +101,9 @@ def test_a_wrong_image_mask_fails_verification(checkpoints, tmp_path, monkeypatc
     out = tmp_path / "out"
     export(path, out, ExportOptions(quant=QuantScheme(16, 64), visual_quant_bit=16))
     report = verify_export(out, path, steps=16)
-    (prompt,) = report.towers["visual"]["prompts"]
+    (prompt,) = report.towers["visual"].prompts
     print(f"\n{case} exported with marks={marks}: {summary_line(report)}")
-    assert not report.passed and not prompt["greedy_match"]
+    assert not report.passed and not prompt.greedy_match
     assert any(f.startswith("visual: image prompt") for f in report.failures)
     assert "visual FAILED" in summary_line(report) and summary_line(report).startswith("FAIL")
 
@@ -114,13 +114,14 @@ def test_image_helper_gives_hfs_answer_for_any_size(exported):
     model given the original image, for several sizes and aspect ratios."""
     path, out = exported("vision-64")
     report = _tower_report(path, out, prompt_sizes=HELPER_SIZES)
-    for prompt in report["prompts"]:
-        forced = prompt["forced"]
-        print(f"\nimage {prompt['image']} -> {prompt['processed']} ({prompt['soft_tokens']} tokens): greedy "
-              f"{'match' if prompt['greedy_match'] else 'DIFFERS'}, top-1 {forced['top1_agreement']:.0%}, "
-              f"max |dlogit| {forced['max_abs_err']:.2e}")
-        assert prompt["ids_match"] and prompt["greedy_match"] and forced["top1_agreement"] == 1.0
-    assert report["passed"], report["failures"]
+    for prompt in report.prompts:
+        forced, info = prompt.forced, prompt.info
+        assert forced is not None
+        print(f"\nimage {info['image']} -> {info['processed']} ({info['soft_tokens']} tokens): greedy "
+              f"{'match' if prompt.greedy_match else 'DIFFERS'}, top-1 {forced.top1_agreement:.0%}, "
+              f"max |dlogit| {forced.max_abs_err:.2e}")
+        assert prompt.ids_match and prompt.greedy_match and forced.top1_agreement == 1.0
+    assert report.passed, report.failures
 
 
 @pytest.mark.slow
@@ -154,20 +155,22 @@ def _image_token_counts(ids):
 
 
 def _check(report, name):
-    for image in report["images"]:
+    assert report.cases_key == "images"
+    for image in report.cases:
         print(f"\n{name} image {image['size']} -> {image['processed']} ({image['soft_tokens']} tokens): "
               f"rel err {image['rel_err']:.2e} vs stored weights, {image['rel_err_fp32']:.2e} vs fp32")
         assert image["rel_err"] < 1e-3
-    for prompt in report["prompts"]:
-        forced = prompt["forced"]
-        print(f"{name} image prompt ({prompt['prompt_tokens']} tokens, image {prompt['image']} -> "
-              f"{prompt['processed']}): greedy {'match' if prompt['greedy_match'] else 'DIFFERS'}, top-1 "
-              f"{forced['top1_agreement']:.0%}, max |dlogit| {forced['max_abs_err']:.2e}; vs fp32: top-1 "
-              f"{prompt['fp32']['top1_agreement']:.0%}")
-        assert prompt["ids_match"] and prompt["bos_count"] == 1
-        assert prompt["greedy_match"] and len(prompt["greedy_mnn"]) == len(prompt["greedy_ref"])
-        assert forced["top1_agreement"] == 1.0
-    assert report["passed"], report["failures"]
+    for prompt in report.prompts:
+        forced, fp32 = prompt.forced, prompt.fp32
+        assert forced is not None and fp32 is not None
+        print(f"{name} image prompt ({prompt.prompt_tokens} tokens, image {prompt.info['image']} -> "
+              f"{prompt.info['processed']}): greedy {'match' if prompt.greedy_match else 'DIFFERS'}, top-1 "
+              f"{forced.top1_agreement:.0%}, max |dlogit| {forced.max_abs_err:.2e}; vs fp32: top-1 "
+              f"{fp32.top1_agreement:.0%}")
+        assert prompt.ids_match and prompt.bos_count == 1
+        assert prompt.greedy_match and len(prompt.greedy_mnn) == len(prompt.greedy_ref)
+        assert forced.top1_agreement == 1.0
+    assert report.passed, report.failures
 
 
 @pytest.mark.slow
