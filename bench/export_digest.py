@@ -3,9 +3,9 @@
     python bench/export_digest.py OUT.json                 # build, export, record the digests
     python bench/export_digest.py OUT.json --compare BASE.json   # ... and list every difference
 
-Tiny checkpoints of every registered family and variant (Gemma4 in its four shapes with towers,
-K2-Horizon, the Llama/Qwen3/Qwen3-MoE variants, MLX-quantized Gemma4 and K2-Horizon) are built
-from fixed seeds and exported with a spread of options (bits, blocks, sym, HQQ, recipes, a
+Tiny checkpoints of every registered family and variant (Gemma4 in its four shapes and with its
+vision and audio towers, K2-Horizon, the Llama/Qwen3/Qwen3-MoE variants, MLX-quantized Gemma4 and
+K2-Horizon) are built from fixed seeds and exported with a spread of options (bits, blocks, sym, HQQ, recipes, a
 quant_config file, lm_head and tower schemes, table widths, runtime profile, chat thinking, ONNX).
 Each case records every file's sha256 (manifest.json too: it lists the options and the plan's
 prequantized summary). ``--compare`` exits 1 when any case, file or digest differs.
@@ -45,6 +45,8 @@ GEMMA4_E2B = [
     ["--quant_bit", "2", "--quant_block", "0", "--visual_quant_bit", "8", "--audio_quant_bit", "4"],
     ["--export", "onnx"],
 ]
+TOWERS = [[], ["--visual_quant_bit", "4", "--audio_quant_bit", "8", "--embed_bit", "4", "--hqq"],
+          ["--visual_quant_bit", "8", "--audio_quant_bit", "4", "--quant_block", "32", "--sym", "--embed_bit", "8"]]
 OTHER = [[], ["--quant_bit", "8", "--quant_block", "0", "--embed_bit", "8", "--sym"],
          ["--quant_config", "@quant_config", "--hqq"]]
 
@@ -53,6 +55,7 @@ def _checkpoints(root: Path) -> dict[str, tuple[Path, list[list[str]]]]:
     from llmexport.tiny.decoders import VARIANTS as DECODERS
     from llmexport.tiny.decoders import build_tiny_decoder
     from llmexport.tiny.gemma4 import SHAPES, build_tiny_gemma4
+    from llmexport.tiny.gemma4_towers import MULTIMODAL, build_tiny_multimodal
     from llmexport.tiny.k2_horizon import VARIANTS as K2
     from llmexport.tiny.k2_horizon import build_tiny_k2_horizon
 
@@ -61,6 +64,8 @@ def _checkpoints(root: Path) -> dict[str, tuple[Path, list[list[str]]]]:
         path = build_tiny_gemma4(root / f"gemma4-{shape}", shape, seed=1)
         cases[f"gemma4-{shape}"] = (path, GEMMA4_E2B if shape == "e2b" else OTHER)
     cases["gemma4-e2b-text"] = (build_tiny_gemma4(root / "gemma4-e2b-text", "e2b", seed=2, text_only=True), OTHER)
+    for name in MULTIMODAL:
+        cases[f"gemma4-{name}"] = (build_tiny_multimodal(root / f"gemma4-{name}", name, seed=1), TOWERS)
     for variant in K2:
         cases[f"k2-{variant}"] = (build_tiny_k2_horizon(root / f"k2-{variant}", variant, seed=1), OTHER)
     for variant in DECODERS:

@@ -12,6 +12,7 @@ import pytest
 
 import llmexport
 from llmexport import ExportOptions
+from llmexport.export_plan import plan_summary
 from llmexport.quant.scheme import QuantScheme
 from llmexport.spec import LinearRole
 
@@ -87,3 +88,23 @@ def test_dry_run_shows_routers_fp16(tiny_gemma4, tiny_k2_horizon, tiny_decoder, 
     result = CliRunner().invoke(main, ["--path", str(path), "--dst_path", str(tmp_path / "x"), "--dry-run", *flags])
     assert result.exit_code == 0, result.output
     assert f"router: fp16 (not quantized) x {len(routers)}" in result.output, result.output
+
+
+def test_plan_lists_the_towers_with_their_schemes_and_record_bytes(tmp_path):
+    """The towers' linears are planned by the same schemes module as the text's (--visual_quant_bit,
+    --audio_quant_bit) and their record bytes are the ones written to {tower}.mnn.weight."""
+    from llmexport.mnn.readback import linear_records
+    from llmexport.tiny.gemma4_towers import build_tiny_multimodal
+
+    path = build_tiny_multimodal(tmp_path / "ckpt", "vision-audio-64")
+    options = ExportOptions(visual_quant_bit=4, audio_quant_bit=8)
+    plan = llmexport.plan(path, options)
+    assert set(plan.towers) == {"visual", "audio"}
+    result = llmexport.export(path, tmp_path / "out", options)
+    for name, bits in (("visual", 4), ("audio", 8)):
+        tower = plan.towers[name]
+        assert tower.linears and {linear.bits for linear in tower.linears} == {bits}
+        records = linear_records(result.dst, name, {linear.name for linear in tower.linears})
+        assert set(records) == {linear.name for linear in tower.linears}
+        assert tower.record_bytes == sum(sum(r["external"][1:4]) for r in records.values())
+    assert "tower visual: " in plan_summary(plan) and "tower audio: " in plan_summary(plan)

@@ -8,10 +8,12 @@ import struct
 import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from llmexport.mnn.embeddings import read_embedding_table, write_embedding_table
+from llmexport.mnn.embeddings import read_embedding_table, table_size, write_embedding_table
 from llmexport.mnn.weight_reader import read_linear
-from llmexport.mnn.weights import LinearRecord, WeightFileWriter, value_map
+from llmexport.mnn.weights import LinearRecord, WeightFileWriter, record_size, value_map
 from llmexport.quant.rtn import dequantize, quantize_rtn
 from llmexport.quant.scheme import QuantScheme
 from llmexport.spec import QuantizedTensor
@@ -392,3 +394,28 @@ def test_mnn_runtime_decodes_records(tmp_path, oc: int, ic: int, scheme: QuantSc
                 else dequantize(quantize_rtn(w, scheme.bits, record.block, scheme.sym)))
     expected = stored_w.double() @ x.double() + b.double()
     assert (got.double() - expected).abs().max() < 1e-4
+
+
+@settings(max_examples=60, deadline=None)
+@given(oc=st.integers(1, 40), ic=st.sampled_from([8, 16, 24, 48, 64, 96, 100, 128, 256]),
+       bits=st.sampled_from([2, 3, 4, 8, 16]), block=st.sampled_from([0, 32, 64, 128, 256]), sym=st.booleans(),
+       bias=st.booleans())
+def test_record_size_is_what_the_writer_writes(oc, ic, bits, block, sym, bias) -> None:
+    """The plan's record sizes (``record_size``) are the writer's bytes, for any shape and scheme."""
+    generator = torch.Generator().manual_seed(oc * 1000 + ic)
+    weight = torch.randn(oc, ic, generator=generator)
+    scheme = QuantScheme(bits, block, sym)
+    data, record = _write(weight, torch.randn(oc, generator=generator) if bias else None, scheme)
+    assert record_size(oc, ic, scheme, bias) == len(data) == record.total_bytes
+
+
+@settings(max_examples=40, deadline=None)
+@given(rows=st.integers(1, 30), dim=st.sampled_from([8, 16, 32, 64, 96, 128, 256]),
+       bits=st.sampled_from([4, 8, 16]), block=st.sampled_from([0, 32, 64, 128]))
+def test_table_size_is_what_the_table_writer_writes(rows, dim, bits, block) -> None:
+    if bits != 16 and block and dim % block:
+        return  # refused by the writer (test_bad_scheme_and_shapes_rejected and the export's checks)
+    table = torch.randn(rows, dim, generator=torch.Generator().manual_seed(rows * 100 + dim))
+    out = io.BytesIO()
+    write_embedding_table(out, table, bits, block)
+    assert table_size(rows, dim, bits, block) == len(out.getvalue())
