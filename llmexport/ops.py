@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from typing import Iterator
+from typing import Iterator, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -168,14 +168,16 @@ def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
 
 
 class GatedMlp(nn.Module):
-    """``down(act(gate(x)) * up(x))`` with placeholder linears named ``{prefix}{gate,up,down}_proj``;
-    the families differ only in the activation (Gemma4: tanh-gelu, K2-Horizon: SiLU)."""
+    """``down(act(gate(x)) * up(x))`` with placeholder linears named ``names`` (the family's names
+    of gate, up and down); the families differ only in the activation (Gemma4: tanh-gelu,
+    K2-Horizon: SiLU)."""
 
-    def __init__(self, prefix: str, hidden: int, width: int, activation):
+    def __init__(self, names: Sequence[str], hidden: int, width: int, activation):
         super().__init__()
-        self.gate_proj = PlaceholderLinear(prefix + "gate_proj", hidden, width)
-        self.up_proj = PlaceholderLinear(prefix + "up_proj", hidden, width)
-        self.down_proj = PlaceholderLinear(prefix + "down_proj", width, hidden)
+        gate, up, down = names
+        self.gate_proj = PlaceholderLinear(gate, hidden, width)
+        self.up_proj = PlaceholderLinear(up, hidden, width)
+        self.down_proj = PlaceholderLinear(down, width, hidden)
         self.activation = activation
 
     def forward(self, x):
