@@ -61,10 +61,8 @@ class Tower(abc.ABC):
 
 
 class Architecture(abc.ABC):
-    """Base class of a registered architecture family."""
+    """Base class of an architecture family (registered by ``model_type`` in ``models.FAMILIES``)."""
 
-    #: the ``model_type`` values (config.json) this class handles
-    model_types: tuple[str, ...] = ()
     #: True when ``load_reference`` runs the checkpoint's own modeling code (``auto_map``), which
     #: verification then does only with the user's explicit ``trust_remote_code``
     reference_is_remote_code: bool = False

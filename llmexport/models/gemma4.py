@@ -15,7 +15,6 @@ from torch import nn
 
 from llmexport.checkpoint import Checkpoint, LazyTensor
 from llmexport.errors import InputError
-from llmexport.models import register
 from llmexport.models.base import Tower
 from llmexport.models.decoder import DecoderFamily, expert_template
 from llmexport.models.decoder_names import add_mlp
@@ -51,7 +50,6 @@ def _kind(model_type: str | None) -> str:
     return "gemma4" if model_type == "gemma4" else "gemma4_text"
 
 
-@register("gemma4", "gemma4_text")
 class Gemma4(DecoderFamily):
     family = "Gemma4"
 

@@ -16,7 +16,6 @@ from typing import Any
 from torch import nn
 
 from llmexport.checkpoint import Checkpoint
-from llmexport.models import register
 from llmexport.models.decoder import DecoderFamily, expert_template
 from llmexport.models.decoder_names import EXPERT_MLP, MLP, add_attention, add_mlp, add_routed, pre_norm_shapes
 from llmexport.models.k2_horizon_args import K2HorizonArgs, parse_args
@@ -29,7 +28,6 @@ from llmexport.spec import ExpertTemplate, LinearRole, MlxLayout
 _VALUE_MARKER = "@value_expert@"
 
 
-@register("k2_horizon")
 class K2Horizon(DecoderFamily):
     family = "K2-Horizon"
     names = K2_HORIZON_NAMES

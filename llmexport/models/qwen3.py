@@ -12,7 +12,6 @@ from __future__ import annotations
 
 from typing import Any
 
-from llmexport.models import register
 from llmexport.models.decoder_names import LLAMA_LAYOUT
 from llmexport.models.plain_decoder import PlainDecoder
 from llmexport.models.tensor_names import match, weight_name
@@ -28,7 +27,6 @@ _REFERENCE_SLOTS = {"moe.expert.gate": ("reference.experts.gate_up", 0),
                     "moe.expert.down": ("reference.experts.down", None)}
 
 
-@register("qwen3")
 class Qwen3(PlainDecoder):
     family = "Qwen3"
     config_class = "Qwen3Config"
@@ -36,7 +34,6 @@ class Qwen3(PlainDecoder):
     end_of_turn = ("<|im_end|>",)
 
 
-@register("qwen3_moe")
 class Qwen3Moe(Qwen3):
     family = "Qwen3-MoE"
     config_class = "Qwen3MoeConfig"
