@@ -14,7 +14,7 @@ from llmexport.memory_plan import memory_plan, summary_line
 from llmexport.models.base import Architecture
 from llmexport.options import ExportOptions
 from llmexport.quant.scheme import QuantMethod, QuantScheme
-from llmexport.results import AdjustedBlock, ArchitectureSummary, ExportPlan, PlannedLinear, PlannedTable
+from llmexport.results import AdjustedBlock, ExportPlan, PlannedLinear, PlannedTable
 from llmexport.weight_sources import WeightSources
 
 
@@ -55,7 +55,7 @@ def export_plan(arch: Architecture, options: ExportOptions, sources: WeightSourc
         rows, dim = table.shape
         tables[name] = PlannedTable(rows, dim, choice.bits)
         total += table_bytes(rows, dim, choice.bits, choice.block)
-    plan = ExportPlan(ArchitectureSummary.from_json(arch.describe()), tuple(linears), tuple(adjusted), tables, total,
+    plan = ExportPlan(arch.describe(), tuple(linears), tuple(adjusted), tables, total,
                       sources.summary())
     return dataclasses.replace(plan, memory=memory_plan(arch, options, plan, records))
 

@@ -58,7 +58,7 @@ def _load(path: Path, options: ExportOptions) -> tuple[Checkpoint, Architecture,
     arch = open_architecture(checkpoint)
     tokenizer = _tokenizer_bytes(checkpoint, arch) if options.export is ExportFormat.MNN else None
     if options.verify and arch.reference_is_remote_code and not options.trust_remote_code:
-        raise UsageError(f"--verify: the {arch.describe()['family']} reference model is the checkpoint's own code "
+        raise UsageError(f"--verify: the {arch.describe().family} reference model is the checkpoint's own code "
                          f"({', '.join(sorted(p.name for p in path.glob('*.py'))) or 'auto_map'}); pass "
                          "--trust_remote_code to allow running it")
     return checkpoint, arch, tokenizer

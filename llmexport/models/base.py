@@ -16,7 +16,7 @@ from torch import nn
 
 from llmexport.checkpoint import Checkpoint, LazyTensor
 from llmexport.models.tower_check import TowerCheck
-from llmexport.spec import ExpertTemplate, GraphInputs, LinearSource, LinearSpec, ReferenceTensors
+from llmexport.spec import ArchitectureSummary, ExpertTemplate, GraphInputs, LinearSource, LinearSpec, ReferenceTensors
 
 
 class Tower(abc.ABC):
@@ -72,7 +72,7 @@ class Architecture(abc.ABC):
 
     # --- description -------------------------------------------------------------------
     @abc.abstractmethod
-    def describe(self) -> dict[str, Any]:
+    def describe(self) -> ArchitectureSummary:
         """Plan summary: family, layer count and per-layer kinds (for --dry-run and the manifest)."""
 
     @abc.abstractmethod

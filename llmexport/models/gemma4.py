@@ -33,7 +33,7 @@ from llmexport.models.gemma4_names import (
 )
 from llmexport.models.tensor_checks import Shapes, count_limit, finite_lookup, require_stacked
 from llmexport.models.tensor_names import LinearList, prefix_rule, rename_rule
-from llmexport.spec import ExpertTemplate, GraphInputs, LinearRole, MlxLayout
+from llmexport.spec import ArchitectureSummary, ExpertTemplate, GraphInputs, LinearRole, MlxLayout
 
 log = logging.getLogger(__name__)
 
@@ -211,7 +211,7 @@ class Gemma4(DecoderFamily):
         return [expert_template(self.names, "moe.expert", EXPERT, lambda names: Expert(names, a.hidden_size, width),
                                 a.hidden_size, ((layer.index, layer.index, e) for layer in a.layers for e in experts))]
 
-    def describe(self) -> dict[str, Any]:
+    def describe(self) -> ArchitectureSummary:
         a = self.args
         layers = []
         for layer in a.layers:
@@ -219,10 +219,9 @@ class Gemma4(DecoderFamily):
             extra = [f"kv<-{layer.kv_source}" if layer.shares_kv else f"kv_heads={layer.kv_heads}",
                      f"head_dim={layer.head_dim}"] + (["k=v"] if layer.k_eq_v else [])
             layers.append(f"{layer.index}: {kind} " + " ".join(extra))
-        return {"family": "gemma4", "model_type": self.checkpoint.model_type, "layers": a.num_layers,
-                "hidden_size": a.hidden_size, "vocab_size": a.vocab_size, "ple_dim": a.ple_dim,
-                "moe": None if a.moe is None else vars(a.moe), "tied_embeddings": a.tie_embeddings,
-                "layer_kinds": layers}
+        return ArchitectureSummary("gemma4", self.checkpoint.model_type, a.num_layers, a.hidden_size, a.vocab_size,
+                                   a.tie_embeddings, tuple(layers),
+                                   {"ple_dim": a.ple_dim, "moe": None if a.moe is None else vars(a.moe)})
 
     # --- runtime files ----------------------------------------------------------------------
     def llm_config(self) -> dict[str, Any]:

@@ -23,7 +23,7 @@ from llmexport.models.k2_horizon_graph import K2HorizonGraph, Mlp, ValueExpert, 
 from llmexport.models.k2_horizon_names import K2_HORIZON_NAMES, MLX_STACKED, SHARED_MLP
 from llmexport.models.tensor_checks import Shapes, count_limit, finite_lookup
 from llmexport.models.tensor_names import LinearList, rename_rule, weight_name
-from llmexport.spec import ExpertTemplate, LinearRole, MlxLayout
+from llmexport.spec import ArchitectureSummary, ExpertTemplate, LinearRole, MlxLayout
 
 _VALUE_MARKER = "@value_expert@"
 
@@ -105,18 +105,17 @@ class K2Horizon(DecoderFamily):
                 marker=_VALUE_MARKER))
         return templates
 
-    def describe(self) -> dict[str, Any]:
+    def describe(self) -> ArchitectureSummary:
         a = self.args
         kinds = []
         for layer in a.layers:
             kind = ("sparse: MoE" + (" + MoVA" if layer.mova else " + v_proj")) if layer.sparse else "dense"
             kinds.append(f"{layer.index}: {kind}")
-        return {"family": "k2_horizon", "model_type": "k2_horizon", "layers": a.num_layers,
-                "hidden_size": a.hidden_size, "vocab_size": a.vocab_size, "norm_groups": a.norm_groups,
-                "query_key_norm": a.qk_norm, "moe": None if a.moe is None else dict(vars(a.moe), width=a.moe_width,
-                                                                                    shared_width=a.shared_width),
-                "mova": None if a.mova is None else vars(a.mova), "tied_embeddings": a.tie_embeddings,
-                "layer_kinds": kinds}
+        moe = None if a.moe is None else dict(vars(a.moe), width=a.moe_width, shared_width=a.shared_width)
+        return ArchitectureSummary("k2_horizon", "k2_horizon", a.num_layers, a.hidden_size, a.vocab_size,
+                                   a.tie_embeddings, tuple(kinds),
+                                   {"norm_groups": a.norm_groups, "query_key_norm": a.qk_norm, "moe": moe,
+                                    "mova": None if a.mova is None else vars(a.mova)})
 
     # --- runtime files ----------------------------------------------------------------------
     def llm_config(self) -> dict[str, Any]:

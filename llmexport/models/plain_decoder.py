@@ -28,7 +28,7 @@ from llmexport.models.decoder_names import (
 )
 from llmexport.models.tensor_checks import Shapes, count_limit, finite_lookup
 from llmexport.models.tensor_names import LinearList
-from llmexport.spec import ExpertTemplate, LinearRole
+from llmexport.spec import ArchitectureSummary, ExpertTemplate, LinearRole
 
 
 class PlainDecoder(DecoderFamily):
@@ -90,14 +90,14 @@ class PlainDecoder(DecoderFamily):
                                 lambda names: SwiGlu(names, a.hidden_size, width), a.hidden_size,
                                 ((layer.index, layer.index, e) for layer in sparse for e in range(a.moe.num_experts)))]
 
-    def describe(self) -> dict[str, Any]:
+    def describe(self) -> ArchitectureSummary:
         a = self.args
         rope = "llama3" if a.rope.llama3 else "default"
-        return {"family": self.family, "model_type": self.checkpoint.model_type, "layers": a.num_layers,
-                "hidden_size": a.hidden_size, "vocab_size": a.vocab_size, "heads": a.num_heads,
-                "kv_heads": a.kv_heads, "head_dim": a.head_dim, "rope": rope, "qk_norm": a.qk_norm,
-                "moe": None if a.moe is None else vars(a.moe), "tied_embeddings": a.tie_embeddings,
-                "layer_kinds": [f"{layer.index}: {'sparse: MoE' if layer.sparse else 'dense'}" for layer in a.layers]}
+        details = {"heads": a.num_heads, "kv_heads": a.kv_heads, "head_dim": a.head_dim, "rope": rope,
+                   "qk_norm": a.qk_norm, "moe": None if a.moe is None else vars(a.moe)}
+        return ArchitectureSummary(
+            self.family, self.checkpoint.model_type, a.num_layers, a.hidden_size, a.vocab_size, a.tie_embeddings,
+            tuple(f"{layer.index}: {'sparse: MoE' if layer.sparse else 'dense'}" for layer in a.layers), details)
 
     # --- runtime files ----------------------------------------------------------------------
     def llm_config(self) -> dict[str, Any]:
