@@ -115,12 +115,12 @@ class FusedAttention(nn.Module):
     q: [1, seq, heads, dim]; k, v: [1, kv_seq, kv_heads, dim]; mask: additive float,
     broadcastable to [1, 1, seq, kv_seq]. Output [1, seq, heads * dim].
     ``kv_shared_layer_index`` >= 0 makes the runtime read the KV cache of that layer instead
-    of appending k/v (which then only carry their shape).
+    of appending k/v (which then only carry their shape). The op is named after its layer.
     """
 
-    def __init__(self, name: str, layer_index: int, kv_shared_layer_index: int, scale: float):
+    def __init__(self, layer_index: int, kv_shared_layer_index: int, scale: float):
         super().__init__()
-        self.name = name
+        self.name = f"/layers.{layer_index}/self_attn/Attention"
         self.layer_index = layer_index
         self.kv_shared_layer_index = kv_shared_layer_index
         self.scale = scale

@@ -41,7 +41,7 @@ class Attention(nn.Module):
         self.qk_norm = qk_norms is not None
         if qk_norms is not None:
             self.q_norm, self.k_norm = qk_norms
-        self.attn = FusedAttention(f"/layers.{index}/self_attn/Attention", index, -1, head_dim ** -0.5)
+        self.attn = FusedAttention(index, -1, head_dim ** -0.5)
 
     def init_values(self, names: NameTable, hidden: int, width: int, bias: bool, **options: Any) -> None:
         self.v_proj = PlaceholderLinear(names.name("attn.v"), hidden, width, bias)

@@ -56,8 +56,7 @@ class Attention(nn.Module):
             self.v_proj = None if layer.k_eq_v else PlaceholderLinear(names.name("attn.v"), h, layer.kv_heads * d)
             self.k_norm = Norm(_const(lookup, names.name("norm.k")), args.eps)
         # HF Gemma4 uses attention scaling 1.0 (q/k are RMS-normalised instead).
-        self.attn = FusedAttention(f"/layers.{layer.index}/self_attn/Attention", layer.index,
-                                   layer.kv_source, 1.0)
+        self.attn = FusedAttention(layer.index, layer.kv_source, 1.0)
 
     def forward(self, x, cos, sin, mask, kv_store: dict[int, tuple[torch.Tensor, torch.Tensor]]):
         layer = self.layer
