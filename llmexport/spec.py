@@ -1,6 +1,6 @@
 """The vocabulary every layer shares: linear specs and roles, expert templates, stored and
-quantized weights, the quantizer type, and the small protocols by which a weight store and an
-exported model's tables are read.
+quantized weights, the quantizer type, a family's summary of itself, and the small protocols by
+which a weight store and an exported model's tables are read.
 
 This module imports nothing of llmexport at run time (``LazyTensor`` only for type checking), so
 that the checkpoint readers, importers, model families, quantizers, the MNN writer and

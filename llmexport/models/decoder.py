@@ -1,11 +1,12 @@
 """What a decoder family shares when its placeholder linears map onto checkpoint tensors by name.
 
-``DecoderFamily`` implements the bookkeeping of ``Architecture`` from a few hooks: which tensor
-(and which row of a stacked expert tensor) feeds each linear, the graph constants and tables the
-config implies. From them come the expected-tensor check, the weights and MLX sources of the
-linears, the embedding table, the stored weights written into the HF reference, the reference
-itself and its logits, the standard graph inputs and the checkpoint's own chat template.
-A family overrides only what differs (Gemma4: its graph inputs, reference logits, template).
+``DecoderFamily`` implements the bookkeeping of ``Architecture`` from the family's name table
+(tensor_names.py), the linears it lists with their checkpoint tensors (``LinearList``: a weight,
+or a row of a stacked expert tensor) and a few hooks: the graph constants and tables the config
+implies. From them come the expected-tensor check, the weights and MLX sources of the linears,
+the embedding table, the stored weights written into the HF reference, the reference itself and
+its logits, the standard graph inputs and the checkpoint's own chat template. A family overrides
+only what differs (Gemma4: its graph inputs, reference logits, template).
 """
 
 from __future__ import annotations
