@@ -14,15 +14,7 @@ from llmexport.memory_plan import memory_plan, summary_line
 from llmexport.models.base import Architecture
 from llmexport.options import ExportOptions
 from llmexport.quant.scheme import QuantScheme
-from llmexport.results import (
-    AdjustedBlock,
-    ArchitectureSummary,
-    ExportPlan,
-    PlannedLinear,
-    PlannedTable,
-    PlannedTower,
-    PrequantizedSummary,
-)
+from llmexport.results import AdjustedBlock, ExportPlan, PlannedLinear, PlannedTable, PlannedTower, PrequantizedSummary
 from llmexport.schemes import Schemes
 from llmexport.spec import LinearSpec
 from llmexport.targets import OutputTarget
@@ -41,7 +33,7 @@ def export_plan(arch: Architecture, options: ExportOptions, schemes: Schemes, ta
         rows, dim = table.shape
         tables[name] = PlannedTable(rows, dim, choice.bits)
         total += target.table_bytes(rows, dim, choice.bits, choice.block)
-    plan = ExportPlan(ArchitectureSummary.from_json(arch.describe()), linears, adjusted, tables, total,
+    plan = ExportPlan(arch.describe(), linears, adjusted, tables, total,
                       schemes.prequantized(), towers=towers)
     return dataclasses.replace(plan, memory=memory_plan(arch, options, plan, records))
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from typing import Iterator
+from typing import Iterator, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -115,12 +115,12 @@ class FusedAttention(nn.Module):
     q: [1, seq, heads, dim]; k, v: [1, kv_seq, kv_heads, dim]; mask: additive float,
     broadcastable to [1, 1, seq, kv_seq]. Output [1, seq, heads * dim].
     ``kv_shared_layer_index`` >= 0 makes the runtime read the KV cache of that layer instead
-    of appending k/v (which then only carry their shape).
+    of appending k/v (which then only carry their shape). The op is named after its layer.
     """
 
-    def __init__(self, name: str, layer_index: int, kv_shared_layer_index: int, scale: float):
+    def __init__(self, layer_index: int, kv_shared_layer_index: int, scale: float):
         super().__init__()
-        self.name = name
+        self.name = f"/layers.{layer_index}/self_attn/Attention"
         self.layer_index = layer_index
         self.kv_shared_layer_index = kv_shared_layer_index
         self.scale = scale
@@ -168,14 +168,16 @@ def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
 
 
 class GatedMlp(nn.Module):
-    """``down(act(gate(x)) * up(x))`` with placeholder linears named ``{prefix}{gate,up,down}_proj``;
-    the families differ only in the activation (Gemma4: tanh-gelu, K2-Horizon: SiLU)."""
+    """``down(act(gate(x)) * up(x))`` with placeholder linears named ``names`` (the family's names
+    of gate, up and down); the families differ only in the activation (Gemma4: tanh-gelu,
+    K2-Horizon: SiLU)."""
 
-    def __init__(self, prefix: str, hidden: int, width: int, activation):
+    def __init__(self, names: Sequence[str], hidden: int, width: int, activation):
         super().__init__()
-        self.gate_proj = PlaceholderLinear(prefix + "gate_proj", hidden, width)
-        self.up_proj = PlaceholderLinear(prefix + "up_proj", hidden, width)
-        self.down_proj = PlaceholderLinear(prefix + "down_proj", width, hidden)
+        gate, up, down = names
+        self.gate_proj = PlaceholderLinear(gate, hidden, width)
+        self.up_proj = PlaceholderLinear(up, hidden, width)
+        self.down_proj = PlaceholderLinear(down, width, hidden)
         self.activation = activation
 
     def forward(self, x):

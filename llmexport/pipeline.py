@@ -36,7 +36,7 @@ def _load(path: Path, options: ExportOptions, target: OutputTarget) -> tuple[Che
     arch = open_architecture(checkpoint)
     prepared = target.prepare(checkpoint, arch)
     if options.verify and arch.reference_is_remote_code and not options.trust_remote_code:
-        raise UsageError(f"--verify: the {arch.describe()['family']} reference model is the checkpoint's own code "
+        raise UsageError(f"--verify: the {arch.describe().family} reference model is the checkpoint's own code "
                          f"({', '.join(sorted(p.name for p in path.glob('*.py'))) or 'auto_map'}); pass "
                          "--trust_remote_code to allow running it")
     return checkpoint, arch, prepared

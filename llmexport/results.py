@@ -17,7 +17,9 @@ from typing import Any, Mapping, Sequence, TypeVar
 
 from llmexport.mnn.config import RuntimeProfile
 from llmexport.quant.scheme import QuantMethod
-from llmexport.spec import LinearRole
+from llmexport.spec import ArchitectureSummary, LinearRole
+
+__all__ = ["ArchitectureSummary"]  # the families make it (llmexport.spec); the plan carries it
 
 _T = TypeVar("_T", bound="_PlainFields")
 
@@ -34,34 +36,6 @@ class _PlainFields:
 
 
 # --- the plan (--dry-run, llmexport.plan) ---------------------------------------------------------
-@dataclass(frozen=True)
-class ArchitectureSummary:
-    """``Architecture.describe()`` typed: the fields every family reports, and its own ones in
-    ``details`` (ple_dim, moe, heads, ...), which JSON places between the two groups."""
-
-    family: str
-    model_type: str
-    layers: int
-    hidden_size: int
-    vocab_size: int
-    tied_embeddings: bool
-    layer_kinds: tuple[str, ...]
-    details: Mapping[str, Any] = field(default_factory=dict)
-
-    _HEAD = ("family", "model_type", "layers", "hidden_size", "vocab_size")
-    _TAIL = ("tied_embeddings", "layer_kinds")
-
-    @classmethod
-    def from_json(cls, data: Mapping[str, Any]) -> ArchitectureSummary:
-        known = cls._HEAD + cls._TAIL
-        return cls(**{k: data[k] for k in cls._HEAD}, tied_embeddings=data["tied_embeddings"],
-                   layer_kinds=tuple(data["layer_kinds"]), details={k: v for k, v in data.items() if k not in known})
-
-    def to_json(self) -> dict[str, Any]:
-        return {**{k: getattr(self, k) for k in self._HEAD}, **self.details,
-                "tied_embeddings": self.tied_embeddings, "layer_kinds": list(self.layer_kinds)}
-
-
 @dataclass(frozen=True)
 class PlannedLinear:
     """One placeholder linear and the scheme it is written with (``block`` as used, 0 for fp16)."""

@@ -1,6 +1,6 @@
 """The vocabulary every layer shares: linear specs and roles, expert templates, stored and
-quantized weights, the quantizer type, and the small protocols by which a weight store and an
-exported model's tables are read.
+quantized weights, the quantizer type, a family's summary of itself, and the small protocols by
+which a weight store and an exported model's tables are read.
 
 This module imports nothing of llmexport at run time (``LazyTensor`` only for type checking), so
 that the checkpoint readers, importers, model families, quantizers, the MNN writer and
@@ -10,10 +10,10 @@ verification may all depend on it without depending on each other.
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import Enum
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable, Optional, Protocol
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Optional, Protocol
 
 import torch
 from torch import nn
@@ -266,6 +266,37 @@ class SourcedTower(Protocol):
     def linears(self) -> list[LinearSpec]: ...
 
     def linear_source(self, name: str) -> LinearSource: ...
+
+
+# --- what a family says of itself ---------------------------------------------------------------
+@dataclass(frozen=True)
+class ArchitectureSummary:
+    """What ``Architecture.describe()`` returns (--dry-run, the plan, the manifest): the fields every
+    family reports, and its own ones in ``details`` (ple_dim, moe, heads, ...), which JSON places
+    between the two groups."""
+
+    family: str
+    model_type: str
+    layers: int
+    hidden_size: int
+    vocab_size: int
+    tied_embeddings: bool
+    layer_kinds: tuple[str, ...]
+    details: Mapping[str, Any] = field(default_factory=dict)
+
+    _HEAD = ("family", "model_type", "layers", "hidden_size", "vocab_size")
+    _TAIL = ("tied_embeddings", "layer_kinds")
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> ArchitectureSummary:
+        known = cls._HEAD + cls._TAIL
+        return cls(**{k: data[k] for k in cls._HEAD}, tied_embeddings=data["tied_embeddings"],
+                   layer_kinds=tuple(data["layer_kinds"]), details={k: v for k, v in data.items() if k not in known})
+
+    def to_json(self) -> dict[str, Any]:
+        return {**{k: getattr(self, k) for k in self._HEAD}, **self.details,
+                "tied_embeddings": self.tied_embeddings, "layer_kinds": list(self.layer_kinds)}
+
 
 
 # --- how an importer's source format names a family's tensors ------------------------------------

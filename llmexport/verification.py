@@ -114,7 +114,7 @@ def _verify_export(export_dir: Path, model_path: Path, steps: int, prompt_ids: l
 
     arch = open_architecture(Checkpoint.open(model_path))
     if arch.reference_is_remote_code and not trust_remote_code:
-        raise UsageError(f"{model_path}: verifying a {arch.describe()['family']} export runs the checkpoint's "
+        raise UsageError(f"{model_path}: verifying a {arch.describe().family} export runs the checkpoint's "
                          "own modeling code; allow it with --trust_remote_code (trust_remote_code=True)")
     # Tokenizers are plain tokenizer.json files: never run a checkpoint's remote code for them.
     tokenizer = AutoTokenizer.from_pretrained(model_path, trust_remote_code=False)

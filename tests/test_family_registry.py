@@ -1,15 +1,19 @@
 """Every registered family has a tiny builder and is run by every stage's parametrized tests.
 
-Adding a family to ``llmexport.models`` without a builder in ``llmexport.tiny.registry`` or
-without a place in the rewrite, ONNX and MNN parity tests (tests/families.py) fails here.
+Adding a family to ``llmexport.models.FAMILIES`` (the one registry, ``model_type -> "module:Class"``)
+without a builder in ``llmexport.tiny.registry`` or without a place in the rewrite, ONNX and MNN
+parity tests (tests/families.py) fails here.
 """
 
 from __future__ import annotations
 
 import importlib
+import subprocess
+import sys
 
 import pytest
 
+from llmexport import models
 from llmexport.checkpoint import Checkpoint
 from llmexport.loading import open_architecture
 from llmexport.models import registered_families
@@ -55,3 +59,18 @@ def test_tiny_builders_build_their_model_type(tmp_path, model_type):
     checkpoint = Checkpoint.open(TINY_BUILDERS[model_type](tmp_path / model_type, 0))
     assert checkpoint.model_type == model_type
     assert type(open_architecture(checkpoint)) is registered_families()[model_type]
+
+
+def test_every_registry_entry_is_an_architecture(monkeypatch):
+    assert all(issubclass(cls, Architecture) for cls in registered_families().values())
+    monkeypatch.setitem(models.FAMILIES, "newcomer", "llmexport.models.base:Tower")
+    with pytest.raises(TypeError, match="newcomer"):
+        registered_families()
+
+
+def test_listing_the_registry_imports_no_family():
+    """``supported_model_types`` (the CLI's error messages and help) reads the table only."""
+    code = ("import sys; from llmexport.models import FAMILIES, supported_model_types; supported_model_types(); "
+            "print(sorted({v.partition(':')[0] for v in FAMILIES.values()} & set(sys.modules)))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"

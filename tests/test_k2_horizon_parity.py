@@ -138,4 +138,4 @@ def test_checkpoint_problems_are_input_errors(tiny_k2_horizon, tmp_path, edit, m
 def test_rotary_inv_freq_in_a_checkpoint_is_ignored(tiny_k2_horizon, tmp_path):
     path = edit_checkpoint(tiny_k2_horizon("dense"), tmp_path / "inv",
                             add={"model.rotary_emb.inv_freq": torch.ones(8)})
-    assert open_architecture(Checkpoint.open(path)).describe()["layer_kinds"][0] == "0: dense"
+    assert open_architecture(Checkpoint.open(path)).describe().layer_kinds[0] == "0: dense"

@@ -282,9 +282,10 @@ def test_every_family_plan_round_trips_and_the_dry_run_prints_it(family_checkpoi
     from llmexport.cli import main
 
     path = family_checkpoints[model_type]
-    described = open_architecture(Checkpoint.open(path)).describe()
-    summary = ArchitectureSummary.from_json(described)
-    assert summary.to_json() == described and list(summary.to_json()) == list(described)  # same order
+    summary = open_architecture(Checkpoint.open(path)).describe()
+    described = summary.to_json()
+    assert ArchitectureSummary.from_json(described) == summary
+    assert list(ArchitectureSummary.from_json(described).to_json()) == list(described)  # same order
     plan = llmexport.plan(path, ExportOptions(quant=QuantScheme(bits, 32)))
     assert isinstance(plan, ExportPlan) and plan.architecture == summary
     assert ExportPlan.from_json(json.loads(json.dumps(plan.to_json()))) == plan

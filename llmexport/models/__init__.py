@@ -1,56 +1,51 @@
-"""Registry of architecture families, keyed by config.json ``model_type``."""
+"""Registry of architecture families, keyed by config.json ``model_type``, in one table.
+
+``FAMILIES`` is the one place a family is registered: ``model_type -> "module:Class"``. A
+family's module is imported when a checkpoint of its type is opened (or the registry is listed),
+so that `llmexport --help` stays fast.
+"""
 
 from __future__ import annotations
 
 import importlib
-from typing import Callable
 
 from llmexport.checkpoint import Checkpoint
 from llmexport.errors import InputError
 from llmexport.models.base import Architecture
 
-_REGISTRY: dict[str, type[Architecture]] = {}
-# Family modules are imported on first use so that `llmexport --help` stays fast.
-_FAMILY_MODULES = ("llmexport.models.gemma4", "llmexport.models.k2_horizon", "llmexport.models.llama",
-                   "llmexport.models.qwen3")
+#: config.json ``model_type`` -> the family's class, as "module:Class"
+FAMILIES: dict[str, str] = {
+    "gemma4": "llmexport.models.gemma4:Gemma4",
+    "gemma4_text": "llmexport.models.gemma4:Gemma4",
+    "k2_horizon": "llmexport.models.k2_horizon:K2Horizon",
+    "llama": "llmexport.models.llama:Llama",
+    "qwen3": "llmexport.models.qwen3:Qwen3",
+    "qwen3_moe": "llmexport.models.qwen3:Qwen3Moe",
+}
 
 
-def register(*model_types: str) -> Callable[[type[Architecture]], type[Architecture]]:
-    def wrap(cls: type[Architecture]) -> type[Architecture]:
-        for model_type in model_types:
-            if model_type in _REGISTRY:
-                raise RuntimeError(f"model_type {model_type!r} registered twice")
-            _REGISTRY[model_type] = cls
-        cls.model_types = tuple(model_types)
-        return cls
-
-    return wrap
-
-
-def _load_families() -> None:
-    for module in _FAMILY_MODULES:
-        importlib.import_module(module)
+def _family(model_type: str) -> type[Architecture]:
+    module, _, name = FAMILIES[model_type].partition(":")
+    cls = getattr(importlib.import_module(module), name)
+    if not (isinstance(cls, type) and issubclass(cls, Architecture)):
+        raise TypeError(f"models.FAMILIES[{model_type!r}] = {FAMILIES[model_type]!r} is not an Architecture")
+    return cls
 
 
 def supported_model_types() -> list[str]:
-    _load_families()
-    return sorted(_REGISTRY)
+    return sorted(FAMILIES)
 
 
 def registered_families() -> dict[str, type[Architecture]]:
-    """``model_type`` -> the Architecture class registered for it."""
-    _load_families()
-    return dict(_REGISTRY)
+    """``model_type`` -> the Architecture class registered for it (every family module imported)."""
+    return {model_type: _family(model_type) for model_type in FAMILIES}
 
 
 def architecture_class(checkpoint: Checkpoint) -> type[Architecture]:
     """The family registered for an opened checkpoint's ``model_type``; unknown types fail loudly."""
-    _load_families()
-    cls = _REGISTRY.get(checkpoint.model_type)
-    if cls is None:
+    if checkpoint.model_type not in FAMILIES:
         raise InputError(
             f"{checkpoint.path / 'config.json'}: unsupported model_type {checkpoint.model_type!r} "
             f"(supported: {', '.join(supported_model_types())})"
         )
-    return cls
-
+    return _family(checkpoint.model_type)

@@ -16,7 +16,7 @@ from torch import nn
 
 from llmexport.checkpoint import Checkpoint, LazyTensor
 from llmexport.models.tower_check import TowerCheck
-from llmexport.spec import ExpertTemplate, GraphInputs, LinearSource, LinearSpec, ReferenceTensors
+from llmexport.spec import ArchitectureSummary, ExpertTemplate, GraphInputs, LinearSource, LinearSpec, ReferenceTensors
 
 
 class Tower(abc.ABC):
@@ -61,10 +61,8 @@ class Tower(abc.ABC):
 
 
 class Architecture(abc.ABC):
-    """Base class of a registered architecture family."""
+    """Base class of an architecture family (registered by ``model_type`` in ``models.FAMILIES``)."""
 
-    #: the ``model_type`` values (config.json) this class handles
-    model_types: tuple[str, ...] = ()
     #: True when ``load_reference`` runs the checkpoint's own modeling code (``auto_map``), which
     #: verification then does only with the user's explicit ``trust_remote_code``
     reference_is_remote_code: bool = False
@@ -74,7 +72,7 @@ class Architecture(abc.ABC):
 
     # --- description -------------------------------------------------------------------
     @abc.abstractmethod
-    def describe(self) -> dict[str, Any]:
+    def describe(self) -> ArchitectureSummary:
         """Plan summary: family, layer count and per-layer kinds (for --dry-run and the manifest)."""
 
     @abc.abstractmethod

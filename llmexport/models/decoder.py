@@ -1,16 +1,17 @@
 """What a decoder family shares when its placeholder linears map onto checkpoint tensors by name.
 
-``DecoderFamily`` implements the bookkeeping of ``Architecture`` from a few hooks: which tensor
-(and which row of a stacked expert tensor) feeds each linear, the graph constants and tables the
-config implies. From them come the expected-tensor check, the weights and MLX sources of the
-linears, the embedding table, the stored weights written into the HF reference, the reference
-itself and its logits, the standard graph inputs and the checkpoint's own chat template.
-A family overrides only what differs (Gemma4: its graph inputs, reference logits, template).
+``DecoderFamily`` implements the bookkeeping of ``Architecture`` from the family's name table
+(tensor_names.py), the linears it lists with their checkpoint tensors (``LinearList``: a weight,
+or a row of a stacked expert tensor) and a few hooks: the graph constants and tables the config
+implies. From them come the expected-tensor check, the weights and MLX sources of the linears,
+the embedding table, the stored weights written into the HF reference, the reference itself and
+its logits, the standard graph inputs and the checkpoint's own chat template. A family overrides
+only what differs (Gemma4: its graph inputs, reference logits, template).
 """
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any, Callable, Iterable, Sequence
 
 import torch
 from torch import nn
@@ -18,10 +19,20 @@ from torch import nn
 from llmexport.checkpoint import LazyTensor
 from llmexport.input_files import TOKENIZER_LIMIT, read_bytes, read_optional_json
 from llmexport.models.base import Architecture
-from llmexport.models.tensor_checks import check_tensors
-from llmexport.spec import UNTIED_HEAD, GraphInputs, LinearRole, LinearSource, LinearSpec, ReferenceTensors
+from llmexport.models.tensor_checks import Shapes, check_tensors
+from llmexport.models.tensor_names import LinearList, NameTable
+from llmexport.spec import (
+    UNTIED_HEAD,
+    ExpertTemplate,
+    GraphInputs,
+    LinearRole,
+    LinearSource,
+    LinearSpec,
+    ReferenceTensors,
+)
 
-Shapes = dict[str, "tuple[int, ...] | None"]
+#: what the placeholder names of an expert template hold in place of an expert's module path
+EXPERT_MARKER = "@expert@"
 
 
 class AttentionShape:
@@ -40,62 +51,36 @@ class AttentionShape:
         return self.kv_heads * self.head_dim
 
 
-def pre_norm_shapes(prefix: str, hidden: int, qk_widths: tuple[int, int] | None) -> Shapes:
-    """One pre-norm layer's RMSNorm gammas: input and post-attention norms, and the q/k norms
-    (``qk_widths``: their widths, None without them)."""
-    shapes: Shapes = {prefix + "input_layernorm.weight": (hidden,),
-                      prefix + "post_attention_layernorm.weight": (hidden,)}
-    if qk_widths is not None:
-        shapes[prefix + "self_attn.q_norm.weight"] = (qk_widths[0],)
-        shapes[prefix + "self_attn.k_norm.weight"] = (qk_widths[1],)
-    return shapes
-
-
-def attention_specs(prefix: str, hidden: int, q_width: int, kv_width: int, bias: bool,
-                    values: list[LinearSpec] | None = None) -> list[LinearSpec]:
-    """``{prefix}{q,k}_proj``, the value projection(s) (default ``v_proj``), ``o_proj``."""
-    values = values if values is not None else [LinearSpec(prefix + "v_proj", hidden, kv_width, LinearRole.ATTENTION,
-                                                           bias)]
-    return [LinearSpec(prefix + "q_proj", hidden, q_width, LinearRole.ATTENTION, bias),
-            LinearSpec(prefix + "k_proj", hidden, kv_width, LinearRole.ATTENTION, bias), *values,
-            LinearSpec(prefix + "o_proj", q_width, hidden, LinearRole.ATTENTION, bias)]
-
-
-def mlp_specs(prefix: str, hidden: int, width: int, role: LinearRole) -> list[LinearSpec]:
-    """A gated MLP's ``{prefix}{gate,up,down}_proj``."""
-    return [LinearSpec(prefix + "gate_proj", hidden, width, role), LinearSpec(prefix + "up_proj", hidden, width, role),
-            LinearSpec(prefix + "down_proj", width, hidden, role)]
-
-
-def routed_specs(prefix: str, hidden: int, num_experts: int, width: int) -> list[LinearSpec]:
-    """A router ``{prefix}gate`` and its experts ``{prefix}experts.E.{gate,up,down}_proj``."""
-    specs = [LinearSpec(prefix + "gate", hidden, num_experts, LinearRole.ROUTER)]
-    for e in range(num_experts):
-        specs += mlp_specs(prefix + f"experts.{e}.", hidden, width, LinearRole.EXPERT)
-    return specs
+def expert_template(names: NameTable, module: str, linears: Sequence[str],
+                    build: Callable[[tuple[str, ...]], nn.Module], hidden: int,
+                    instances: Iterable[tuple[int, int, int]], marker: str = EXPERT_MARKER) -> ExpertTemplate:
+    """Routed experts exported as one template: ``build`` makes the expert module from the names
+    of its ``linears`` (table keys) with the expert ``module``'s path replaced by ``marker``;
+    ``instances``: (MoE layer_id, layer, expert), each of which puts its path back."""
+    template = build(tuple(names.template(key, module, marker) for key in linears)).eval()
+    return ExpertTemplate(template, marker, hidden, tuple((layer_id, e, names.name(module, layer=layer, expert=e))
+                                                          for layer_id, layer, e in instances))
 
 
 class DecoderFamily(Architecture):
-    """Base of the families here. Subclasses set ``family`` (the name in messages), build
-    ``self.args`` (with ``tie_embeddings`` and ``vocab_size``/``hidden_size``) and their linears,
-    then call ``check_weights``."""
+    """Base of the families here. Subclasses set ``family`` (the name in messages) and ``names``
+    (their tensor-name table), build ``self.args`` (with ``tie_embeddings`` and
+    ``vocab_size``/``hidden_size``) and ``self._linears`` (``add_head`` for the lm_head), then call
+    ``check_weights``."""
 
     family: str = ""
+    #: the family's checkpoint tensor names (llmexport/models/tensor_names.py)
+    names: NameTable
     #: the family's parsed config (a frozen dataclass with at least ``vocab_size``, ``hidden_size``)
     args: Any
     #: checkpoint tensors the export does not need and may ignore (e.g. ``rotary_emb.inv_freq``)
     ignored_suffixes: tuple[str, ...] = ()
+    _linears: LinearList
 
     # --- hooks --------------------------------------------------------------------------------
     @property
     def embedding_name(self) -> str:
-        return "model.embed_tokens.weight"
-
-    def checkpoint_name(self, linear: str) -> tuple[str, int | None]:
-        """The tensor behind a linear, and its row when the tensor stacks experts."""
-        if linear == "lm_head":
-            return (self.embedding_name if self.tied_embedding else "lm_head.weight"), None
-        return linear + ".weight", None
+        return self.names.name("embed")
 
     def stacked_count(self, tensor: str) -> int:
         """How many experts a stacked tensor holds (only asked for linears read by row)."""
@@ -109,15 +94,23 @@ class DecoderFamily(Architecture):
         """Tables read row by row (the token embedding, PLE)."""
         return {self.embedding_name: (self.args.vocab_size, self.args.hidden_size)}
 
+    def add_head(self, linears: LinearList) -> None:
+        """The lm_head, which reads the token embedding when the embeddings are tied."""
+        tied = LinearSource(self.embedding_name) if self.tied_embedding else None
+        linears.add("lm_head", self.args.hidden_size, self.args.vocab_size, LinearRole.LM_HEAD, source=tied)
+
     # --- weights ------------------------------------------------------------------------------
+    def linears(self) -> list[LinearSpec]:
+        return list(self._linears.specs)
+
     def expected_tensors(self) -> Shapes:
         expected: Shapes = dict(self.table_shapes())
-        for spec in self.linears():
-            name, row = self.checkpoint_name(spec.name)
-            expected[name] = ((self.stacked_count(name),) if row is not None else ()) + (spec.out_features,
-                                                                                        spec.in_features)
-            if spec.bias:
-                expected[spec.name + ".bias"] = (spec.out_features,)
+        for spec in self._linears.specs:
+            source = self.linear_source(spec.name)
+            stack = (self.stacked_count(source.weight),) if source.expert is not None else ()
+            expected[source.weight] = stack + (spec.out_features, spec.in_features)
+            if source.bias:
+                expected[source.bias] = (spec.out_features,)
         for name, shape in self.constant_shapes().items():
             expected.setdefault(name, shape)
         return expected
@@ -126,19 +119,16 @@ class DecoderFamily(Architecture):
         check_tensors(self.checkpoint.weights, self.expected_tensors(), self.checkpoint.path, self.family,
                       ignored=lambda name: name.endswith(self.ignored_suffixes))
 
-    def _bias_name(self, linear: str) -> str | None:
-        bias = linear + ".bias"
-        return bias if bias in self.checkpoint.weights else None
-
     def linear_weight(self, name: str) -> tuple[torch.Tensor, torch.Tensor | None]:
-        tensor, row = self.checkpoint_name(name)
-        lazy = self.checkpoint.weights.lazy(tensor)
-        bias = self._bias_name(name)
+        source = self.linear_source(name)
+        weights = self.checkpoint.weights
+        lazy = weights.lazy(source.weight)
+        row = source.expert
         return (lazy.read() if row is None else lazy.rows(row, row + 1)[0]), \
-            (self.checkpoint.weights.tensor(bias) if bias else None)
+            (weights.tensor(source.bias) if source.bias else None)
 
     def linear_source(self, name: str) -> LinearSource:
-        return LinearSource(*self.checkpoint_name(name), self._bias_name(name))
+        return self._linears.source(name, self.family)
 
     @property
     def tied_embedding(self) -> bool:

@@ -18,31 +18,33 @@ import torch.nn.functional as F
 from torch import nn
 
 from llmexport.models.decoder_args import DecoderArgs, LayerSpec, MoeSpec
+from llmexport.models.decoder_names import EXPERT_MLP, MLP
 from llmexport.models.graph_parts import Norm, TensorLookup, const
 from llmexport.models.rope import rope_cos_sin, rotate
+from llmexport.models.tensor_names import NameTable
 from llmexport.ops import FusedAttention, FusedMoE, GatedMlp, PlaceholderLinear
 
 
 class Attention(nn.Module):
-    """GQA attention on [1, seq, hidden]: q/k/v/o projections (``{prefix}{q,k,v,o}_proj``),
-    optional per-head q/k norms before RoPE (Qwen3, K2-Horizon), MNN's Attention op.
-    Subclasses replace ``init_values``/``values`` (K2-Horizon's MoVA)."""
+    """GQA attention on [1, seq, hidden]: the projections ``attn.{q,k,v,o}`` of ``names`` (the
+    family's name table bound to the layer), optional per-head q/k norms before RoPE (Qwen3,
+    K2-Horizon), MNN's Attention op. Subclasses replace ``init_values``/``values`` (K2-Horizon's MoVA)."""
 
-    def __init__(self, prefix: str, index: int, hidden: int, heads: int, kv_heads: int, head_dim: int, bias: bool,
-                 qk_norms: tuple[nn.Module, nn.Module] | None = None, **value_options):
+    def __init__(self, names: NameTable, index: int, hidden: int, heads: int, kv_heads: int, head_dim: int,
+                 bias: bool, qk_norms: tuple[nn.Module, nn.Module] | None = None, **value_options):
         super().__init__()
         self.heads, self.kv_heads, self.head_dim = heads, kv_heads, head_dim
-        self.q_proj = PlaceholderLinear(prefix + "q_proj", hidden, heads * head_dim, bias)
-        self.k_proj = PlaceholderLinear(prefix + "k_proj", hidden, kv_heads * head_dim, bias)
-        self.o_proj = PlaceholderLinear(prefix + "o_proj", heads * head_dim, hidden, bias)
-        self.init_values(prefix, hidden, kv_heads * head_dim, bias, **value_options)
+        self.q_proj = PlaceholderLinear(names.name("attn.q"), hidden, heads * head_dim, bias)
+        self.k_proj = PlaceholderLinear(names.name("attn.k"), hidden, kv_heads * head_dim, bias)
+        self.o_proj = PlaceholderLinear(names.name("attn.o"), heads * head_dim, hidden, bias)
+        self.init_values(names, hidden, kv_heads * head_dim, bias, **value_options)
         self.qk_norm = qk_norms is not None
         if qk_norms is not None:
             self.q_norm, self.k_norm = qk_norms
-        self.attn = FusedAttention(f"/layers.{index}/self_attn/Attention", index, -1, head_dim ** -0.5)
+        self.attn = FusedAttention(index, -1, head_dim ** -0.5)
 
-    def init_values(self, prefix: str, hidden: int, width: int, bias: bool, **options: Any) -> None:
-        self.v_proj = PlaceholderLinear(prefix + "v_proj", hidden, width, bias)
+    def init_values(self, names: NameTable, hidden: int, width: int, bias: bool, **options: Any) -> None:
+        self.v_proj = PlaceholderLinear(names.name("attn.v"), hidden, width, bias)
 
     def values(self, x):
         return self.v_proj(x)
@@ -76,12 +78,15 @@ class DecoderStack(nn.Module):
     [1, 1, seq, kv] float, position_ids int32 [1, seq], logits_index int32 [1].
     Outputs: logits [1, n, vocab], hidden_states [1, n, hidden] (final-normed, sliced)."""
 
-    def __init__(self, layers: Sequence[nn.Module], norm: nn.Module, hidden: int, vocab: int, inv_freq: torch.Tensor):
+    inv_freq: torch.Tensor
+
+    def __init__(self, layers: Sequence[nn.Module], norm: nn.Module, head: str, hidden: int, vocab: int,
+                 inv_freq: torch.Tensor):
         super().__init__()
         self.hidden = hidden
         self.layers = nn.ModuleList(layers)
         self.norm = norm
-        self.lm_head = PlaceholderLinear("lm_head", hidden, vocab)
+        self.lm_head = PlaceholderLinear(head, hidden, vocab)
         self.register_buffer("inv_freq", inv_freq, persistent=False)
 
     def forward(self, input_ids, attention_mask, position_ids, logits_index):
@@ -95,22 +100,23 @@ class DecoderStack(nn.Module):
 
 
 class SwiGlu(GatedMlp):
-    """SiLU-gated MLP; also the routed expert template (names relative to ``prefix``)."""
+    """SiLU-gated MLP (placeholder names ``names``: gate, up, down); also the routed expert template."""
 
-    def __init__(self, prefix: str, hidden: int, width: int):
-        super().__init__(prefix, hidden, width, F.silu)
+    def __init__(self, names: Sequence[str], hidden: int, width: int):
+        super().__init__(names, hidden, width, F.silu)
 
 
 class SoftmaxMoe(nn.Module):
     """Qwen3-MoE's sparse block (Qwen3MoeTopKRouter + experts) on [1, seq, hidden]: softmax over
     the router logits in fp32, top-k, optionally renormalised to sum 1; SwiGLU experts on MNN's
-    MoE op (layer_id = layer index)."""
+    MoE op (layer_id = layer index). ``names``: the family's table bound to the layer."""
 
-    def __init__(self, prefix: str, index: int, hidden: int, moe: MoeSpec):
+    def __init__(self, names: NameTable, index: int, hidden: int, moe: MoeSpec):
         super().__init__()
         self.hidden, self.spec = hidden, moe
-        self.gate = PlaceholderLinear(prefix + "gate", hidden, moe.num_experts)
-        experts = nn.ModuleList(SwiGlu(prefix + f"experts.{e}.", hidden, moe.width) for e in range(moe.num_experts))
+        self.gate = PlaceholderLinear(names.name("moe.router"), hidden, moe.num_experts)
+        experts = nn.ModuleList(SwiGlu(names.names(EXPERT_MLP, expert=e), hidden, moe.width)
+                                for e in range(moe.num_experts))
         self.experts = FusedMoE(experts, moe.top_k, index, hidden)
 
     def forward(self, x):
@@ -123,22 +129,23 @@ class SoftmaxMoe(nn.Module):
         return out.view(1, -1, self.hidden)
 
 
-def _layer(args: DecoderArgs, layer: LayerSpec, lookup: TensorLookup) -> PreNormLayer:
-    p = f"model.layers.{layer.index}."
-    norm = lambda name: Norm(const(lookup, p + name + ".weight"), args.eps)  # noqa: E731
-    qk = (norm("self_attn.q_norm"), norm("self_attn.k_norm")) if args.qk_norm else None
-    attn = Attention(p + "self_attn.", layer.index, args.hidden_size, args.num_heads, args.kv_heads, args.head_dim,
+def _layer(args: DecoderArgs, names: NameTable, layer: LayerSpec, lookup: TensorLookup) -> PreNormLayer:
+    p = names.bind(layer=layer.index)
+    norm = lambda key: Norm(const(lookup, p.name(key)), args.eps)  # noqa: E731
+    qk = (norm("norm.q"), norm("norm.k")) if args.qk_norm else None
+    attn = Attention(p, layer.index, args.hidden_size, args.num_heads, args.kv_heads, args.head_dim,
                      args.attention_bias, qk)
     assert args.moe is not None or not layer.sparse, "a sparse layer without experts"
-    mlp = SoftmaxMoe(p + "mlp.", layer.index, args.hidden_size, args.moe) if args.moe and layer.sparse else \
-        SwiGlu(p + "mlp.", args.hidden_size, args.intermediate_size)
-    return PreNormLayer(norm("input_layernorm"), norm("post_attention_layernorm"), attn, mlp)
+    mlp = SoftmaxMoe(p, layer.index, args.hidden_size, args.moe) if args.moe and layer.sparse else \
+        SwiGlu(p.names(MLP), args.hidden_size, args.intermediate_size)
+    return PreNormLayer(norm("norm.input"), norm("norm.post_attention"), attn, mlp)
 
 
 class DenseDecoderGraph(DecoderStack):
-    """Llama / Qwen3 / Qwen3-MoE: RMSNorm everywhere, per-head q/k RMSNorm when ``qk_norm``."""
+    """Llama / Qwen3 / Qwen3-MoE: RMSNorm everywhere, per-head q/k RMSNorm when ``qk_norm``;
+    the tensors named by ``names`` (decoder_names.LLAMA_LAYOUT or a family's variant of it)."""
 
-    def __init__(self, args: DecoderArgs, lookup: TensorLookup):
-        layers = [_layer(args, layer, lookup) for layer in args.layers]
-        super().__init__(layers, Norm(const(lookup, "model.norm.weight"), args.eps), args.hidden_size,
-                         args.vocab_size, args.rope.inv_freq())
+    def __init__(self, args: DecoderArgs, names: NameTable, lookup: TensorLookup):
+        layers = [_layer(args, names, layer, lookup) for layer in args.layers]
+        super().__init__(layers, Norm(const(lookup, names.name("norm.final")), args.eps), names.name("lm_head"),
+                         args.hidden_size, args.vocab_size, args.rope.inv_freq())

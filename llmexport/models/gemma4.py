@@ -8,7 +8,6 @@ as their own graphs (gemma4_vision.py, gemma4_audio.py).
 from __future__ import annotations
 
 import logging
-import re
 from typing import Any, cast
 
 import torch
@@ -16,13 +15,25 @@ from torch import nn
 
 from llmexport.checkpoint import Checkpoint, LazyTensor
 from llmexport.errors import InputError
-from llmexport.models import register
 from llmexport.models.base import Tower
-from llmexport.models.decoder import DecoderFamily, Shapes
+from llmexport.models.decoder import DecoderFamily, expert_template
+from llmexport.models.decoder_names import add_mlp
 from llmexport.models.gemma4_args import SLIDING, Gemma4TextArgs, parse_text_args
 from llmexport.models.gemma4_graph import Expert, Gemma4TextGraph
-from llmexport.models.tensor_checks import count_limit, finite_lookup, require_stacked
-from llmexport.spec import ExpertTemplate, GraphInputs, LinearRole, LinearSpec
+from llmexport.models.gemma4_names import (
+    EXPERT,
+    LAYER_NORMS,
+    MLP,
+    MLX_EXPERTS,
+    MLX_TEXT,
+    MLX_TEXT_PREFIX,
+    MOE_NORMS,
+    TEXT,
+    TEXT_PREFIX,
+)
+from llmexport.models.tensor_checks import Shapes, count_limit, finite_lookup, require_stacked
+from llmexport.models.tensor_names import LinearList, prefix_rule, rename_rule
+from llmexport.spec import ArchitectureSummary, ExpertTemplate, GraphInputs, LinearRole, MlxLayout
 
 log = logging.getLogger(__name__)
 
@@ -32,10 +43,13 @@ from llmexport.models.gemma4_chat_template import MINJA_CHAT_TEMPLATE, gemma4_ji
 
 # Gemma4's turn end, and Gemma 1-3's, which some tokenizers keep.
 END_OF_TURN_TOKENS = ("<turn|>", "<end_of_turn>")
-_EXPERT = re.compile(r"^(?P<p>.*layers\.\d+\.experts\.)(?P<e>\d+)\.(?P<w>gate_up_proj|down_proj)$")
 
 
-@register("gemma4", "gemma4_text")
+def _kind(model_type: str | None) -> str:
+    """"gemma4" (multimodal: the text decoder inside the language model) or "gemma4_text"."""
+    return "gemma4" if model_type == "gemma4" else "gemma4_text"
+
+
 class Gemma4(DecoderFamily):
     family = "Gemma4"
 
@@ -43,88 +57,75 @@ class Gemma4(DecoderFamily):
         super().__init__(checkpoint)
         where = str(checkpoint.path / "config.json")
         config = checkpoint.config
-        if checkpoint.model_type == "gemma4":
+        kind = _kind(checkpoint.model_type)
+        if kind == "gemma4":
             text = config.get("text_config")
             if not isinstance(text, dict):
                 raise InputError(f"{where}: a 'gemma4' config needs a 'text_config' object")
             text = dict(text)
             text.setdefault("tie_word_embeddings", config.get("tie_word_embeddings", True))
-            prefix = "model.language_model."
         else:
-            text, prefix = config, "model."
+            text = config
+        prefix = TEXT_PREFIX[kind]
+        self.names = TEXT.bind(prefix=prefix)
         weights = checkpoint.weights
         self.args: Gemma4TextArgs = parse_text_args(text, prefix, where, max_layers=count_limit(weights))
         if self.args.moe:  # sized by the stacked expert tensor, not by the config alone
             for layer in self.args.layers:
-                require_stacked(weights, f"{prefix}layers.{layer.index}.experts.down_proj",
+                require_stacked(weights, self.names.name("moe.experts.down", layer=layer.index),
                                 self.args.moe.num_experts, "num_experts", checkpoint.path)
         self._linears = self._collect_linears()
         self._towers = self._build_towers()
         self.check_weights()
 
     # --- weights ----------------------------------------------------------------------------
-    def _collect_linears(self) -> list[LinearSpec]:
+    def _collect_linears(self) -> LinearList:
         a = self.args
-        specs: list[LinearSpec] = []
+        linears = LinearList(self.names)
         if a.ple_dim:
-            specs.append(LinearSpec(a.prefix + "per_layer_model_projection", a.hidden_size,
-                                    a.num_layers * a.ple_dim, LinearRole.PLE))
+            linears.add("ple.model_projection", a.hidden_size, a.num_layers * a.ple_dim, LinearRole.PLE)
         for layer in a.layers:
-            p, h, d = f"{a.prefix}layers.{layer.index}.", a.hidden_size, layer.head_dim
-            specs.append(LinearSpec(p + "self_attn.q_proj", h, a.num_heads * d, LinearRole.ATTENTION))
+            i, h, d = layer.index, a.hidden_size, layer.head_dim
+            linears.add("attn.q", h, a.num_heads * d, LinearRole.ATTENTION, layer=i)
             if not layer.shares_kv:
-                specs.append(LinearSpec(p + "self_attn.k_proj", h, layer.kv_heads * d, LinearRole.ATTENTION))
+                linears.add("attn.k", h, layer.kv_heads * d, LinearRole.ATTENTION, layer=i)
                 if not layer.k_eq_v:
-                    specs.append(LinearSpec(p + "self_attn.v_proj", h, layer.kv_heads * d, LinearRole.ATTENTION))
-            specs.append(LinearSpec(p + "self_attn.o_proj", a.num_heads * d, h, LinearRole.ATTENTION))
-            for name, i, o in (("gate_proj", h, layer.mlp_width), ("up_proj", h, layer.mlp_width),
-                               ("down_proj", layer.mlp_width, h)):
-                specs.append(LinearSpec(p + "mlp." + name, i, o, LinearRole.MLP))
+                    linears.add("attn.v", h, layer.kv_heads * d, LinearRole.ATTENTION, layer=i)
+            linears.add("attn.o", a.num_heads * d, h, LinearRole.ATTENTION, layer=i)
+            add_mlp(linears, MLP, h, layer.mlp_width, LinearRole.MLP, layer=i)
             if a.moe:
-                specs.append(LinearSpec(p + "router.proj", h, a.moe.num_experts, LinearRole.ROUTER))
+                linears.add("moe.router", h, a.moe.num_experts, LinearRole.ROUTER, layer=i)
                 for e in range(a.moe.num_experts):
-                    specs.append(LinearSpec(p + f"experts.{e}.gate_up_proj", h, 2 * a.moe.width, LinearRole.EXPERT))
-                    specs.append(LinearSpec(p + f"experts.{e}.down_proj", a.moe.width, h, LinearRole.EXPERT))
+                    linears.add_group(EXPERT, ((h, 2 * a.moe.width), (a.moe.width, h)), LinearRole.EXPERT,
+                                      layer=i, expert=e)
             if a.ple_dim:
-                specs.append(LinearSpec(p + "per_layer_input_gate", h, a.ple_dim, LinearRole.PLE))
-                specs.append(LinearSpec(p + "per_layer_projection", a.ple_dim, h, LinearRole.PLE))
-        specs.append(LinearSpec("lm_head", a.hidden_size, a.vocab_size, LinearRole.LM_HEAD))
-        return specs
+                linears.add_group(("ple.gate", "ple.projection"), ((h, a.ple_dim), (a.ple_dim, h)), LinearRole.PLE,
+                                  layer=i)
+        self.add_head(linears)
+        return linears
 
     def constant_shapes(self) -> Shapes:
-        a = self.args
-        names = [a.prefix + "norm.weight"]
+        a, names = self.args, self.names
+        shapes: Shapes = {names.name("norm.final"): None}
         if a.ple_dim:
-            names.append(a.prefix + "per_layer_projection_norm.weight")
+            shapes[names.name("norm.ple_projection")] = None
         for layer in a.layers:
-            p = f"{a.prefix}layers.{layer.index}."
-            norms = ["input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
-                     "post_feedforward_layernorm", "self_attn.q_norm"]
-            norms += [] if layer.shares_kv else ["self_attn.k_norm"]
-            norms += ["post_per_layer_input_norm"] if a.ple_dim else []
-            norms += ["post_feedforward_layernorm_1", "pre_feedforward_layernorm_2",
-                      "post_feedforward_layernorm_2"] if a.moe else []
-            names += [p + n + ".weight" for n in norms] + [p + "layer_scalar"]
-            names += [p + "router.scale", p + "router.per_expert_scale"] if a.moe else []
-        return {name: (1,) if name.endswith("layer_scalar") else None for name in names}
-
-    @property
-    def embedding_name(self) -> str:
-        return self.args.prefix + "embed_tokens.weight"
+            keys = list(LAYER_NORMS) + ([] if layer.shares_kv else ["norm.k"])
+            keys += ["norm.post_ple"] if a.ple_dim else []
+            keys += list(MOE_NORMS) if a.moe else []
+            shapes.update({name: None for name in names.names(keys, layer=layer.index)})
+            shapes[names.name("layer_scalar", layer=layer.index)] = (1,)
+            if a.moe:
+                shapes.update({name: None for name in names.names(("moe.router_scale", "moe.per_expert_scale"),
+                                                                  layer=layer.index)})
+        return shapes
 
     def table_shapes(self) -> Shapes:
         a = self.args
         tables: Shapes = {self.embedding_name: (a.vocab_size, a.hidden_size)}
         if a.ple_dim:
-            tables[a.prefix + "embed_tokens_per_layer.weight"] = (a.ple_vocab, a.num_layers * a.ple_dim)
+            tables[self.names.name("ple.table")] = (a.ple_vocab, a.num_layers * a.ple_dim)
         return tables
-
-    def checkpoint_name(self, linear: str) -> tuple[str, int | None]:
-        """Checkpoint tensor behind a linear, and the expert row when it is a 3-D slice."""
-        m = _EXPERT.match(linear)
-        if m:
-            return m["p"] + m["w"], int(m["e"])
-        return super().checkpoint_name(linear)
 
     def stacked_count(self, tensor: str) -> int:
         if self.args.moe is None:
@@ -171,20 +172,17 @@ class Gemma4(DecoderFamily):
         media = torch.tensor(self.media_token_ids(), dtype=ids.dtype)
         return torch.where(torch.isin(ids, media), torch.full_like(ids, self.args.pad_token_id), ids)
 
-    def linears(self) -> list[LinearSpec]:
-        return list(self._linears)
-
     def media_ple_id(self) -> int:
         return self.args.pad_token_id
 
     def ple_table(self) -> LazyTensor | None:
         if not self.args.ple_dim:
             return None
-        return self.checkpoint.weights.lazy(self.args.prefix + "embed_tokens_per_layer.weight")
+        return self.checkpoint.weights.lazy(self.names.name("ple.table"))
 
     # --- graph ------------------------------------------------------------------------------
     def build_graph(self) -> nn.Module:
-        return Gemma4TextGraph(self.args, finite_lookup(self.checkpoint.weights, self.checkpoint.path),
+        return Gemma4TextGraph(self.args, self.names, finite_lookup(self.checkpoint.weights, self.checkpoint.path),
                                self.marks_images).eval()
 
     @property
@@ -209,13 +207,11 @@ class Gemma4(DecoderFamily):
         a = self.args
         if a.moe is None:
             return []
-        marker = "@expert@"
-        instances = tuple((layer.index, e, f"{a.prefix}layers.{layer.index}.experts.{e}")
-                          for layer in a.layers for e in range(a.moe.num_experts))
-        return [ExpertTemplate(Expert(marker + ".", a.hidden_size, a.moe.width).eval(), marker, a.hidden_size,
-                               instances)]
+        width, experts = a.moe.width, range(a.moe.num_experts)
+        return [expert_template(self.names, "moe.expert", EXPERT, lambda names: Expert(names, a.hidden_size, width),
+                                a.hidden_size, ((layer.index, layer.index, e) for layer in a.layers for e in experts))]
 
-    def describe(self) -> dict[str, Any]:
+    def describe(self) -> ArchitectureSummary:
         a = self.args
         layers = []
         for layer in a.layers:
@@ -223,10 +219,9 @@ class Gemma4(DecoderFamily):
             extra = [f"kv<-{layer.kv_source}" if layer.shares_kv else f"kv_heads={layer.kv_heads}",
                      f"head_dim={layer.head_dim}"] + (["k=v"] if layer.k_eq_v else [])
             layers.append(f"{layer.index}: {kind} " + " ".join(extra))
-        return {"family": "gemma4", "model_type": self.checkpoint.model_type, "layers": a.num_layers,
-                "hidden_size": a.hidden_size, "vocab_size": a.vocab_size, "ple_dim": a.ple_dim,
-                "moe": None if a.moe is None else vars(a.moe), "tied_embeddings": a.tie_embeddings,
-                "layer_kinds": layers}
+        return ArchitectureSummary("gemma4", self.checkpoint.model_type, a.num_layers, a.hidden_size, a.vocab_size,
+                                   a.tie_embeddings, tuple(layers),
+                                   {"ple_dim": a.ple_dim, "moe": None if a.moe is None else vars(a.moe)})
 
     # --- runtime files ----------------------------------------------------------------------
     def llm_config(self) -> dict[str, Any]:
@@ -281,20 +276,16 @@ class Gemma4(DecoderFamily):
 
     # --- MLX checkpoints (llmexport/importers/mlx) ------------------------------------------------
     @classmethod
-    def mlx_layout(cls, config: dict[str, Any]):
-        """mlx-lm's port (mlx_lm/models/gemma4.py, gemma4_text.py ``sanitize``): the multimodal
-        ``model.language_model.`` becomes ``language_model.model.``, HF's stacked experts become
-        ``experts.switch_glu.{gate,up,down}_proj`` (gate_up_proj split in two along its rows), and
-        the vision/audio towers are dropped (so are their configs here)."""
-        from llmexport.spec import MlxLayout, MlxRule
-
-        multimodal = config.get("model_type") == "gemma4"
-        mlx, hf = (r"language_model\.model\.", "model.language_model.") if multimodal else (r"model\.", "model.")
-        experts = rf"^{mlx}(.*\.experts)\.switch_glu\."
+    def mlx_layout(cls, config: dict[str, Any]) -> MlxLayout:
+        """mlx-lm's port (gemma4_names.py): the text decoder under its own prefix, HF's stacked
+        experts as SwitchGLU's (``MLX_EXPERTS``), and the vision/audio towers dropped (so are their
+        configs here)."""
+        kind = _kind(config.get("model_type"))
+        hf, mlx = TEXT.bind(prefix=TEXT_PREFIX[kind]), MLX_TEXT.bind(prefix=MLX_TEXT_PREFIX[kind])
+        experts = [rename_rule(mlx.pattern(key), hf.pattern(target), part=part)
+                   for key, (target, part) in MLX_EXPERTS.items()]
         return MlxLayout((
-            MlxRule(experts + r"gate_proj\.weight$", hf + r"\1.gate_up_proj", part=(0, 2)),
-            MlxRule(experts + r"up_proj\.weight$", hf + r"\1.gate_up_proj", part=(1, 2)),
-            MlxRule(experts + r"down_proj\.weight$", hf + r"\1.down_proj"),
-            MlxRule(rf"^{mlx}(.*)$", hf + r"\1"),
-            MlxRule(r"^language_model\.lm_head\.(.*)$", r"lm_head.\1"),
+            *experts,
+            prefix_rule(MLX_TEXT_PREFIX[kind], TEXT_PREFIX[kind]),
+            prefix_rule(mlx.name("lm_head") + ".", hf.name("lm_head") + "."),
         ), dropped_config=("vision_config", "audio_config"))

@@ -39,17 +39,17 @@ from llmexport.media.audio import (
     synthetic_clip,
 )
 from llmexport.models.config_values import FP32_MAX, flag_value, float_value, int_value, str_value
+from llmexport.models.gemma4_names import AUDIO, AUDIO_ATTENTION, AUDIO_LAYER_NORMS, AUDIO_NORMS
 from llmexport.models.gemma4_tower_checks import hf_processor, media_prompt, tower_check
 from llmexport.models.gemma4_towers import ClippedLinear, Gemma4Tower, TokenTail, TowerLinear, const, tower_linear
-from llmexport.models.tensor_checks import finite_lookup
+from llmexport.models.tensor_checks import Shapes, finite_lookup
+from llmexport.models.tensor_names import NameTable
 from llmexport.models.tower_check import FeatureCase, Measure, PromptCase, TowerCheck
 from llmexport.ops import rms_norm
 from llmexport.spec import GraphInputs, LinearRole
 
 log = logging.getLogger(__name__)
 
-PREFIX = "model.audio_tower."
-EMBEDDER = "model.embed_audio.embedding_projection"
 FEATURE_BOUND = 1e-3  # max relative error of audio.mnn vs HF audio features (stored weights)
 # transformers names the end-of-audio id "eoa_token_index" (Gemma4Config)
 AUDIO_TOKENS = {"boa": ("boa_token_id",), "eoa": ("eoa_token_index", "eoa_token_id"), "audio": ("audio_token_id",)}
@@ -135,11 +135,10 @@ def parse_audio_args(config: dict[str, Any], text_hidden: int, where: str, max_l
 
 def audio_linears(args: AudioArgs, weights) -> list[TowerLinear]:
     h = args.hidden
-    out = [tower_linear(weights, PREFIX + "subsample_conv_projection.input_proj_linear",
-                        args.freq_bins * args.channels[1], h, LinearRole.MLP, False)]
+    out = [tower_linear(weights, AUDIO.name("subsample.input_proj_linear"), args.freq_bins * args.channels[1], h,
+                        LinearRole.MLP, False)]
     for i in range(args.layers):
-        p = f"{PREFIX}layers.{i}."
-        for name, fan_in, fan_out, role in (
+        for key, fan_in, fan_out, role in (
                 ("feed_forward1.ffw_layer_1", h, 4 * h, LinearRole.MLP),
                 ("feed_forward1.ffw_layer_2", 4 * h, h, LinearRole.MLP),
                 ("self_attn.q_proj", h, h, LinearRole.ATTENTION), ("self_attn.k_proj", h, h, LinearRole.ATTENTION),
@@ -147,28 +146,23 @@ def audio_linears(args: AudioArgs, weights) -> list[TowerLinear]:
                 ("lconv1d.linear_start", h, 2 * h, LinearRole.MLP), ("lconv1d.linear_end", h, h, LinearRole.MLP),
                 ("feed_forward2.ffw_layer_1", h, 4 * h, LinearRole.MLP),
                 ("feed_forward2.ffw_layer_2", 4 * h, h, LinearRole.MLP)):
-            out.append(tower_linear(weights, p + name, fan_in, fan_out, role, True, args.clipped))
-    out.append(tower_linear(weights, PREFIX + "output_proj", h, args.output_dims, LinearRole.MLP, False, bias=True))
-    out.append(tower_linear(weights, EMBEDDER, args.output_dims, args.text_hidden, LinearRole.MLP, False))
+            out.append(tower_linear(weights, AUDIO.name(key, layer=i), fan_in, fan_out, role, True, args.clipped))
+    out.append(tower_linear(weights, AUDIO.name("output_proj"), h, args.output_dims, LinearRole.MLP, False, bias=True))
+    out.append(tower_linear(weights, AUDIO.name("embedding_projection"), args.output_dims, args.text_hidden,
+                            LinearRole.MLP, False))
     return out
 
 
-_LAYER_NORMS = ("feed_forward1.pre_layer_norm", "feed_forward1.post_layer_norm", "feed_forward2.pre_layer_norm",
-                "feed_forward2.post_layer_norm", "norm_pre_attn", "norm_post_attn", "norm_out",
-                "lconv1d.pre_layer_norm", "lconv1d.conv_norm")
-
-
-def audio_constants(args: AudioArgs) -> dict[str, tuple[int, ...]]:
+def audio_constants(args: AudioArgs) -> Shapes:
     h, (c0, c1) = args.hidden, args.channels
-    s = PREFIX + "subsample_conv_projection."
-    names = {s + "layer0.conv.weight": (c0, 1, 3, 3), s + "layer0.norm.weight": (c0,),
-             s + "layer1.conv.weight": (c1, c0, 3, 3), s + "layer1.norm.weight": (c1,)}
+    names: Shapes = {AUDIO.name("subsample.layer0.conv"): (c0, 1, 3, 3), AUDIO.name("subsample.layer0.norm"): (c0,),
+                     AUDIO.name("subsample.layer1.conv"): (c1, c0, 3, 3), AUDIO.name("subsample.layer1.norm"): (c1,)}
     for i in range(args.layers):
-        p = f"{PREFIX}layers.{i}."
-        names.update({p + n + ".weight": (h,) for n in _LAYER_NORMS})
-        names[p + "self_attn.per_dim_scale"] = (args.head_dim,)
-        names[p + "self_attn.relative_k_proj.weight"] = (h, h)
-        names[p + "lconv1d.depthwise_conv1d.weight"] = (h, 1, args.conv_kernel)
+        p = AUDIO.bind(layer=i)
+        names.update({name: (h,) for name in p.names(AUDIO_NORMS)})
+        names[p.name("self_attn.per_dim_scale")] = (args.head_dim,)
+        names[p.name("self_attn.relative_k_proj")] = (h, h)
+        names[p.name("lconv1d.depthwise_conv1d")] = (h, 1, args.conv_kernel)
     return names
 
 
@@ -231,16 +225,23 @@ def chunked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rel_tab
 
 # --- the trace-friendly graph ---------------------------------------------------------------------
 class _Attention(nn.Module):
-    def __init__(self, args: AudioArgs, linears: dict[str, TowerLinear], p: str, lookup):
+    """``names``: the tower's name table bound to the layer (also for the classes below)."""
+
+    q_scale: torch.Tensor
+    rel_table: torch.Tensor
+    window: torch.Tensor
+
+    def __init__(self, args: AudioArgs, linears: dict[str, TowerLinear], names: NameTable, lookup):
         super().__init__()
         self.args = args
         self.q_proj, self.k_proj, self.v_proj, self.post = (
-            ClippedLinear(linears[p + "self_attn." + n]) for n in ("q_proj", "k_proj", "v_proj", "post"))
+            ClippedLinear(linears[name]) for name in names.names(AUDIO_ATTENTION))
         # HF: q * head_dim^-0.5 / ln 2 * softplus(per_dim_scale); k * ln(1 + e) / ln 2.
-        q_scale = (args.head_dim ** -0.5) / math.log(2) * F.softplus(lookup(p + "self_attn.per_dim_scale").float())
+        q_scale = (args.head_dim ** -0.5) / math.log(2) * F.softplus(lookup(names.name("self_attn.per_dim_scale"))
+                                                                      .float())
         self.register_buffer("q_scale", q_scale, persistent=False)
         self.k_scale = math.log(1 + math.e) / math.log(2)
-        table = relative_position_table(args, lookup(p + "self_attn.relative_k_proj.weight"))
+        table = relative_position_table(args, lookup(names.name("self_attn.relative_k_proj")))
         self.register_buffer("rel_table", table, persistent=False)
         self.register_buffer("window", window_mask(args), persistent=False)
 
@@ -254,13 +255,15 @@ class _Attention(nn.Module):
 
 
 class _FeedForward(nn.Module):
-    def __init__(self, args: AudioArgs, linears: dict[str, TowerLinear], p: str, lookup):
+    """``part``: "feed_forward1" or "feed_forward2" (the keys of its tensors)."""
+
+    def __init__(self, args: AudioArgs, linears: dict[str, TowerLinear], names: NameTable, part: str, lookup):
         super().__init__()
         self.args = args
-        self.pre = const(lookup, p + "pre_layer_norm.weight")
-        self.post = const(lookup, p + "post_layer_norm.weight")
-        self.ffw_layer_1 = ClippedLinear(linears[p + "ffw_layer_1"])
-        self.ffw_layer_2 = ClippedLinear(linears[p + "ffw_layer_2"])
+        self.pre = const(lookup, names.name(part + ".pre_layer_norm"))
+        self.post = const(lookup, names.name(part + ".post_layer_norm"))
+        self.ffw_layer_1 = ClippedLinear(linears[names.name(part + ".ffw_layer_1")])
+        self.ffw_layer_2 = ClippedLinear(linears[names.name(part + ".ffw_layer_2")])
 
     def forward(self, x):
         a = self.args
@@ -270,14 +273,14 @@ class _FeedForward(nn.Module):
 
 
 class _LightConv(nn.Module):
-    def __init__(self, args: AudioArgs, linears: dict[str, TowerLinear], p: str, lookup):
+    def __init__(self, args: AudioArgs, linears: dict[str, TowerLinear], names: NameTable, lookup):
         super().__init__()
         self.args = args
-        self.pre = const(lookup, p + "pre_layer_norm.weight")
-        self.conv_norm = const(lookup, p + "conv_norm.weight")
-        self.linear_start = ClippedLinear(linears[p + "linear_start"])
-        self.linear_end = ClippedLinear(linears[p + "linear_end"])
-        self.depthwise = const(lookup, p + "depthwise_conv1d.weight")
+        self.pre = const(lookup, names.name("lconv1d.pre_layer_norm"))
+        self.conv_norm = const(lookup, names.name("lconv1d.conv_norm"))
+        self.linear_start = ClippedLinear(linears[names.name("lconv1d.linear_start")])
+        self.linear_end = ClippedLinear(linears[names.name("lconv1d.linear_end")])
+        self.depthwise = const(lookup, names.name("lconv1d.depthwise_conv1d"))
 
     def forward(self, x):
         a = self.args
@@ -291,14 +294,13 @@ class _LightConv(nn.Module):
 class _ConformerLayer(nn.Module):
     def __init__(self, args: AudioArgs, linears: dict[str, TowerLinear], index: int, lookup):
         super().__init__()
-        p = f"{PREFIX}layers.{index}."
+        p = AUDIO.bind(layer=index)
         self.args = args
-        self.feed_forward1 = _FeedForward(args, linears, p + "feed_forward1.", lookup)
-        self.feed_forward2 = _FeedForward(args, linears, p + "feed_forward2.", lookup)
+        self.feed_forward1 = _FeedForward(args, linears, p, "feed_forward1", lookup)
+        self.feed_forward2 = _FeedForward(args, linears, p, "feed_forward2", lookup)
         self.self_attn = _Attention(args, linears, p, lookup)
-        self.lconv1d = _LightConv(args, linears, p + "lconv1d.", lookup)
-        self.norms = nn.ParameterDict({n: const(lookup, p + n + ".weight")
-                                       for n in ("norm_pre_attn", "norm_post_attn", "norm_out")})
+        self.lconv1d = _LightConv(args, linears, p, lookup)
+        self.norms = nn.ParameterDict({key: const(lookup, p.name(key)) for key in AUDIO_LAYER_NORMS})
 
     def forward(self, x):
         a, n = self.args, self.norms
@@ -319,11 +321,12 @@ class _Subsample(nn.Module):
 
     def __init__(self, args: AudioArgs, linears: dict[str, TowerLinear], lookup):
         super().__init__()
-        s = PREFIX + "subsample_conv_projection."
         self.args = args
-        self.conv0, self.norm0 = const(lookup, s + "layer0.conv.weight"), const(lookup, s + "layer0.norm.weight")
-        self.conv1, self.norm1 = const(lookup, s + "layer1.conv.weight"), const(lookup, s + "layer1.norm.weight")
-        self.input_proj_linear = ClippedLinear(linears[s + "input_proj_linear"])
+        conv0, norm0, conv1, norm1 = AUDIO.names(("subsample.layer0.conv", "subsample.layer0.norm",
+                                                  "subsample.layer1.conv", "subsample.layer1.norm"))
+        self.conv0, self.norm0 = const(lookup, conv0), const(lookup, norm0)
+        self.conv1, self.norm1 = const(lookup, conv1), const(lookup, norm1)
+        self.input_proj_linear = ClippedLinear(linears[AUDIO.name("subsample.input_proj_linear")])
 
     def _block(self, x, conv, norm):
         x = F.conv2d(x, conv, stride=2, padding=1)
@@ -347,8 +350,8 @@ class AudioGraph(nn.Module):
         self.out = TokenTail(token_tail, output_scale, tail_scale)
         self.subsample = _Subsample(args, by_name, lookup)
         self.layers = nn.ModuleList(_ConformerLayer(args, by_name, i, lookup) for i in range(args.layers))
-        self.output_proj = ClippedLinear(by_name[PREFIX + "output_proj"])
-        self.embedding_projection = ClippedLinear(by_name[EMBEDDER])
+        self.output_proj = ClippedLinear(by_name[AUDIO.name("output_proj")])
+        self.embedding_projection = ClippedLinear(by_name[AUDIO.name("embedding_projection")])
 
     def forward(self, input_features):
         x = self.subsample(input_features)
@@ -364,8 +367,8 @@ class Gemma4AudioTower(Gemma4Tower):
     def __init__(self, arch, audio_config: dict[str, Any]):
         super().__init__(arch, audio_config, parse_audio_args, audio_linears, AUDIO_TOKENS, "an audio")
 
-    def expected_tensors(self) -> dict[str, tuple[int, ...] | None]:
-        return {**audio_constants(self.args), **self.linear_tensors(self.args.clipped, PREFIX + "layers.")}
+    def expected_tensors(self) -> Shapes:
+        return {**audio_constants(self.args), **self.linear_tensors(self.args.clipped)}
 
     def build_graph(self, token_tail: torch.Tensor | None = None) -> nn.Module:
         """With a token tail the runtime's rows are wider than the text hidden size and its

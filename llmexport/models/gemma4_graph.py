@@ -10,16 +10,20 @@ scaled; attention goes through ``FusedAttention`` which owns the KV cache. Big m
 from __future__ import annotations
 
 import math
+from typing import Sequence
 
 import torch
 from torch import nn
 
+from llmexport.models.decoder_names import MLP
 from llmexport.models.gemma4_args import FULL, SLIDING, Gemma4TextArgs, LayerSpec
 from llmexport.models.gemma4_media import open_media_spans, unmark_media
+from llmexport.models.gemma4_names import EXPERT, MOE_NORMS
 from llmexport.models.graph_parts import Norm, TensorLookup
 from llmexport.models.graph_parts import const as _const
 from llmexport.models.rope import rope_cos_sin
 from llmexport.models.rope import rotate as _rotate
+from llmexport.models.tensor_names import NameTable
 from llmexport.ops import (
     FusedAttention,
     FusedMoE,
@@ -37,22 +41,22 @@ def _act(x: torch.Tensor) -> torch.Tensor:
 
 
 class Attention(nn.Module):
-    def __init__(self, args: Gemma4TextArgs, layer: LayerSpec, lookup: TensorLookup):
+    """``names``: the family's name table bound to the layer (also for the classes below)."""
+
+    def __init__(self, args: Gemma4TextArgs, names: NameTable, layer: LayerSpec, lookup: TensorLookup):
         super().__init__()
-        p = f"{args.prefix}layers.{layer.index}.self_attn."
         h, d = args.hidden_size, layer.head_dim
         self.layer = layer
         self.heads = args.num_heads
-        self.q_proj = PlaceholderLinear(p + "q_proj", h, args.num_heads * d)
-        self.o_proj = PlaceholderLinear(p + "o_proj", args.num_heads * d, h)
-        self.q_norm = Norm(_const(lookup, p + "q_norm.weight"), args.eps)
+        self.q_proj = PlaceholderLinear(names.name("attn.q"), h, args.num_heads * d)
+        self.o_proj = PlaceholderLinear(names.name("attn.o"), args.num_heads * d, h)
+        self.q_norm = Norm(_const(lookup, names.name("norm.q")), args.eps)
         if not layer.shares_kv:
-            self.k_proj = PlaceholderLinear(p + "k_proj", h, layer.kv_heads * d)
-            self.v_proj = None if layer.k_eq_v else PlaceholderLinear(p + "v_proj", h, layer.kv_heads * d)
-            self.k_norm = Norm(_const(lookup, p + "k_norm.weight"), args.eps)
+            self.k_proj = PlaceholderLinear(names.name("attn.k"), h, layer.kv_heads * d)
+            self.v_proj = None if layer.k_eq_v else PlaceholderLinear(names.name("attn.v"), h, layer.kv_heads * d)
+            self.k_norm = Norm(_const(lookup, names.name("norm.k")), args.eps)
         # HF Gemma4 uses attention scaling 1.0 (q/k are RMS-normalised instead).
-        self.attn = FusedAttention(f"/layers.{layer.index}/self_attn/Attention", layer.index,
-                                   layer.kv_source, 1.0)
+        self.attn = FusedAttention(layer.index, layer.kv_source, 1.0)
 
     def forward(self, x, cos, sin, mask, kv_store: dict[int, tuple[torch.Tensor, torch.Tensor]]):
         layer = self.layer
@@ -75,19 +79,21 @@ class Attention(nn.Module):
 
 
 class Mlp(GatedMlp):
-    """Gemma4's MLP: tanh-gelu gating."""
+    """Gemma4's MLP: tanh-gelu gating (placeholder names ``names``: gate, up, down)."""
 
-    def __init__(self, prefix: str, hidden: int, width: int):
-        super().__init__(prefix, hidden, width, _act)
+    def __init__(self, names: Sequence[str], hidden: int, width: int):
+        super().__init__(names, hidden, width, _act)
 
 
 class Expert(nn.Module):
-    """One routed expert (HF Gemma4TextExperts row): [n, hidden] -> [n, hidden]."""
+    """One routed expert (HF Gemma4TextExperts row): [n, hidden] -> [n, hidden]; ``names``: its
+    gate_up and down projections'."""
 
-    def __init__(self, prefix: str, hidden: int, width: int):
+    def __init__(self, names: Sequence[str], hidden: int, width: int):
         super().__init__()
-        self.gate_up_proj = PlaceholderLinear(prefix + "gate_up_proj", hidden, 2 * width)
-        self.down_proj = PlaceholderLinear(prefix + "down_proj", width, hidden)
+        gate_up, down = names
+        self.gate_up_proj = PlaceholderLinear(gate_up, hidden, 2 * width)
+        self.down_proj = PlaceholderLinear(down, width, hidden)
 
     def forward(self, x):
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
@@ -101,17 +107,16 @@ class MoE(nn.Module):
     top-k, renormalise, times ``per_expert_scale``; the chosen experts run in MNN's MoE op.
     """
 
-    def __init__(self, args: Gemma4TextArgs, index: int, lookup: TensorLookup):
+    def __init__(self, args: Gemma4TextArgs, names: NameTable, index: int, lookup: TensorLookup):
         super().__init__()
         moe = args.moe
         assert moe is not None, "a MoE layer in a model without experts"
-        p = f"{args.prefix}layers.{index}."
         self.top_k, self.eps, self.hidden = moe.top_k, args.eps, args.hidden_size
         self.root = args.hidden_size ** -0.5
-        self.router_scale = _const(lookup, p + "router.scale")
-        self.per_expert_scale = _const(lookup, p + "router.per_expert_scale")
-        self.router = PlaceholderLinear(p + "router.proj", args.hidden_size, moe.num_experts)
-        experts = nn.ModuleList(Expert(p + f"experts.{e}.", args.hidden_size, moe.width)
+        self.router_scale = _const(lookup, names.name("moe.router_scale"))
+        self.per_expert_scale = _const(lookup, names.name("moe.per_expert_scale"))
+        self.router = PlaceholderLinear(names.name("moe.router"), args.hidden_size, moe.num_experts)
+        experts = nn.ModuleList(Expert(names.names(EXPERT, expert=e), args.hidden_size, moe.width)
                                 for e in range(moe.num_experts))
         self.experts = FusedMoE(experts, moe.top_k, index, args.hidden_size)
 
@@ -130,28 +135,27 @@ class MoE(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, args: Gemma4TextArgs, layer: LayerSpec, lookup: TensorLookup):
+    def __init__(self, args: Gemma4TextArgs, names: NameTable, layer: LayerSpec, lookup: TensorLookup):
         super().__init__()
-        p = f"{args.prefix}layers.{layer.index}."
+        p = names.bind(layer=layer.index)
         self.layer = layer
-        norm = lambda name: Norm(_const(lookup, p + name + ".weight"), args.eps)  # noqa: E731
-        self.input_layernorm = norm("input_layernorm")
-        self.post_attention_layernorm = norm("post_attention_layernorm")
-        self.pre_feedforward_layernorm = norm("pre_feedforward_layernorm")
-        self.post_feedforward_layernorm = norm("post_feedforward_layernorm")
-        self.self_attn = Attention(args, layer, lookup)
-        self.mlp = Mlp(p + "mlp.", args.hidden_size, layer.mlp_width)
-        self.moe = MoE(args, layer.index, lookup) if args.moe else None
+        norm = lambda key: Norm(_const(lookup, p.name(key)), args.eps)  # noqa: E731
+        self.input_layernorm = norm("norm.input")
+        self.post_attention_layernorm = norm("norm.post_attention")
+        self.pre_feedforward_layernorm = norm("norm.pre_feedforward")
+        self.post_feedforward_layernorm = norm("norm.post_feedforward")
+        self.self_attn = Attention(args, p, layer, lookup)
+        self.mlp = Mlp(p.names(MLP), args.hidden_size, layer.mlp_width)
+        self.moe = MoE(args, p, layer.index, lookup) if args.moe else None
         if self.moe is not None:
-            self.post_feedforward_layernorm_1 = norm("post_feedforward_layernorm_1")
-            self.pre_feedforward_layernorm_2 = norm("pre_feedforward_layernorm_2")
-            self.post_feedforward_layernorm_2 = norm("post_feedforward_layernorm_2")
+            self.post_feedforward_layernorm_1, self.pre_feedforward_layernorm_2, self.post_feedforward_layernorm_2 = (
+                norm(key) for key in MOE_NORMS)
         self.has_ple = args.ple_dim > 0
         if self.has_ple:
-            self.per_layer_input_gate = PlaceholderLinear(p + "per_layer_input_gate", args.hidden_size, args.ple_dim)
-            self.per_layer_projection = PlaceholderLinear(p + "per_layer_projection", args.ple_dim, args.hidden_size)
-            self.post_per_layer_input_norm = norm("post_per_layer_input_norm")
-        self.layer_scalar = _const(lookup, p + "layer_scalar")
+            self.per_layer_input_gate = PlaceholderLinear(p.name("ple.gate"), args.hidden_size, args.ple_dim)
+            self.per_layer_projection = PlaceholderLinear(p.name("ple.projection"), args.ple_dim, args.hidden_size)
+            self.post_per_layer_input_norm = norm("norm.post_ple")
+        self.layer_scalar = _const(lookup, p.name("layer_scalar"))
 
     def forward(self, x, cos, sin, mask, ple, kv_store):
         residual = x
@@ -184,22 +188,21 @@ class Gemma4TextGraph(nn.Module):
     With ``media_spans`` the input carries marked image soft tokens (gemma4_media.py): they are
     unmarked, and each image run attends to itself both ways on sliding layers."""
 
-    def __init__(self, args: Gemma4TextArgs, lookup: TensorLookup, media_spans: bool = False):
+    def __init__(self, args: Gemma4TextArgs, names: NameTable, lookup: TensorLookup, media_spans: bool = False):
         super().__init__()
         self.args = args
-        self.layers = nn.ModuleList(DecoderLayer(args, layer, lookup) for layer in args.layers)
-        self.norm = Norm(_const(lookup, args.prefix + "norm.weight"), args.eps)
-        self.lm_head = PlaceholderLinear("lm_head", args.hidden_size, args.vocab_size)
+        self.layers = nn.ModuleList(DecoderLayer(args, names, layer, lookup) for layer in args.layers)
+        self.norm = Norm(_const(lookup, names.name("norm.final")), args.eps)
+        self.lm_head = PlaceholderLinear(names.name("lm_head"), args.hidden_size, args.vocab_size)
         for kind, rope in args.rope.items():
             self.register_buffer(f"inv_freq_{kind}", rope.inv_freq(), persistent=False)
         self.mixed = len(args.rope) > 1
         self.media_spans = media_spans
         if args.ple_dim:
             width = args.num_layers * args.ple_dim
-            self.per_layer_model_projection = PlaceholderLinear(
-                args.prefix + "per_layer_model_projection", args.hidden_size, width)
-            self.per_layer_projection_norm = Norm(_const(lookup, args.prefix + "per_layer_projection_norm.weight"),
-                                                  args.eps)
+            self.per_layer_model_projection = PlaceholderLinear(names.name("ple.model_projection"), args.hidden_size,
+                                                                width)
+            self.per_layer_projection_norm = Norm(_const(lookup, names.name("norm.ple_projection")), args.eps)
 
     def _rope(self, position_ids, kind):
         return rope_cos_sin(position_ids, getattr(self, f"inv_freq_{kind}"))
@@ -230,8 +233,8 @@ class Gemma4TextGraph(nn.Module):
             masks[SLIDING] = open_media_spans(masks[SLIDING], marked)
         ples = ple.unbind(2) if ple is not None else None
         kv_store: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-        for i, layer in enumerate(self.layers):
-            kind = layer.layer.kind
+        for i, (layer, spec) in enumerate(zip(self.layers, a.layers)):
+            kind = spec.kind
             cos, sin = ropes[kind]
             mask = masks[kind] if masks else attention_mask
             layer_ple = ples[i] if ples is not None else None

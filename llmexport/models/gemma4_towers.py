@@ -1,5 +1,6 @@
 """What Gemma4's vision and audio towers share: clipped placeholder linears and the checkpoint
-names behind them (what verification checks of them: gemma4_tower_checks.py).
+tensors behind them (the towers' names: gemma4_names.py; what verification checks of them:
+gemma4_tower_checks.py).
 """
 
 from __future__ import annotations
@@ -15,7 +16,8 @@ from llmexport.checkpoint import SafetensorsIndex
 from llmexport.errors import InputError
 from llmexport.models.base import Tower
 from llmexport.models.graph_parts import TensorLookup, const  # noqa: F401 (the towers' graphs import them here)
-from llmexport.models.tensor_checks import check_finite, count_limit
+from llmexport.models.tensor_checks import Shapes, check_finite, count_limit
+from llmexport.models.tensor_names import bias_name, weight_name
 from llmexport.ops import PlaceholderLinear
 from llmexport.spec import LinearRole, LinearSource, LinearSpec
 
@@ -28,6 +30,7 @@ class TowerLinear:
     weight: str
     bias: str | None = None
     clip: tuple[float | None, float | None, float | None, float | None] | None = None  # in min/max, out min/max
+    clippable: bool = False  # HF's Gemma4ClippableLinear (its clip scalars are checkpoint tensors)
 
 
 def mllm_runtime_config() -> dict[str, Any]:
@@ -49,16 +52,15 @@ def tower_linear(weights: SafetensorsIndex, base: str, in_features: int, out_fea
     if clippable and clipped:
         where = weights.folder if weights.folder is not None else "checkpoint"
         values: list[float | None] = []
-        for key in ("input_min", "input_max", "output_min", "output_max"):
-            name = f"{base}.{key}"
+        for name in clip_buffer_names(base):
             value = float(check_finite(name, weights.tensor(name).float(), where, allow_inf=True)) \
                 if name in weights else math.inf
             values.append(value if math.isfinite(value) else None)
         in_min, in_max, out_min, out_max = values
         clip = (in_min, in_max, out_min, out_max) if any(v is not None for v in values) else None
-    weight = f"{base}.linear.weight" if clippable else f"{base}.weight"
+    weight = weight_name(base + ".linear") if clippable else weight_name(base)  # the clippable's inner nn.Linear
     spec = LinearSpec(base, in_features, out_features, role, bias)
-    return TowerLinear(spec, weight, f"{base}.bias" if bias else None, clip)
+    return TowerLinear(spec, weight, bias_name(base) if bias else None, clip, clippable)
 
 
 def token_ids(config: dict[str, Any], keys: dict[str, tuple[str, ...]], what: str) -> dict[str, int]:
@@ -75,6 +77,7 @@ def token_ids(config: dict[str, Any], keys: dict[str, tuple[str, ...]], what: st
 
 
 def clip_buffer_names(base: str) -> list[str]:
+    """A ``Gemma4ClippableLinear``'s clip bounds (input min/max, output min/max)."""
     return [f"{base}.{key}" for key in ("input_min", "input_max", "output_min", "output_max")]
 
 
@@ -110,24 +113,30 @@ class Gemma4Tower(Tower):
     def linears(self) -> list[LinearSpec]:
         return [linear.spec for linear in self._linears]
 
+    def _linear(self, name: str) -> TowerLinear:
+        linear = next((linear for linear in self._linears if linear.spec.name == name), None)
+        if linear is None:
+            raise KeyError(f"the {self.name} tower has no placeholder linear {name!r}")
+        return linear
+
     def linear_source(self, name: str) -> LinearSource:
-        linear = next(linear for linear in self._linears if linear.spec.name == name)
+        linear = self._linear(name)
         return LinearSource(linear.weight, None, linear.bias)
 
     def linear_weight(self, name: str) -> tuple[torch.Tensor, torch.Tensor | None]:
-        linear = next(linear for linear in self._linears if linear.spec.name == name)
+        linear = self._linear(name)
         weights = self.checkpoint.weights
         return weights.lazy(linear.weight).read(), (weights.lazy(linear.bias).read() if linear.bias else None)
 
-    def linear_tensors(self, clipped: bool, clip_prefix: str) -> dict[str, tuple[int, ...] | None]:
+    def linear_tensors(self, clipped: bool) -> Shapes:
         """Checkpoint tensors behind the linears (name -> shape; None: clip scalars)."""
-        expected: dict[str, tuple[int, ...] | None] = {}
+        expected: Shapes = {}
         for linear in self._linears:
             s = linear.spec
             expected[linear.weight] = (s.out_features, s.in_features)
             if linear.bias:
                 expected[linear.bias] = (s.out_features,)
-            if clipped and s.name.startswith(clip_prefix):
+            if clipped and linear.clippable:
                 expected.update({name: None for name in clip_buffer_names(s.name)})
         return expected
 

@@ -32,6 +32,7 @@ from llmexport.errors import InputError
 from llmexport.media.image import processed_size, synthetic_image
 from llmexport.models.config_values import flag_value, float_value, int_value, str_value
 from llmexport.models.gemma4_media import MEDIA_MARK
+from llmexport.models.gemma4_names import VISION, VISION_ATTENTION, VISION_MLP, VISION_NORMS
 from llmexport.models.gemma4_tower_checks import hf_processor, media_prompt, tower_check
 from llmexport.models.gemma4_towers import (
     ClippedLinear,
@@ -42,15 +43,14 @@ from llmexport.models.gemma4_towers import (
     encoder_attention,
     tower_linear,
 )
-from llmexport.models.tensor_checks import finite_lookup
+from llmexport.models.tensor_checks import Shapes, finite_lookup
+from llmexport.models.tensor_names import NameTable
 from llmexport.models.tower_check import FeatureCase, Measure, PromptCase, TowerCheck
 from llmexport.ops import gelu_tanh, rms_norm
 from llmexport.spec import GraphInputs, LinearRole
 
 log = logging.getLogger(__name__)
 
-PREFIX = "model.vision_tower."
-EMBEDDER = "model.embed_vision.embedding_projection"
 RUNTIME_IMAGE_SCALE = 1.0 / 39.25  # omni.cpp gemma4VisionProcess: imageEmbedding * (1.0f / 39.25f)
 VERIFY_SIZES = ((300, 300), (200, 640), (317, 451))  # square, wide, sides not multiples of 48
 FEATURE_BOUND = 1e-3  # max relative error of visual.mnn vs HF image features (stored weights)
@@ -113,10 +113,9 @@ def parse_vision_args(config: dict[str, Any], text_hidden: int, where: str,
 
 def vision_linears(args: VisionArgs, weights) -> list[TowerLinear]:
     h, d = args.hidden, args.head_dim
-    out = [tower_linear(weights, PREFIX + "patch_embedder.input_proj", 3 * args.patch ** 2, h, LinearRole.MLP, False)]
+    out = [tower_linear(weights, VISION.name("input_proj"), 3 * args.patch ** 2, h, LinearRole.MLP, False)]
     for i in range(args.layers):
-        p = f"{PREFIX}encoder.layers.{i}."
-        for name, fan_in, fan_out, role in (
+        for key, fan_in, fan_out, role in (
                 ("self_attn.q_proj", h, args.heads * d, LinearRole.ATTENTION),
                 ("self_attn.k_proj", h, args.kv_heads * d, LinearRole.ATTENTION),
                 ("self_attn.v_proj", h, args.kv_heads * d, LinearRole.ATTENTION),
@@ -124,25 +123,20 @@ def vision_linears(args: VisionArgs, weights) -> list[TowerLinear]:
                 ("mlp.gate_proj", h, args.intermediate, LinearRole.MLP),
                 ("mlp.up_proj", h, args.intermediate, LinearRole.MLP),
                 ("mlp.down_proj", args.intermediate, h, LinearRole.MLP)):
-            out.append(tower_linear(weights, p + name, fan_in, fan_out, role, True, args.clipped))
-    out.append(tower_linear(weights, EMBEDDER, h, args.text_hidden, LinearRole.MLP, False))
+            out.append(tower_linear(weights, VISION.name(key, layer=i), fan_in, fan_out, role, True, args.clipped))
+    out.append(tower_linear(weights, VISION.name("embedding_projection"), h, args.text_hidden, LinearRole.MLP, False))
     return out
 
 
-def vision_constants(args: VisionArgs) -> dict[str, tuple[int, ...] | None]:
+def vision_constants(args: VisionArgs) -> Shapes:
     """Small tensors the graph carries as constants, with their expected shapes."""
-    names: dict[str, tuple[int, ...] | None] = {
-        PREFIX + "patch_embedder.position_embedding_table": (2, args.position_size, args.hidden)}
+    names: Shapes = {VISION.name("position_table"): (2, args.position_size, args.hidden)}
     for i in range(args.layers):
-        p = f"{PREFIX}encoder.layers.{i}."
-        for norm in ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
-                     "post_feedforward_layernorm"):
-            names[p + norm + ".weight"] = (args.hidden,)
-        names[p + "self_attn.q_norm.weight"] = (args.head_dim,)
-        names[p + "self_attn.k_norm.weight"] = (args.head_dim,)
+        names.update({name: (args.hidden,) for name in VISION.names(VISION_NORMS, layer=i)})
+        names.update({name: (args.head_dim,) for name in VISION.names(("self_attn.q_norm", "self_attn.k_norm"),
+                                                                      layer=i)})
     if args.standardize:
-        names[PREFIX + "std_bias"] = (args.hidden,)
-        names[PREFIX + "std_scale"] = (args.hidden,)
+        names.update({name: (args.hidden,) for name in VISION.names(("std_bias", "std_scale"))})
     return names
 
 
@@ -160,13 +154,15 @@ def _rope_2d(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Ten
 
 
 class _Attention(nn.Module):
-    def __init__(self, args: VisionArgs, linears: dict[str, TowerLinear], p: str, lookup):
+    """``names``: the tower's name table bound to the layer (also for ``_EncoderLayer``)."""
+
+    def __init__(self, args: VisionArgs, linears: dict[str, TowerLinear], names: NameTable, lookup):
         super().__init__()
         self.args = args
         self.q_proj, self.k_proj, self.v_proj, self.o_proj = (
-            ClippedLinear(linears[p + "self_attn." + n]) for n in ("q_proj", "k_proj", "v_proj", "o_proj"))
-        self.q_norm = const(lookup, p + "self_attn.q_norm.weight")
-        self.k_norm = const(lookup, p + "self_attn.k_norm.weight")
+            ClippedLinear(linears[name]) for name in names.names(VISION_ATTENTION))
+        self.q_norm = const(lookup, names.name("self_attn.q_norm"))
+        self.k_norm = const(lookup, names.name("self_attn.k_norm"))
 
     def forward(self, x, cos, sin, mask):
         a = self.args
@@ -180,13 +176,11 @@ class _Attention(nn.Module):
 class _EncoderLayer(nn.Module):
     def __init__(self, args: VisionArgs, linears: dict[str, TowerLinear], index: int, lookup):
         super().__init__()
-        p = f"{PREFIX}encoder.layers.{index}."
+        p = VISION.bind(layer=index)
         self.eps = args.eps
-        self.norms = nn.ParameterDict({n: const(lookup, p + n + ".weight") for n in (
-            "input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm", "post_feedforward_layernorm")})
+        self.norms = nn.ParameterDict({key: const(lookup, p.name(key)) for key in VISION_NORMS})
         self.self_attn = _Attention(args, linears, p, lookup)
-        self.gate_proj, self.up_proj, self.down_proj = (
-            ClippedLinear(linears[p + "mlp." + n]) for n in ("gate_proj", "up_proj", "down_proj"))
+        self.gate_proj, self.up_proj, self.down_proj = (ClippedLinear(linears[name]) for name in p.names(VISION_MLP))
 
     def forward(self, x, cos, sin, mask):
         n = self.norms
@@ -210,16 +204,16 @@ class VisionGraph(nn.Module):
         by_name = {linear.spec.name: linear for linear in linears}
         self.args = args
         self.out = TokenTail(token_tail, output_scale, tail_scale)
-        self.input_proj = ClippedLinear(by_name[PREFIX + "patch_embedder.input_proj"])
-        self.position_table = const(lookup, PREFIX + "patch_embedder.position_embedding_table")
+        self.input_proj = ClippedLinear(by_name[VISION.name("input_proj")])
+        self.position_table = const(lookup, VISION.name("position_table"))
         self.layers = nn.ModuleList(_EncoderLayer(args, by_name, i, lookup) for i in range(args.layers))
         spatial = args.head_dim // 2
         self.register_buffer("inv_freq", 1.0 / (args.rope_theta ** (torch.arange(0, spatial, 2).float() / spatial)),
                              persistent=False)
         if args.standardize:
-            self.std_bias = const(lookup, PREFIX + "std_bias")
-            self.std_scale = const(lookup, PREFIX + "std_scale")
-        self.embedding_projection = ClippedLinear(by_name[EMBEDDER])
+            self.std_bias = const(lookup, VISION.name("std_bias"))
+            self.std_scale = const(lookup, VISION.name("std_scale"))
+        self.embedding_projection = ClippedLinear(by_name[VISION.name("embedding_projection")])
 
     def _rope(self, positions: torch.Tensor):
         # HF Gemma4VisionRotaryEmbedding: angles of x and y, laid out [x, x, y, y] over the head.
@@ -275,9 +269,9 @@ class Gemma4VisionTower(Gemma4Tower):
         super().__init__(arch, vision_config, parse_vision_args, vision_linears, VISION_TOKENS, "a vision")
 
     # --- weights ----------------------------------------------------------------------------
-    def expected_tensors(self) -> dict[str, tuple[int, ...] | None]:
+    def expected_tensors(self) -> Shapes:
         """Every checkpoint tensor this tower reads (name -> shape, None: scalar buffer)."""
-        return {**vision_constants(self.args), **self.linear_tensors(self.args.clipped, PREFIX + "encoder.")}
+        return {**vision_constants(self.args), **self.linear_tensors(self.args.clipped)}
 
     # --- graph ------------------------------------------------------------------------------
     def build_graph(self, token_tail: torch.Tensor | None = None, output_scale: float | None = None) -> nn.Module:

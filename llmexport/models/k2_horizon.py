@@ -10,25 +10,27 @@ inference. The reference is the remote code the checkpoint ships (``auto_map``, 
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Any
 
 from torch import nn
 
 from llmexport.checkpoint import Checkpoint
-from llmexport.models import register
-from llmexport.models.decoder import DecoderFamily, Shapes, attention_specs, mlp_specs, pre_norm_shapes, routed_specs
+from llmexport.models.decoder import DecoderFamily, expert_template
+from llmexport.models.decoder_names import EXPERT_MLP, MLP, add_attention, add_mlp, add_routed, pre_norm_shapes
 from llmexport.models.k2_horizon_args import K2HorizonArgs, parse_args
 from llmexport.models.k2_horizon_graph import K2HorizonGraph, Mlp, ValueExpert, mova_layer_id
-from llmexport.models.tensor_checks import count_limit, finite_lookup
-from llmexport.spec import ExpertTemplate, LinearRole, LinearSpec
+from llmexport.models.k2_horizon_names import K2_HORIZON_NAMES, MLX_STACKED, SHARED_MLP
+from llmexport.models.tensor_checks import Shapes, count_limit, finite_lookup
+from llmexport.models.tensor_names import LinearList, rename_rule, weight_name
+from llmexport.spec import ArchitectureSummary, ExpertTemplate, LinearRole, MlxLayout
 
-_EXPERT_MARKER = "@expert@"
 _VALUE_MARKER = "@value_expert@"
 
 
-@register("k2_horizon")
 class K2Horizon(DecoderFamily):
     family = "K2-Horizon"
+    names = K2_HORIZON_NAMES
     # Non-persistent in the reference; some converters still write it. Dropped, as the MLX loader does.
     ignored_suffixes = ("rotary_emb.inv_freq",)
     #: evaluate MoVA's value experts densely in the main graph (benchmark baseline only)
@@ -43,81 +45,77 @@ class K2Horizon(DecoderFamily):
         self.check_weights()
 
     # --- weights ----------------------------------------------------------------------------
-    def _collect_linears(self) -> list[LinearSpec]:
+    def _collect_linears(self) -> LinearList:
         a = self.args
         h, q_width, bias = a.hidden_size, a.num_heads * a.head_dim, a.attention_bias
-        specs: list[LinearSpec] = []
+        linears = LinearList(self.names)
         for layer in a.layers:
-            p = f"model.layers.{layer.index}."
-            values = None
-            if layer.mova:
-                assert a.mova is not None  # a MoVA layer exists only with MoVA settings
-                # value experts are attention projections: attention-role bits, not MLP bits
-                values = [LinearSpec(p + "self_attn.v_router", h, a.mova.num_experts, LinearRole.ROUTER)]
-                values += [LinearSpec(p + f"self_attn.v_experts.{e}", h, a.kv_width, LinearRole.ATTENTION)
-                           for e in range(a.mova.num_experts)]
-            specs += attention_specs(p + "self_attn.", h, q_width, a.kv_width, bias, values)
+            values = partial(self._add_value_experts, linears, layer.index) if layer.mova else None
+            add_attention(linears, layer.index, h, q_width, a.kv_width, bias, values)
             if layer.sparse:
                 assert a.moe is not None  # a sparse layer exists only with experts
-                specs += routed_specs(p + "mlp.", h, a.moe.num_experts, a.moe_width)
+                add_routed(linears, layer.index, h, a.moe.num_experts, a.moe_width)
                 if a.shared_width:
-                    specs += mlp_specs(p + "mlp.shared_experts.", h, a.shared_width, LinearRole.MLP)
+                    add_mlp(linears, SHARED_MLP, h, a.shared_width, LinearRole.MLP, layer=layer.index)
             else:
-                specs += mlp_specs(p + "mlp.", h, a.intermediate_size, LinearRole.MLP)
-        specs.append(LinearSpec("lm_head", h, a.vocab_size, LinearRole.LM_HEAD))
-        return specs
+                add_mlp(linears, MLP, h, a.intermediate_size, LinearRole.MLP, layer=layer.index)
+        self.add_head(linears)
+        return linears
+
+    def _add_value_experts(self, linears: LinearList, layer: int) -> None:
+        """MoVA's value router and experts in ``v_proj``'s place. Value experts are attention
+        projections: attention-role bits, not MLP bits."""
+        a = self.args
+        assert a.mova is not None  # a MoVA layer exists only with MoVA settings
+        linears.add("attn.v_router", a.hidden_size, a.mova.num_experts, LinearRole.ROUTER, layer=layer)
+        for e in range(a.mova.num_experts):
+            linears.add("attn.v_expert", a.hidden_size, a.kv_width, LinearRole.ATTENTION, layer=layer, expert=e)
 
     def constant_shapes(self) -> Shapes:
         """Norm gammas and router biases: graph constants, with their expected shapes."""
-        a = self.args
-        shapes: Shapes = {"model.norm.weight": (a.hidden_size,)}
+        a, names = self.args, self.names
+        shapes: Shapes = {names.name("norm.final"): (a.hidden_size,)}
         qk = (a.num_heads * a.head_dim, a.kv_width) if a.qk_norm else None  # grouped over all heads
         for layer in a.layers:
-            p = f"model.layers.{layer.index}."
-            shapes.update(pre_norm_shapes(p, a.hidden_size, qk))
+            shapes.update(pre_norm_shapes(names, layer.index, a.hidden_size, qk))
             if layer.mova and a.mova is not None:
-                shapes[p + "self_attn.v_router.e_score_correction_bias"] = (a.mova.num_experts,)
+                shapes[names.name("attn.v_router.bias", layer=layer.index)] = (a.mova.num_experts,)
             if layer.sparse and a.moe is not None:
-                shapes[p + "mlp.gate.e_score_correction_bias"] = (a.moe.num_experts,)
+                shapes[names.name("moe.router.bias", layer=layer.index)] = (a.moe.num_experts,)
         return shapes
-
-    def linears(self) -> list[LinearSpec]:
-        return list(self._linears)
 
     # --- graph ------------------------------------------------------------------------------
     def build_graph(self) -> nn.Module:
         lookup = finite_lookup(self.checkpoint.weights, self.checkpoint.path)
-        return K2HorizonGraph(self.args, lookup, dense_mova=self.dense_mova).eval()
+        return K2HorizonGraph(self.args, self.names, lookup, dense_mova=self.dense_mova).eval()
 
     def expert_templates(self) -> list[ExpertTemplate]:
-        a = self.args
+        a, h = self.args, self.args.hidden_size
         templates = []
         sparse = [layer for layer in a.layers if layer.sparse]
         if sparse and a.moe is not None:
-            instances = tuple((layer.index, e, f"model.layers.{layer.index}.mlp.experts.{e}")
-                              for layer in sparse for e in range(a.moe.num_experts))
-            templates.append(ExpertTemplate(Mlp(_EXPERT_MARKER + ".", a.hidden_size, a.moe_width).eval(),
-                                            _EXPERT_MARKER, a.hidden_size, instances))
+            templates.append(expert_template(
+                self.names, "moe.expert", EXPERT_MLP, lambda names: Mlp(names, h, a.moe_width), h,
+                ((layer.index, layer.index, e) for layer in sparse for e in range(a.moe.num_experts))))
         mova = [layer for layer in a.layers if layer.mova]
         if mova and a.mova is not None and not self.dense_mova:
-            instances = tuple((mova_layer_id(a, layer.index), e, f"model.layers.{layer.index}.self_attn.v_experts.{e}")
-                              for layer in mova for e in range(a.mova.num_experts))
-            templates.append(ExpertTemplate(ValueExpert(_VALUE_MARKER, a.hidden_size, a.kv_width).eval(),
-                                            _VALUE_MARKER, a.hidden_size, instances))
+            templates.append(expert_template(
+                self.names, "attn.v_expert", ("attn.v_expert",), lambda names: ValueExpert(names[0], h, a.kv_width), h,
+                ((mova_layer_id(a, layer.index), layer.index, e) for layer in mova for e in range(a.mova.num_experts)),
+                marker=_VALUE_MARKER))
         return templates
 
-    def describe(self) -> dict[str, Any]:
+    def describe(self) -> ArchitectureSummary:
         a = self.args
         kinds = []
         for layer in a.layers:
             kind = ("sparse: MoE" + (" + MoVA" if layer.mova else " + v_proj")) if layer.sparse else "dense"
             kinds.append(f"{layer.index}: {kind}")
-        return {"family": "k2_horizon", "model_type": "k2_horizon", "layers": a.num_layers,
-                "hidden_size": a.hidden_size, "vocab_size": a.vocab_size, "norm_groups": a.norm_groups,
-                "query_key_norm": a.qk_norm, "moe": None if a.moe is None else dict(vars(a.moe), width=a.moe_width,
-                                                                                    shared_width=a.shared_width),
-                "mova": None if a.mova is None else vars(a.mova), "tied_embeddings": a.tie_embeddings,
-                "layer_kinds": kinds}
+        moe = None if a.moe is None else dict(vars(a.moe), width=a.moe_width, shared_width=a.shared_width)
+        return ArchitectureSummary("k2_horizon", "k2_horizon", a.num_layers, a.hidden_size, a.vocab_size,
+                                   a.tie_embeddings, tuple(kinds),
+                                   {"norm_groups": a.norm_groups, "query_key_norm": a.qk_norm, "moe": moe,
+                                    "mova": None if a.mova is None else vars(a.mova)})
 
     # --- runtime files ----------------------------------------------------------------------
     def llm_config(self) -> dict[str, Any]:
@@ -134,14 +132,8 @@ class K2Horizon(DecoderFamily):
 
     # --- MLX checkpoints (llmexport/importers/mlx) ------------------------------------------------
     @classmethod
-    def mlx_layout(cls, config: dict[str, Any]):
-        """The family's MLX port keeps the HF names but stacks routed experts ``[E, out, in]``
-        (docs/k2-horizon.md): MoE experts as ``mlp.switch_mlp.{gate,up,down}_proj`` (mlx-lm's
-        SwitchGLU naming), MoVA value experts as one ``self_attn.v_experts`` SwitchLinear."""
-        from llmexport.spec import MlxLayout, MlxRule
-
-        return MlxLayout((
-            MlxRule(r"^(model\.layers\.\d+\.mlp)\.switch_mlp\.(\w+_proj)\.weight$", r"\1.experts.{e}.\2.weight", True),
-            MlxRule(r"^(model\.layers\.\d+\.self_attn\.v_experts)\.weight$", r"\1.{e}.weight", True),
-        ))
+    def mlx_layout(cls, config: dict[str, Any]) -> MlxLayout:
+        """The family's MLX port (``MLX_STACKED``): each stacked tensor split into its experts' weights."""
+        return MlxLayout(tuple(rename_rule(mlx, weight_name(cls.names.pattern(key)), split="expert")
+                               for mlx, key in MLX_STACKED.items()))
 

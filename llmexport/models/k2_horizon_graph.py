@@ -23,10 +23,13 @@ from torch import nn
 from llmexport.models import decoder_graph
 from llmexport.models.decoder_graph import DecoderStack, PreNormLayer
 from llmexport.models.decoder_graph import SwiGlu as Mlp
+from llmexport.models.decoder_names import EXPERT_MLP, MLP
 from llmexport.models.graph_parts import TensorLookup
 from llmexport.models.graph_parts import const as _const
 from llmexport.models.k2_horizon_args import K2HorizonArgs, LayerSpec, RouterSpec
+from llmexport.models.k2_horizon_names import SHARED_MLP
 from llmexport.models.rope import RopeSpec
+from llmexport.models.tensor_names import NameTable
 from llmexport.ops import FusedMoE, PlaceholderLinear, dense_mixture, rms_norm
 
 __all__ = ["K2HorizonGraph", "Mlp", "ValueExpert", "mova_layer_id"]
@@ -84,6 +87,9 @@ class Router(nn.Module):
     non-zero term per sum) and plain Equal/Mul/ReduceSum for MNN.
     """
 
+    bias: torch.Tensor
+    expert_ids: torch.Tensor
+
     def __init__(self, name: str, hidden: int, spec: RouterSpec, bias: torch.Tensor):
         super().__init__()
         self.spec = spec
@@ -116,18 +122,19 @@ class ValueExpert(nn.Module):
 
 class Attention(decoder_graph.Attention):
     """GQA attention with per-head GroupedRMSNorm of q/k; MoVA layers take their values from
-    routed value experts (v_router + v_experts) instead of v_proj."""
+    routed value experts (v_router + v_experts) instead of v_proj. ``names``: the family's table
+    bound to the layer."""
 
-    def __init__(self, args: K2HorizonArgs, layer: LayerSpec, lookup: TensorLookup, dense_mova: bool):
-        p = f"model.layers.{layer.index}.self_attn."
+    def __init__(self, args: K2HorizonArgs, names: NameTable, layer: LayerSpec, lookup: TensorLookup,
+                 dense_mova: bool):
         norms = None
         if args.qk_norm:
-            norms = (HeadNorm(_const(lookup, p + "q_norm.weight"), args.num_heads, args.eps),
-                     HeadNorm(_const(lookup, p + "k_norm.weight"), args.kv_heads, args.eps))
-        super().__init__(p, layer.index, args.hidden_size, args.num_heads, args.kv_heads, args.head_dim,
+            norms = (HeadNorm(_const(lookup, names.name("norm.q")), args.num_heads, args.eps),
+                     HeadNorm(_const(lookup, names.name("norm.k")), args.kv_heads, args.eps))
+        super().__init__(names, layer.index, args.hidden_size, args.num_heads, args.kv_heads, args.head_dim,
                          args.attention_bias, norms, args=args, layer=layer, lookup=lookup, dense_mova=dense_mova)
 
-    def init_values(self, prefix: str, hidden: int, width: int, bias: bool, **options: Any) -> None:
+    def init_values(self, names: NameTable, hidden: int, width: int, bias: bool, **options: Any) -> None:
         """``options``: ``args`` (K2HorizonArgs), ``layer`` (LayerSpec), ``lookup``, ``dense_mova``."""
         args: K2HorizonArgs = options["args"]
         layer: LayerSpec = options["layer"]
@@ -135,38 +142,39 @@ class Attention(decoder_graph.Attention):
         dense_mova: bool = options["dense_mova"]
         self.hidden, self.mova = hidden, layer.mova
         if not layer.mova:
-            super().init_values(prefix, hidden, width, bias)
+            super().init_values(names, hidden, width, bias)
             return
         spec = args.mova
         assert spec is not None, "a MoVA layer without MoVA settings"
-        self.v_router = Router(prefix + "v_router", hidden, spec, lookup(prefix + "v_router.e_score_correction_bias"))
-        experts = nn.ModuleList(ValueExpert(prefix + f"v_experts.{e}", hidden, width) for e in range(spec.num_experts))
-        self.dense_mova = dense_mova
-        self.v_experts = experts if dense_mova else FusedMoE(experts, spec.top_k, mova_layer_id(args, layer.index),
-                                                             width)
+        self.v_router = Router(names.name("attn.v_router"), hidden, spec, lookup(names.name("attn.v_router.bias")))
+        experts = nn.ModuleList(ValueExpert(names.name("attn.v_expert", expert=e), hidden, width)
+                                for e in range(spec.num_experts))
+        # dense_mova: every value expert in the main graph (a ModuleList), else MNN's MoE op
+        self.v_experts: nn.ModuleList | FusedMoE = experts if dense_mova else \
+            FusedMoE(experts, spec.top_k, mova_layer_id(args, layer.index), width)
 
     def values(self, x):
         if not self.mova:
             return self.v_proj(x)
         weights, chosen = self.v_router(x)
-        if self.dense_mova:
+        if isinstance(self.v_experts, nn.ModuleList):
             return dense_mixture(self.v_experts, x, weights, chosen)
         return self.v_experts(x.view(-1, self.hidden), weights, chosen)
 
 
 class SparseMoe(nn.Module):
-    """Router + routed SwiGLU experts on MNN's MoE op, plus the ungated shared experts."""
+    """Router + routed SwiGLU experts on MNN's MoE op, plus the ungated shared experts.
+    ``names``: the family's table bound to the layer."""
 
-    def __init__(self, args: K2HorizonArgs, index: int, lookup: TensorLookup):
+    def __init__(self, args: K2HorizonArgs, names: NameTable, index: int, lookup: TensorLookup):
         super().__init__()
-        p = f"model.layers.{index}.mlp."
         self.hidden = args.hidden_size
         assert args.moe is not None, "a sparse layer without experts"
-        self.gate = Router(p + "gate", args.hidden_size, args.moe, lookup(p + "gate.e_score_correction_bias"))
-        experts = nn.ModuleList(Mlp(p + f"experts.{e}.", args.hidden_size, args.moe_width)
+        self.gate = Router(names.name("moe.router"), args.hidden_size, args.moe, lookup(names.name("moe.router.bias")))
+        experts = nn.ModuleList(Mlp(names.names(EXPERT_MLP, expert=e), args.hidden_size, args.moe_width)
                                 for e in range(args.moe.num_experts))
         self.experts = FusedMoE(experts, args.moe.top_k, index, args.hidden_size)
-        self.shared_experts = Mlp(p + "shared_experts.", args.hidden_size, args.shared_width) \
+        self.shared_experts = Mlp(names.names(SHARED_MLP), args.hidden_size, args.shared_width) \
             if args.shared_width else None
 
     def forward(self, x):
@@ -178,22 +186,23 @@ class SparseMoe(nn.Module):
 
 
 class DecoderLayer(PreNormLayer):
-    def __init__(self, args: K2HorizonArgs, layer: LayerSpec, lookup: TensorLookup, dense_mova: bool):
-        p = f"model.layers.{layer.index}."
-        norm = lambda name: GroupedNorm(_const(lookup, p + name + ".weight"), args.norm_groups, args.eps)  # noqa: E731
-        mlp = SparseMoe(args, layer.index, lookup) if layer.sparse else \
-            Mlp(p + "mlp.", args.hidden_size, args.intermediate_size)
-        super().__init__(norm("input_layernorm"), norm("post_attention_layernorm"),
-                         Attention(args, layer, lookup, dense_mova), mlp)
+    def __init__(self, args: K2HorizonArgs, names: NameTable, layer: LayerSpec, lookup: TensorLookup,
+                 dense_mova: bool):
+        p = names.bind(layer=layer.index)
+        norm = lambda key: GroupedNorm(_const(lookup, p.name(key)), args.norm_groups, args.eps)  # noqa: E731
+        mlp = SparseMoe(args, p, layer.index, lookup) if layer.sparse else \
+            Mlp(p.names(MLP), args.hidden_size, args.intermediate_size)
+        super().__init__(norm("norm.input"), norm("norm.post_attention"),
+                         Attention(args, p, layer, lookup, dense_mova), mlp)
 
 
 class K2HorizonGraph(DecoderStack):
     """The pre-norm decoder stack (decoder_graph.DecoderStack) with K2-Horizon's layers and
-    GroupedRMSNorm, default RoPE."""
+    GroupedRMSNorm, default RoPE; the tensors named by ``names`` (k2_horizon_names.K2_HORIZON_NAMES)."""
 
-    def __init__(self, args: K2HorizonArgs, lookup: TensorLookup, dense_mova: bool = False):
-        layers = [DecoderLayer(args, layer, lookup, dense_mova) for layer in args.layers]
-        norm = GroupedNorm(_const(lookup, "model.norm.weight"), args.norm_groups, args.eps)
+    def __init__(self, args: K2HorizonArgs, names: NameTable, lookup: TensorLookup, dense_mova: bool = False):
+        layers = [DecoderLayer(args, names, layer, lookup, dense_mova) for layer in args.layers]
+        norm = GroupedNorm(_const(lookup, names.name("norm.final")), args.norm_groups, args.eps)
         rope = RopeSpec(args.rope_theta, args.head_dim, args.head_dim // 2)
-        super().__init__(layers, norm, args.hidden_size, args.vocab_size, rope.inv_freq())
+        super().__init__(layers, norm, names.name("lm_head"), args.hidden_size, args.vocab_size, rope.inv_freq())
         self.args = args

@@ -8,11 +8,9 @@ them only when no vocabulary word needs that lookup (docs/supported-models.md).
 
 from __future__ import annotations
 
-from llmexport.models import register
 from llmexport.models.plain_decoder import PlainDecoder
 
 
-@register("llama")
 class Llama(PlainDecoder):
     family = "Llama"
     config_class = "LlamaConfig"

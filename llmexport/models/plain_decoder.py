@@ -1,13 +1,10 @@
 """Plain HF decoders in the Llama layout: what Llama, Qwen3 and Qwen3-MoE have in common.
 
-Tensors (``N`` = layer, ``E`` = expert): ``model.embed_tokens.weight``, ``model.norm.weight``,
-``lm_head.weight`` (absent when tied), ``model.layers.N.{input_layernorm,post_attention_layernorm}
-.weight``, ``model.layers.N.self_attn.{q,k,v,o}_proj.weight`` (+ ``.bias`` with ``attention_bias``),
-``self_attn.{q,k}_norm.weight`` [head_dim] for Qwen3, ``model.layers.N.mlp.{gate,up,down}_proj.weight``
-on dense layers, and on sparse layers ``model.layers.N.mlp.gate.weight`` (router) plus
-``model.layers.N.mlp.experts.E.{gate,up,down}_proj.weight`` (the hub layout transformers saves).
-A family file sets the transformers config class, whether q/k are normed, the RoPE types it
-accepts and its end-of-turn tokens (docs/adding-a-family.md).
+Tensors: the table ``decoder_names.LLAMA_LAYOUT`` (``lm_head.weight`` absent when tied, biases of
+the attention projections with ``attention_bias``, the q/k norms [head_dim] with ``qk_norm``,
+routers and per-expert MLPs on sparse layers, as the hub saves them). A family file sets the
+transformers config class, whether q/k are normed, the RoPE types it accepts, its end-of-turn
+tokens and, if its names differ, its own table (docs/adding-a-family.md).
 """
 
 from __future__ import annotations
@@ -17,16 +14,25 @@ from typing import Any
 from torch import nn
 
 from llmexport.checkpoint import Checkpoint
-from llmexport.models.decoder import DecoderFamily, Shapes, attention_specs, mlp_specs, pre_norm_shapes, routed_specs
+from llmexport.models.decoder import DecoderFamily, expert_template
 from llmexport.models.decoder_args import DecoderArgs, parse_decoder_args, resolve_config
 from llmexport.models.decoder_graph import DenseDecoderGraph, SwiGlu
-from llmexport.models.tensor_checks import count_limit, finite_lookup
-from llmexport.spec import ExpertTemplate, LinearRole, LinearSpec
-
-_EXPERT_MARKER = "@expert@"
+from llmexport.models.decoder_names import (
+    EXPERT_MLP,
+    LLAMA_LAYOUT,
+    MLP,
+    add_attention,
+    add_mlp,
+    add_routed,
+    pre_norm_shapes,
+)
+from llmexport.models.tensor_checks import Shapes, count_limit, finite_lookup
+from llmexport.models.tensor_names import LinearList
+from llmexport.spec import ArchitectureSummary, ExpertTemplate, LinearRole
 
 
 class PlainDecoder(DecoderFamily):
+    names = LLAMA_LAYOUT
     #: name of the transformers config class that reads this family's config.json
     config_class: str = ""
     #: Qwen3: per-head RMSNorm of q and k (weights [head_dim]) before RoPE
@@ -48,51 +54,50 @@ class PlainDecoder(DecoderFamily):
         self.check_weights()
 
     # --- weights ----------------------------------------------------------------------------
-    def _collect_linears(self) -> list[LinearSpec]:
+    def _collect_linears(self) -> LinearList:
         a = self.args
         h = a.hidden_size
-        specs: list[LinearSpec] = []
+        linears = LinearList(self.names)
         for layer in a.layers:
-            p = f"model.layers.{layer.index}."
-            specs += attention_specs(p + "self_attn.", h, a.num_heads * a.head_dim, a.kv_width, a.attention_bias)
-            specs += routed_specs(p + "mlp.", h, a.moe.num_experts, a.moe.width) if a.moe and layer.sparse else \
-                mlp_specs(p + "mlp.", h, a.intermediate_size, LinearRole.MLP)
-        specs.append(LinearSpec("lm_head", h, a.vocab_size, LinearRole.LM_HEAD))
-        return specs
-
-    def linears(self) -> list[LinearSpec]:
-        return list(self._linears)
+            add_attention(linears, layer.index, h, a.num_heads * a.head_dim, a.kv_width, a.attention_bias)
+            if a.moe and layer.sparse:
+                add_routed(linears, layer.index, h, a.moe.num_experts, a.moe.width)
+            else:
+                add_mlp(linears, MLP, h, a.intermediate_size, LinearRole.MLP, layer=layer.index)
+        self.add_head(linears)
+        return linears
 
     def constant_shapes(self) -> Shapes:
         a = self.args
-        shapes: Shapes = {"model.norm.weight": (a.hidden_size,)}
+        shapes: Shapes = {self.names.name("norm.final"): (a.hidden_size,)}
         qk = (a.head_dim, a.head_dim) if a.qk_norm else None  # per-head norms
         for layer in a.layers:
-            shapes.update(pre_norm_shapes(f"model.layers.{layer.index}.", a.hidden_size, qk))
+            shapes.update(pre_norm_shapes(self.names, layer.index, a.hidden_size, qk))
         return shapes
 
     # --- graph ------------------------------------------------------------------------------
     def build_graph(self) -> nn.Module:
-        return DenseDecoderGraph(self.args, finite_lookup(self.checkpoint.weights, self.checkpoint.path)).eval()
+        lookup = finite_lookup(self.checkpoint.weights, self.checkpoint.path)
+        return DenseDecoderGraph(self.args, self.names, lookup).eval()
 
     def expert_templates(self) -> list[ExpertTemplate]:
         a = self.args
         sparse = [layer for layer in a.layers if layer.sparse]
         if not sparse or a.moe is None:
             return []
-        instances = tuple((layer.index, e, f"model.layers.{layer.index}.mlp.experts.{e}")
-                          for layer in sparse for e in range(a.moe.num_experts))
-        return [ExpertTemplate(SwiGlu(_EXPERT_MARKER + ".", a.hidden_size, a.moe.width).eval(), _EXPERT_MARKER,
-                               a.hidden_size, instances)]
+        width = a.moe.width
+        return [expert_template(self.names, "moe.expert", EXPERT_MLP,
+                                lambda names: SwiGlu(names, a.hidden_size, width), a.hidden_size,
+                                ((layer.index, layer.index, e) for layer in sparse for e in range(a.moe.num_experts)))]
 
-    def describe(self) -> dict[str, Any]:
+    def describe(self) -> ArchitectureSummary:
         a = self.args
         rope = "llama3" if a.rope.llama3 else "default"
-        return {"family": self.family, "model_type": self.checkpoint.model_type, "layers": a.num_layers,
-                "hidden_size": a.hidden_size, "vocab_size": a.vocab_size, "heads": a.num_heads,
-                "kv_heads": a.kv_heads, "head_dim": a.head_dim, "rope": rope, "qk_norm": a.qk_norm,
-                "moe": None if a.moe is None else vars(a.moe), "tied_embeddings": a.tie_embeddings,
-                "layer_kinds": [f"{layer.index}: {'sparse: MoE' if layer.sparse else 'dense'}" for layer in a.layers]}
+        details = {"heads": a.num_heads, "kv_heads": a.kv_heads, "head_dim": a.head_dim, "rope": rope,
+                   "qk_norm": a.qk_norm, "moe": None if a.moe is None else vars(a.moe)}
+        return ArchitectureSummary(
+            self.family, self.checkpoint.model_type, a.num_layers, a.hidden_size, a.vocab_size, a.tie_embeddings,
+            tuple(f"{layer.index}: {'sparse: MoE' if layer.sparse else 'dense'}" for layer in a.layers), details)
 
     # --- runtime files ----------------------------------------------------------------------
     def llm_config(self) -> dict[str, Any]:

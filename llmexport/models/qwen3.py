@@ -10,16 +10,23 @@ run on MNN's MoE op. Checkpoints keep one tensor per expert; transformers stacks
 
 from __future__ import annotations
 
-import re
 from typing import Any
 
-from llmexport.models import register
+from llmexport.models.decoder_names import LLAMA_LAYOUT
 from llmexport.models.plain_decoder import PlainDecoder
+from llmexport.models.tensor_names import match, weight_name
 
-_EXPERT = re.compile(r"^(?P<p>model\.layers\.\d+\.mlp\.experts)\.(?P<e>\d+)\.(?P<w>gate|up|down)_proj\.weight$")
+#: the Llama layout, and where transformers keeps the experts (Qwen3MoeExperts): stacked
+QWEN3_MOE_NAMES = LLAMA_LAYOUT.extended({
+    "reference.experts.gate_up": "model.layers.{layer}.mlp.experts.gate_up_proj",  # [E, 2 * width, hidden]
+    "reference.experts.down": "model.layers.{layer}.mlp.experts.down_proj",  # [E, hidden, width]
+})
+#: an expert's linear -> the reference's stacked tensor and which block of width rows it fills (None: all)
+_REFERENCE_SLOTS = {"moe.expert.gate": ("reference.experts.gate_up", 0),
+                    "moe.expert.up": ("reference.experts.gate_up", 1),
+                    "moe.expert.down": ("reference.experts.down", None)}
 
 
-@register("qwen3")
 class Qwen3(PlainDecoder):
     family = "Qwen3"
     config_class = "Qwen3Config"
@@ -27,21 +34,22 @@ class Qwen3(PlainDecoder):
     end_of_turn = ("<|im_end|>",)
 
 
-@register("qwen3_moe")
 class Qwen3Moe(Qwen3):
     family = "Qwen3-MoE"
     config_class = "Qwen3MoeConfig"
+    names = QWEN3_MOE_NAMES
 
     def reference_slot(self, tensor: str) -> tuple[str, tuple[Any, ...]]:
         """An expert's gate/up rows of transformers' stacked ``gate_up_proj`` [E, 2 * width, hidden]
         (Qwen3MoeExperts: gate first), or its ``down_proj`` [E, hidden, width]."""
-        m = _EXPERT.match(tensor)
-        if m is None:
-            return super().reference_slot(tensor)
-        expert = int(m["e"])
-        if m["w"] == "down":
-            return m["p"] + ".down_proj", (expert,)
-        assert self.args.moe is not None  # expert tensors exist only in MoE checkpoints
-        width = self.args.moe.width
-        rows = slice(0, width) if m["w"] == "gate" else slice(width, 2 * width)
-        return m["p"] + ".gate_up_proj", (expert, rows)
+        for key, (stacked, block) in _REFERENCE_SLOTS.items():
+            fields = match(weight_name(self.names.pattern(key)), tensor)
+            if fields is None:
+                continue
+            name = self.names.name(stacked, layer=fields["layer"])
+            if block is None:
+                return name, (fields["expert"],)
+            assert self.args.moe is not None  # expert tensors exist only in MoE checkpoints
+            width = self.args.moe.width
+            return name, (fields["expert"], slice(block * width, (block + 1) * width))
+        return super().reference_slot(tensor)

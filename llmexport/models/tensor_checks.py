@@ -21,6 +21,8 @@ from llmexport.errors import InputError
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 TensorLookup = Callable[[str], torch.Tensor]
+#: expected tensors: name -> shape (None: any shape)
+Shapes = dict[str, "tuple[int, ...] | None"]
 
 
 def check_tensors(weights: Any, expected: Mapping[str, tuple[int, ...] | None], where: Path, family: str,

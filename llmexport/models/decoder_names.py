@@ -1,0 +1,80 @@
+"""The tensor names of HF's Llama layout (``LlamaForCausalLM`` and the decoders built like it),
+and the helpers that list a layer's linears and norms by them.
+
+Llama, Qwen3 and Qwen3-MoE share this table (their differences are data in their family files);
+K2-Horizon extends it with its MoVA and MoE tensors (k2_horizon.py). Linears are named by their
+module path (tensors ``{path}.weight``, ``{path}.bias``), norms by their gamma
+(llmexport/models/tensor_names.py).
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+from llmexport.models.tensor_checks import Shapes
+from llmexport.models.tensor_names import LinearList, NameTable
+from llmexport.spec import LinearRole
+
+#: a gated MLP's linears (gate, up, down) on dense layers, in a routed expert, in shared experts
+MLP = ("mlp.gate", "mlp.up", "mlp.down")
+EXPERT_MLP = ("moe.expert.gate", "moe.expert.up", "moe.expert.down")
+#: the pre-norm layer's RMSNorms, and the per-head q/k norms where the family has them
+LAYER_NORMS = ("norm.input", "norm.post_attention")
+QK_NORMS = ("norm.q", "norm.k")
+
+LLAMA_LAYOUT = NameTable({
+    "embed": "model.embed_tokens.weight",
+    "norm.final": "model.norm.weight",
+    "lm_head": "lm_head",
+    "attn.q": "model.layers.{layer}.self_attn.q_proj",
+    "attn.k": "model.layers.{layer}.self_attn.k_proj",
+    "attn.v": "model.layers.{layer}.self_attn.v_proj",
+    "attn.o": "model.layers.{layer}.self_attn.o_proj",
+    "norm.q": "model.layers.{layer}.self_attn.q_norm.weight",
+    "norm.k": "model.layers.{layer}.self_attn.k_norm.weight",
+    "norm.input": "model.layers.{layer}.input_layernorm.weight",
+    "norm.post_attention": "model.layers.{layer}.post_attention_layernorm.weight",
+    "mlp.gate": "model.layers.{layer}.mlp.gate_proj",
+    "mlp.up": "model.layers.{layer}.mlp.up_proj",
+    "mlp.down": "model.layers.{layer}.mlp.down_proj",
+    # sparse layers: a router and routed experts (one module per expert, as the hub saves them)
+    "moe.router": "model.layers.{layer}.mlp.gate",
+    "moe.expert": "model.layers.{layer}.mlp.experts.{expert}",
+    "moe.expert.gate": "model.layers.{layer}.mlp.experts.{expert}.gate_proj",
+    "moe.expert.up": "model.layers.{layer}.mlp.experts.{expert}.up_proj",
+    "moe.expert.down": "model.layers.{layer}.mlp.experts.{expert}.down_proj",
+})
+
+
+def add_attention(linears: LinearList, layer: int, hidden: int, q_width: int, kv_width: int, bias: bool,
+                  values: Callable[[], None] | None = None) -> None:
+    """``attn.q``, ``attn.k``, the value projection(s) (``attn.v``, or what ``values`` adds), ``attn.o``."""
+    linears.add("attn.q", hidden, q_width, LinearRole.ATTENTION, bias, layer=layer)
+    linears.add("attn.k", hidden, kv_width, LinearRole.ATTENTION, bias, layer=layer)
+    if values is None:
+        linears.add("attn.v", hidden, kv_width, LinearRole.ATTENTION, bias, layer=layer)
+    else:
+        values()
+    linears.add("attn.o", q_width, hidden, LinearRole.ATTENTION, bias, layer=layer)
+
+
+def add_mlp(linears: LinearList, keys: tuple[str, str, str], hidden: int, width: int, role: LinearRole,
+            **fields: int) -> None:
+    """A gated MLP's gate, up and down projections (``keys`` in that order)."""
+    linears.add_group(keys, ((hidden, width), (hidden, width), (width, hidden)), role, **fields)
+
+
+def add_routed(linears: LinearList, layer: int, hidden: int, num_experts: int, width: int) -> None:
+    """A router ``moe.router`` and its experts' gated MLPs (``EXPERT_MLP``)."""
+    linears.add("moe.router", hidden, num_experts, LinearRole.ROUTER, layer=layer)
+    for e in range(num_experts):
+        add_mlp(linears, EXPERT_MLP, hidden, width, LinearRole.EXPERT, layer=layer, expert=e)
+
+
+def pre_norm_shapes(names: NameTable, layer: int, hidden: int, qk_widths: tuple[int, int] | None) -> Shapes:
+    """One pre-norm layer's RMSNorm gammas: input and post-attention norms, and the q/k norms
+    (``qk_widths``: their widths, None without them)."""
+    shapes: Shapes = {name: (hidden,) for name in names.names(LAYER_NORMS, layer=layer)}
+    if qk_widths is not None:
+        shapes.update({name: (width,) for name, width in zip(names.names(QK_NORMS, layer=layer), qk_widths)})
+    return shapes
