@@ -16,7 +16,7 @@ unless said; measured -> estimated, MiB:
   --export onnx, E2B-shaped 2 / 4 layers, vocab 32768 (124.5M / 194.2M linear weights), tiny llama:
                                             2328 / 3484 / 344 -> 2705 / 3960 / 467
 
-What is held at once (llmexport/pipeline.py and the writers it calls):
+What is held at once (llmexport/targets/mnn_target.py and the writers it calls):
 
 * the process (``_process_bytes``): interpreter, torch, transformers, onnx, MNN and the
   converter's child (``BASE``), the tokenizer converted in memory (``PER_VOCAB``, about 100 MiB
