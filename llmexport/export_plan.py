@@ -35,7 +35,7 @@ def export_plan(arch: Architecture, options: ExportOptions, schemes: Schemes, ta
         total += target.table_bytes(rows, dim, choice.bits, choice.block)
     plan = ExportPlan(arch.describe(), linears, adjusted, tables, total,
                       schemes.prequantized(), towers=towers)
-    return dataclasses.replace(plan, memory=memory_plan(arch, options, plan, records))
+    return dataclasses.replace(plan, memory=memory_plan(arch, options, plan, records, target))
 
 
 def _planned(specs: Iterable[LinearSpec], scheme_of: Callable[[LinearSpec], QuantScheme], target: OutputTarget

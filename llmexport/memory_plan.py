@@ -44,11 +44,12 @@ verification skips it where it does not fit, and says so (``MemoryPlan.exact_ker
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Protocol
 
 from llmexport.errors import ResourceError
 from llmexport.mnn.config import RuntimeProfile
 from llmexport.models.base import Architecture
-from llmexport.options import ExportFormat, ExportOptions
+from llmexport.options import ExportOptions
 from llmexport.quant.scheme import QuantMethod
 from llmexport.quant.workers import worker_count
 from llmexport.results import ExportPlan, MemoryPlan
@@ -78,10 +79,12 @@ FAST_FILE_FACTOR = 1.5
 FAST_BYTES_PER_ID = 1600
 
 
-def memory_plan(arch: Architecture, options: ExportOptions, plan: ExportPlan, weight_file: int) -> MemoryPlan:
-    """The plan's peaks; ``weight_file``: the bytes of its linear records (llm.mnn.weight)."""
-    export = export_peak_bytes(arch, options, plan)
-    if not (options.verify and options.export is ExportFormat.MNN):
+def memory_plan(arch: Architecture, options: ExportOptions, plan: ExportPlan, weight_file: int,
+                target: PlannedTarget) -> MemoryPlan:
+    """The plan's peaks; ``weight_file``: the bytes of its linear records (llm.mnn.weight);
+    ``target``: the output target, which knows its own export's peak and whether it is verified."""
+    export = target.export_peak_bytes(arch, plan)
+    if not (options.verify and target.verifiable):
         return MemoryPlan(export)
     kept = min(export, _process_bytes(plan) + KEPT_HEAP)  # what the process still holds after the export
     reference = reference_footprint(arch, options.trust_remote_code)
@@ -95,10 +98,21 @@ def memory_plan(arch: Architecture, options: ExportOptions, plan: ExportPlan, we
                       None if exact is None else kept + reference.idle + exact)
 
 
-def export_peak_bytes(arch: Architecture, options: ExportOptions, plan: ExportPlan) -> int:
-    """The export process (and the converter's child beside it) at its peak."""
-    if options.export is ExportFormat.ONNX:
-        return BASE + ONNX_BYTES_PER_WEIGHT * _linear_weights(plan)
+class PlannedTarget(Protocol):
+    """What the memory plan asks of an output target (llmexport/targets/base.py)."""
+
+    verifiable: bool
+
+    def export_peak_bytes(self, arch: Architecture, plan: ExportPlan) -> int: ...
+
+
+def onnx_export_peak_bytes(plan: ExportPlan) -> int:
+    """``--export onnx`` at its peak: every linear bound to the graph as an fp32 copy, serialized beside it."""
+    return BASE + ONNX_BYTES_PER_WEIGHT * _linear_weights(plan)
+
+
+def mnn_export_peak_bytes(arch: Architecture, plan: ExportPlan) -> int:
+    """The MNN export's process (and the converter's child beside it) at its peak."""
     read = sorted((_source_bytes(arch, linear.name, linear.out_features * linear.in_features)
                    for linear in plan.linears), reverse=True)
     largest = max((linear.out_features * linear.in_features for linear in plan.linears), default=0)

@@ -4,7 +4,8 @@ The pipeline (llmexport/pipeline.py) opens the checkpoint, decides every scheme
 (llmexport/schemes.py), plans, and then hands one ``ExportJob`` to the target of the options'
 format (llmexport/targets/__init__.py). A target owns everything about its files: the input
 checks its format needs (``prepare``, before any heavy work), the bytes each linear and table
-takes there (``record_bytes``, ``table_bytes``: the plan and ``--dry-run`` ask these) and the
+takes there and the export's peak memory (``record_bytes``, ``table_bytes``,
+``export_peak_bytes``: the plan and ``--dry-run`` ask these) and the
 writing itself, stage by stage (``write``). ``verifiable``: whether ``--verify`` can run what it
 wrote in a runtime.
 """
@@ -24,6 +25,7 @@ from llmexport.errors import OutputError, ResourceError
 from llmexport.models.base import Architecture
 from llmexport.options import ExportOptions
 from llmexport.quant.scheme import QuantScheme
+from llmexport.results import ExportPlan
 from llmexport.schemes import Schemes
 from llmexport.spec import LinearSpec
 
@@ -79,6 +81,10 @@ class OutputTarget(abc.ABC):
     @abc.abstractmethod
     def record_bytes(self, spec: LinearSpec, scheme: QuantScheme) -> int:
         """The bytes one linear takes in this format's weight file."""
+
+    @abc.abstractmethod
+    def export_peak_bytes(self, arch: Architecture, plan: ExportPlan) -> int:
+        """The export's expected peak resident memory (llmexport.memory_plan has the calibration)."""
 
     def table_bytes(self, rows: int, dim: int, bits: int, block: int) -> int:
         """The bytes of a token table written to its own file (0: this format writes none)."""

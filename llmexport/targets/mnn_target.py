@@ -17,6 +17,7 @@ from typing import Any, Iterator
 
 from llmexport.checkpoint import Checkpoint
 from llmexport.errors import InputError
+from llmexport.memory_plan import mnn_export_peak_bytes
 from llmexport.mnn import config as mnn_config
 from llmexport.mnn.embeddings import table_size
 from llmexport.mnn.weights import record_size
@@ -25,6 +26,7 @@ from llmexport.progress import Progress
 from llmexport.quant.methods import quantizers
 from llmexport.quant.rtn import NonFiniteError
 from llmexport.quant.scheme import QuantScheme
+from llmexport.results import ExportPlan
 from llmexport.spec import GraphInputs, LinearSpec
 from llmexport.targets.base import ExportJob, OutputTarget
 from llmexport.weight_sources import WeightSources
@@ -49,6 +51,9 @@ class MnnTarget(OutputTarget):
 
     def record_bytes(self, spec: LinearSpec, scheme: QuantScheme) -> int:
         return record_size(spec.out_features, spec.in_features, scheme, spec.bias)
+
+    def export_peak_bytes(self, arch: Architecture, plan: ExportPlan) -> int:
+        return mnn_export_peak_bytes(arch, plan)
 
     def table_bytes(self, rows: int, dim: int, bits: int, block: int) -> int:
         return table_size(rows, dim, bits, block)

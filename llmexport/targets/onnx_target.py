@@ -3,7 +3,10 @@ initializers, which onnxruntime runs (no quantization, no token table, no runtim
 
 from __future__ import annotations
 
+from llmexport.memory_plan import onnx_export_peak_bytes
+from llmexport.models.base import Architecture
 from llmexport.quant.scheme import QuantScheme
+from llmexport.results import ExportPlan
 from llmexport.spec import LinearSpec
 from llmexport.targets.base import ExportJob, OutputTarget
 
@@ -14,6 +17,9 @@ class OnnxTarget(OutputTarget):
     def record_bytes(self, spec: LinearSpec, scheme: QuantScheme) -> int:
         """fp32 weight and bias initializers, whatever the scheme."""
         return 4 * spec.out_features * (spec.in_features + int(spec.bias))
+
+    def export_peak_bytes(self, arch: Architecture, plan: ExportPlan) -> int:
+        return onnx_export_peak_bytes(plan)
 
     def write(self, job: ExportJob) -> None:
         from llmexport.eager import bind_weights
