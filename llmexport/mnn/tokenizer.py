@@ -20,6 +20,11 @@ How the runtime uses the header (3.6.1):
   text segment between media tags of a multimodal prompt;
 * special ids are split out of the text before the pipeline runs, first match in list order at
   each position (we list longer strings first so the longest special token wins, as in HF);
+  that split ignores ``lstrip``/``rstrip``, so tokens with those flags are left to the pipeline's
+  added-token step (``PipelineTokenizer::encode``: leftmost-longest match, then strips the
+  whitespace before (lstrip) or after (rstrip) the token, as HF does). Its whitespace is C's
+  ``isspace`` (ASCII); HF's is Unicode White_Space, so the non-ASCII White_Space characters are
+  reported as unsafe characters when such a token exists (``STRIP_DIFFERENCES``);
 * stop ids end generation.
 
 Which HF components are written and which are refused: tokenizer_pipeline.py (and
@@ -67,10 +72,10 @@ MNN_TOKENIZER_PIPELINE = 4
 class MnnTokenizerFile:
     """The file's bytes, its stop ids, and where the runtime's encode differs from HF's.
 
-    ``unsafe_chars``: text characters on which the runtime's regex split may differ from HF's
-    (tokenizer_regex.py); ``notes``: other inputs it encodes differently (e.g. text not in NFC);
-    ``pieces``: id -> the vocabulary row written, which the runtime's single-id decode (what
-    generation streams) starts from (tokenizer_stream.py).
+    ``unsafe_chars``: text characters on which the runtime's encode may differ from HF's (the
+    regex split's, tokenizer_regex.py, and ``STRIP_DIFFERENCES``); ``notes``: other inputs it
+    encodes differently (e.g. text not in NFC); ``pieces``: id -> the vocabulary row written,
+    which the runtime's single-id decode (what generation streams) starts from (tokenizer_stream.py).
     """
 
     data: bytes
@@ -112,11 +117,22 @@ def _check_added_token(tok: dict, normalize) -> None:
             raise Unsupported(f"added token {tok['content']!r} is normalized and the normalizer changes it")
 
 
+#: Unicode White_Space characters outside ASCII: HF's lstrip/rstrip strips them, the runtime's
+#: (C ``isspace``) does not.
+STRIP_DIFFERENCES = frozenset("\u0085\u00a0\u1680\u2000\u2001\u2002\u2003\u2004\u2005\u2006\u2007\u2008"
+                              "\u2009\u200a\u2028\u2029\u202f\u205f\u3000")
+
+
+def _strips(tok: dict) -> bool:
+    return bool(tok.get("lstrip") or tok.get("rstrip"))
+
+
 def _check_added_overlaps(specials: list[dict], added: list[dict]) -> None:
-    """The runtime splits special tokens out of the text before the other added tokens; HF
-    matches all of them in one leftmost-longest pass. Equal only if no special token can overlap
-    another added token in some text."""
-    others = [t["content"] for t in added if not t.get("special")]
+    """The runtime splits the header's special tokens out of the text before the other added
+    tokens; HF matches all of them in one leftmost-longest pass. Equal only if no header token
+    can overlap another added token in some text."""
+    header = {t["id"] for t in specials}
+    others = [t["content"] for t in added if t["id"] not in header]
     for special in (t["content"] for t in specials):
         for other in others:
             if other in special or special in other or any(
@@ -184,7 +200,7 @@ def _encode_body(tj: dict, tj_path: Path, added: list[dict]) -> tuple[Body, list
     """The pipeline body and the special tokens the runtime's special list may hold."""
     try:
         byte_level_decoder = decoder_has_byte_level(tj.get("decoder"))
-        specials = [tok for tok in added if tok.get("special")
+        specials = [tok for tok in added if tok.get("special") and not _strips(tok)
                     and _runtime_decodes_verbatim(tok["content"], byte_level_decoder)]
         body = encode_body(tj, keep_ids=frozenset(tok["id"] for tok in specials))
         normalize = _hf_normalizer(tj_path) if tj.get("normalizer") is not None else None
@@ -195,6 +211,8 @@ def _encode_body(tj: dict, tj_path: Path, added: list[dict]) -> tuple[Body, list
         raise ValueError(f"{tj_path}: unsupported {exc}") from None
     except (AttributeError, TypeError, KeyError) as exc:  # a node of the wrong JSON type
         raise ValueError(f"{tj_path}: malformed tokenizer ({type(exc).__name__}: {exc})") from None
+    if any(_strips(tok) for tok in added):
+        body.unsafe_chars |= STRIP_DIFFERENCES
     return body, specials
 
 

@@ -87,7 +87,7 @@ class Body:
     pieces: list[str] = field(default_factory=list)  # id -> the vocabulary row the file holds
     byte_level: bool = False  # ByteLevel pre-tokenizer: words are byte characters
     byte_level_decoder: bool = False  # the runtime decodes single ids through the byte map
-    unsafe_chars: set[str] = field(default_factory=set)  # text characters the regexes may split differently
+    unsafe_chars: set[str] = field(default_factory=set)  # text characters the runtime may encode differently
     notes: list[str] = field(default_factory=list)
 
 

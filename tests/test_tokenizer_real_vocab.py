@@ -1,0 +1,195 @@
+"""Real vocabularies (llama.cpp's GGUF test vocabularies, tests/real_vocab_tokenizers.py) through
+the exporter's tokenizer writer and MNN 3.6.1's runtime, against HF's ``tokenizers``.
+
+Per vocabulary: the rebuilt tokenizer.json gives the ids of the ``.out`` file on every ``.inp``
+case (the rebuild is the real tokenizer); the exporter either refuses it with its one-line reason
+(``REFUSED``) or writes a file whose runtime encode equals HF's encode (``add_special_tokens=False``)
+on the ``.inp`` cases, a multilingual/code/whitespace corpus and random strings made of the
+vocabulary's own pieces, and whose runtime single-id decode is the one tokenizer_stream.py
+predicts, so that the streamed text is HF's decode up to its documented differences. Text with
+characters the writer reports as unsafe is left out (and counted); Qwen2's NFC normalizer is
+applied to the runtime's input (the documented note).
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import unicodedata
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+from real_vocab_tokenizers import SPECS, rebuild
+from test_tokenizer import FIXED_TEXTS
+from tokenizers import Tokenizer
+
+from llmexport.mnn.tokenizer import STRIP_DIFFERENCES, convert_tokenizer, write_mnn_tokenizer
+from llmexport.mnn.tokenizer_pipeline import NFC_NOTE, byte_level_chars
+from llmexport.mnn.tokenizer_stream import StreamModel, streamed_text_difference
+from llmexport.tiny.byte_level_tokenizer import EXTRA_CORPUS
+from llmexport.tiny.tokenizer import TRAINING_CORPUS
+
+from mnn_tokenizer_server import MnnTokenizer
+from real_vocab import real_vocab
+
+#: Vocabulary -> a phrase of the exporter's one-line refusal.
+REFUSED = {
+    "llama-bpe": "ignore_merges=true: 588 vocabulary word(s)",
+    "deepseek-llm": "non-ASCII patterns run on std::wregex",
+    "deepseek-coder": "non-ASCII patterns run on std::wregex",
+    "falcon": "pre-tokenizer 'Punctuation'",
+    "starcoder": "pre-tokenizer 'Digits'",
+    "command-r": "pre-tokenizer 'Digits'",
+}
+EXPORTED = sorted(set(SPECS) - set(REFUSED))
+
+CORPUS = FIXED_TEXTS + (TRAINING_CORPUS + EXTRA_CORPUS).split("\n") + [
+    "Привет, мир! Как дела?", "مرحبا بالعالم", "नमस्ते दुनिया", "안녕하세요 세계", "Xin chào Việt Nam",
+    "Ελληνικά κείμενα", "עברית", "ภาษาไทย", "Türkçe: Ayrıca çok güzel", "e\u0301 cafe\u0301 n\u0303",
+    "for (int i = 0; i < n; ++i) {\n\tsum += a[i];\n}\n", "    if x:\n        return None\n\n\n",
+    "SELECT * FROM t WHERE id = 42;", "<div class=\"x\">&nbsp;</div>", "a\r\nb\rc\n\nd", "\t\t  \n  \t",
+    "1234567890 12 123 1234 12345", "3.14e-10 0x1F 0b1010", "It's we'll they're I'M YOU'LL", "   ", "\n",
+]
+
+
+def _piece_texts(tj: dict) -> list[str]:
+    """The vocabulary's pieces as text (byte pieces and pieces that are not whole characters left out)."""
+    byte_level = tj["model"]["byte_fallback"] is False
+    char_bytes = {c: b for b, c in enumerate(byte_level_chars())}
+    out = []
+    for piece in tj["model"]["vocab"]:
+        if byte_level:
+            try:
+                out.append(bytes(char_bytes[c] for c in piece).decode("utf-8"))
+            except (KeyError, UnicodeDecodeError):
+                continue
+        elif not piece.startswith("<0x"):
+            out.append(piece.replace("\u2581", " "))
+    return out
+
+
+def _random_strings(tj: dict, count: int, seed: int = 0) -> list[str]:
+    rng = random.Random(seed)
+    pieces = _piece_texts(tj)
+    added = [t["content"] for t in tj["added_tokens"]]
+    extra = [" ", "  ", "\n", "\t", "\r\n", "'s", "123"]
+    out = []
+    for _ in range(count):
+        parts = [rng.choice(pieces) if rng.random() < 0.85 else rng.choice(extra) for _ in range(rng.randint(1, 12))]
+        if added and rng.random() < 0.2:
+            parts.insert(rng.randrange(len(parts) + 1), rng.choice(added))
+        out.append("".join(parts))
+    return out
+
+
+def _build(name: str, root: Path) -> SimpleNamespace:
+    folder = rebuild(name, root)
+    written = write_mnn_tokenizer(folder, folder / "tokenizer.mtok")
+    tj = json.loads((folder / "tokenizer.json").read_text(encoding="utf-8"))
+    hf = Tokenizer.from_file(str(folder / "tokenizer.json"))
+    mnn = MnnTokenizer(folder / "runtime", "../tokenizer.mtok", hf.get_vocab_size())
+    model = StreamModel.from_tokenizer_json(tj, written.stop_ids, written.pieces)
+    return SimpleNamespace(name=name, tj=tj, hf=hf, mnn=mnn, written=written, model=model,
+                           nfc=NFC_NOTE in written.notes)
+
+
+@pytest.fixture(scope="module")
+def exported(tmp_path_factory):
+    built: dict[str, SimpleNamespace] = {}
+
+    def get(name: str) -> SimpleNamespace:
+        if name not in built:
+            built[name] = _build(name, tmp_path_factory.mktemp(f"real-{name}"))
+        return built[name]
+
+    yield get
+    for vocab in built.values():
+        vocab.mnn.close()
+
+
+def _hf_ids(vocab, texts: list[str]) -> list[list[int]]:
+    return [e.ids for e in vocab.hf.encode_batch(texts, add_special_tokens=False)]
+
+
+def _encode_mismatches(vocab, texts: list[str]) -> tuple[list[tuple[str, list[int], list[int]]], int]:
+    """(text, runtime ids, HF ids) where they differ, and how many texts were left out as unsafe."""
+    safe = [t for t in texts if not set(t) & vocab.written.unsafe_chars]
+    runtime_in = [unicodedata.normalize("NFC", t) if vocab.nfc else t for t in safe]
+    got = vocab.mnn.encode(runtime_in)
+    want = _hf_ids(vocab, safe)
+    return [(t, g, w) for t, g, w in zip(safe, got, want) if g != w], len(texts) - len(safe)
+
+
+@pytest.mark.parametrize("name", sorted(SPECS))
+def test_rebuild_gives_the_ids_hf_gave(name, tmp_path):
+    hf = Tokenizer.from_file(str(rebuild(name, tmp_path) / "tokenizer.json"))
+    cases = real_vocab(name).cases()
+    assert len(cases) >= 40
+    assert [(text, hf.encode(text, add_special_tokens=False).ids) for text, _ in cases] == cases
+
+
+@pytest.mark.parametrize("name", sorted(REFUSED))
+def test_refused_with_its_reason(name, tmp_path):
+    folder = rebuild(name, tmp_path)
+    with pytest.raises(ValueError) as err:
+        convert_tokenizer(folder)
+    message = str(err.value)
+    assert message.startswith(f"{folder / 'tokenizer.json'}: unsupported ") and "\n" not in message
+    assert REFUSED[name] in message
+
+
+@pytest.mark.parametrize("name", EXPORTED)
+def test_runtime_encode_matches_hf(exported, name):
+    vocab = exported(name)
+    cases = [text for text, _ in real_vocab(name).cases()]
+    for texts in (cases, CORPUS, _random_strings(vocab.tj, 500)):
+        bad, unsafe = _encode_mismatches(vocab, texts)
+        assert unsafe <= len(texts) // 20
+        assert bad == []
+
+
+@pytest.mark.parametrize("name", EXPORTED)
+def test_runtime_decode_is_the_stream_model(exported, name):
+    """Single-id decode (what generation streams) equals tokenizer_stream.py's model on sampled ids
+    and every added token, and the model's stream of HF's ids is HF's decode up to the documented
+    differences."""
+    vocab = exported(name)
+    rng = random.Random(1)
+    size = vocab.hf.get_vocab_size()
+    ids = sorted({rng.randrange(size) for _ in range(3000)} | {t["id"] for t in vocab.tj["added_tokens"]})
+    for i, text in zip(ids, vocab.mnn.decode(ids)):
+        expected = vocab.model.piece_bytes(i)
+        if text is None:  # not valid UTF-8 on its own
+            with pytest.raises(UnicodeDecodeError):
+                expected.decode("utf-8")
+        else:
+            assert text.encode("utf-8") == expected.split(b"\0")[0], i
+    texts = CORPUS + _random_strings(vocab.tj, 300, seed=2)
+    for text, hf_ids in zip(texts, _hf_ids(vocab, texts)):
+        kept = vocab.model.streamed_ids(hf_ids)  # generation stops at a stop id
+        hf_text = vocab.hf.decode(kept, skip_special_tokens=False)
+        diff = streamed_text_difference(vocab.model, kept, vocab.model.stream_bytes(kept), hf_text)
+        assert diff is None or diff.explained, (text, diff)
+
+
+def test_phi3_rstrip_tokens_eat_the_whitespace(exported):
+    """Phi-3's real added tokens have ``rstrip``: ``<|end|>\\n<|user|>`` is two ids in HF; the
+    runtime's header special split would keep the newline, so these tokens stay out of it."""
+    vocab = exported("phi-3")
+    text = "<|end|>\n<|user|>\n  Hi</s> \t<|assistant|>"
+    assert vocab.mnn.encode([text]) == _hf_ids(vocab, [text]) and _hf_ids(vocab, [text])[0][:2] == [32007, 32010]
+    counts, ids = vocab.written.data.split(b"\n")[1:3]
+    header = {int(i) for i in ids.split()[:int(counts.split()[0])]}
+    assert header.isdisjoint({t["id"] for t in vocab.tj["added_tokens"] if t["rstrip"]})
+
+
+def test_strip_whitespace_differences_are_the_listed_ones(exported):
+    """Over every whitespace-like character, the runtime strips next to an rstrip token exactly
+    what HF strips, except ``STRIP_DIFFERENCES`` (non-ASCII White_Space: C ``isspace`` is ASCII)."""
+    vocab = exported("phi-3")
+    chars = [chr(c) for c in range(0x3001) if chr(c).isspace() or chr(c) in STRIP_DIFFERENCES]
+    texts = [f"<|end|>{c}x" for c in chars] + [f"a{c}<|end|>" for c in chars]
+    got = vocab.mnn.encode(texts)
+    differ = {t[7] if t.startswith("<|end|>") else t[1] for t, g, w in zip(texts, got, _hf_ids(vocab, texts)) if g != w}
+    assert differ == STRIP_DIFFERENCES
