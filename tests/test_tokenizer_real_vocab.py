@@ -25,8 +25,9 @@ from test_tokenizer import FIXED_TEXTS
 from tokenizers import Tokenizer
 
 from llmexport.mnn.tokenizer import STRIP_DIFFERENCES, convert_tokenizer, write_mnn_tokenizer
-from llmexport.mnn.tokenizer_pipeline import NFC_NOTE, byte_level_chars
+from llmexport.mnn.tokenizer_pipeline import NFC_NOTE
 from llmexport.mnn.tokenizer_stream import StreamModel, streamed_text_difference
+from llmexport.mnn.tokenizer_whole_words import APPROXIMATE_FLAG, random_piece_strings
 from llmexport.tiny.byte_level_tokenizer import EXTRA_CORPUS
 from llmexport.tiny.tokenizer import TRAINING_CORPUS
 
@@ -35,7 +36,7 @@ from real_vocab import real_vocab
 
 #: Vocabulary -> a phrase of the exporter's one-line refusal.
 REFUSED = {
-    "llama-bpe": "ignore_merges=true: 588 vocabulary word(s)",
+    "llama-bpe": "ignore_merges=true: 588 vocabulary word(s)",  # and names --approximate_ignore_merges
     "deepseek-llm": "non-ASCII patterns run on std::wregex",
     "deepseek-coder": "non-ASCII patterns run on std::wregex",
     "falcon": "pre-tokenizer 'Punctuation'",
@@ -53,39 +54,9 @@ CORPUS = FIXED_TEXTS + (TRAINING_CORPUS + EXTRA_CORPUS).split("\n") + [
 ]
 
 
-def _piece_texts(tj: dict) -> list[str]:
-    """The vocabulary's pieces as text (byte pieces and pieces that are not whole characters left out)."""
-    byte_level = tj["model"]["byte_fallback"] is False
-    char_bytes = {c: b for b, c in enumerate(byte_level_chars())}
-    out = []
-    for piece in tj["model"]["vocab"]:
-        if byte_level:
-            try:
-                out.append(bytes(char_bytes[c] for c in piece).decode("utf-8"))
-            except (KeyError, UnicodeDecodeError):
-                continue
-        elif not piece.startswith("<0x"):
-            out.append(piece.replace("\u2581", " "))
-    return out
-
-
-def _random_strings(tj: dict, count: int, seed: int = 0) -> list[str]:
-    rng = random.Random(seed)
-    pieces = _piece_texts(tj)
-    added = [t["content"] for t in tj["added_tokens"]]
-    extra = [" ", "  ", "\n", "\t", "\r\n", "'s", "123"]
-    out = []
-    for _ in range(count):
-        parts = [rng.choice(pieces) if rng.random() < 0.85 else rng.choice(extra) for _ in range(rng.randint(1, 12))]
-        if added and rng.random() < 0.2:
-            parts.insert(rng.randrange(len(parts) + 1), rng.choice(added))
-        out.append("".join(parts))
-    return out
-
-
-def _build(name: str, root: Path) -> SimpleNamespace:
+def _build(name: str, root: Path, **options) -> SimpleNamespace:
     folder = rebuild(name, root)
-    written = write_mnn_tokenizer(folder, folder / "tokenizer.mtok")
+    written = write_mnn_tokenizer(folder, folder / "tokenizer.mtok", **options)
     tj = json.loads((folder / "tokenizer.json").read_text(encoding="utf-8"))
     hf = Tokenizer.from_file(str(folder / "tokenizer.json"))
     mnn = MnnTokenizer(folder / "runtime", "../tokenizer.mtok", hf.get_vocab_size())
@@ -98,10 +69,11 @@ def _build(name: str, root: Path) -> SimpleNamespace:
 def exported(tmp_path_factory):
     built: dict[str, SimpleNamespace] = {}
 
-    def get(name: str) -> SimpleNamespace:
-        if name not in built:
-            built[name] = _build(name, tmp_path_factory.mktemp(f"real-{name}"))
-        return built[name]
+    def get(name: str, **options) -> SimpleNamespace:
+        key = f"{name}{sorted(options.items())}"
+        if key not in built:
+            built[key] = _build(name, tmp_path_factory.mktemp(f"real-{name}"), **options)
+        return built[key]
 
     yield get
     for vocab in built.values():
@@ -137,13 +109,15 @@ def test_refused_with_its_reason(name, tmp_path):
     message = str(err.value)
     assert message.startswith(f"{folder / 'tokenizer.json'}: unsupported ") and "\n" not in message
     assert REFUSED[name] in message
+    if name == "llama-bpe":
+        assert APPROXIMATE_FLAG in message
 
 
 @pytest.mark.parametrize("name", EXPORTED)
 def test_runtime_encode_matches_hf(exported, name):
     vocab = exported(name)
     cases = [text for text, _ in real_vocab(name).cases()]
-    for texts in (cases, CORPUS, _random_strings(vocab.tj, 500)):
+    for texts in (cases, CORPUS, random_piece_strings(vocab.tj, 500)):
         bad, unsafe = _encode_mismatches(vocab, texts)
         assert unsafe <= len(texts) // 20
         assert bad == []
@@ -165,7 +139,7 @@ def test_runtime_decode_is_the_stream_model(exported, name):
                 expected.decode("utf-8")
         else:
             assert text.encode("utf-8") == expected.split(b"\0")[0], i
-    texts = CORPUS + _random_strings(vocab.tj, 300, seed=2)
+    texts = CORPUS + random_piece_strings(vocab.tj, 300, seed=2)
     for text, hf_ids in zip(texts, _hf_ids(vocab, texts)):
         kept = vocab.model.streamed_ids(hf_ids)  # generation stops at a stop id
         hf_text = vocab.hf.decode(kept, skip_special_tokens=False)
@@ -193,3 +167,25 @@ def test_strip_whitespace_differences_are_the_listed_ones(exported):
     got = vocab.mnn.encode(texts)
     differ = {t[7] if t.startswith("<|end|>") else t[1] for t, g, w in zip(texts, got, _hf_ids(vocab, texts)) if g != w}
     assert differ == STRIP_DIFFERENCES
+
+
+def test_llama3_approximated_records_the_runtime_difference(exported):
+    """Llama-3 with ``approximate_ignore_merges``: the runtime encodes as HF does without the
+    whole-word lookup (on the corpus and the measured random strings), so the recorded mismatch
+    count is exactly the runtime's against HF on those strings."""
+    vocab = exported("llama-bpe", approximate_ignore_merges=True)
+    diff = vocab.written.ignore_merges_difference
+    assert diff is not None and len(diff.words) == 588 and " Arthropoda" in diff.words
+    assert any(note.startswith("ignore_merges approximated: 588") for note in vocab.written.notes)
+    spec = json.loads(json.dumps(vocab.tj))
+    spec["model"]["ignore_merges"] = False
+    merges_only = Tokenizer.from_str(json.dumps(spec))
+    texts = random_piece_strings(vocab.tj, diff.random_strings)
+    corpus = [t for t in CORPUS if not set(t) & vocab.written.unsafe_chars]
+    assert not any(set(t) & vocab.written.unsafe_chars for t in texts)
+    got = vocab.mnn.encode(texts + corpus)
+    assert got == [e.ids for e in merges_only.encode_batch(texts + corpus, add_special_tokens=False)]
+    assert sum(g != w for g, w in zip(got, _hf_ids(vocab, texts))) == diff.random_mismatches
+    assert 0 < diff.mismatch_rate < 0.05
+    words = vocab.mnn.encode(list(diff.words))
+    assert all(len(ids) > 1 for ids in words)  # every affected word is split, as measured
