@@ -189,3 +189,45 @@ def test_llama3_approximated_records_the_runtime_difference(exported):
     assert 0 < diff.mismatch_rate < 0.05
     words = vocab.mnn.encode(list(diff.words))
     assert all(len(ids) > 1 for ids in words)  # every affected word is split, as measured
+
+
+def test_approximate_ignore_merges_flag_reaches_the_writer(tmp_path):
+    """``--approximate_ignore_merges`` is an ExportOptions field (in manifest.json only when set)
+    that MnnTarget.prepare hands to the writer: without it Llama-3 is refused naming the flag."""
+    from llmexport.cli import export_options, parse_command
+    from llmexport.errors import InputError
+    from llmexport.targets.mnn_target import MnnTarget
+
+    args = ["--path", str(tmp_path), "--dst_path", str(tmp_path / "out")]
+    off, on = (export_options(parse_command(args + extra)) for extra in ([], [APPROXIMATE_FLAG]))
+    assert not off.approximate_ignore_merges and on.approximate_ignore_merges
+    assert "approximate_ignore_merges" not in off.manifest_fields()
+    assert on.manifest_fields()["approximate_ignore_merges"] is True
+    checkpoint = SimpleNamespace(path=rebuild("llama-bpe", tmp_path / "tok"), tokenizer_file=lambda: None,
+                                 check_tokenizer_side_files=lambda: None)
+    arch = SimpleNamespace(end_of_turn_tokens=lambda: ())
+    with pytest.raises(InputError, match=APPROXIMATE_FLAG):
+        MnnTarget().prepare(checkpoint, arch, off)  # type: ignore[arg-type]
+    assert MnnTarget().prepare(checkpoint, arch, on)[:6] == b"430 4\n"  # type: ignore[arg-type]
+
+
+def test_verify_records_the_approximation(tmp_path):
+    """verify.json's tokenizer section: the measured difference, and samples that the runtime
+    encodes as HF does without the whole-word lookup are approximated, not mismatches."""
+    from llmexport.results import TokenizerCheck
+    from llmexport.verification import _tokenizer_check
+
+    folder = rebuild("llama-bpe", tmp_path)
+    hf = Tokenizer.from_file(str(folder / "tokenizer.json"))
+    tj = json.loads((folder / "tokenizer.json").read_text(encoding="utf-8"))
+    tj["model"]["ignore_merges"] = False
+    merges_only = Tokenizer.from_str(json.dumps(tj))
+    word, plain = " Arthropoda", "Hello world"
+    cases = {word: (merges_only.encode(word).ids, hf.encode(word).ids), plain: ([1], hf.encode(plain).ids)}
+    assert cases[word][0] != cases[word][1]
+    check = _tokenizer_check(folder, cases, approximate_ignore_merges=True)
+    assert check.mismatches == (plain,) and check.approximated == (word,) and not check.agree
+    assert check.ignore_merges is not None and check.ignore_merges["affected_words"] == 588
+    assert TokenizerCheck.from_json(json.loads(json.dumps(check.to_json()))) == check
+    strict = _tokenizer_check(folder, cases, approximate_ignore_merges=False)
+    assert strict.mismatches == (word, plain) and "ignore_merges_approximation" not in strict.to_json()
