@@ -7,6 +7,8 @@ all but some inputs (``Body.notes`` says which), for example NFC, which the runt
 
 What the runtime does (tokenizer.cpp, unicode.cpp) that decides the rules here:
 
+* Digits pre-tokenizer: only ASCII digits, and nothing at all without ``individual_digits``; HF
+  splits on every Unicode number, so it is written as the Split regex ``\\p{N}`` (``\\p{N}+``).
 * ByteLevel pre-tokenizer: optional GPT-2 regex, then every byte mapped to its GPT-2 character;
   it has no ``add_prefix_space``. Split: a regex (see tokenizer_regex.py), ``invert`` and the
   behaviors Isolated, Removed, MergedWithPrevious; MergedWithPrevious also merges a match into a
@@ -173,6 +175,11 @@ def _pre_tokenizer(node: dict | None, body: Body, removed_literals: set[str]) ->
         return _split(node, body, not regex and pattern in removed_literals)
     if kind == "ByteLevel":
         return _byte_level(node, body)
+    if kind == "Digits":
+        # HF splits on char::is_numeric (Nd, Nl, No = \p{N}); the runtime's own Digits
+        # pre-tokenizer knows only ASCII digits, and with individual_digits=false splits nothing.
+        pattern = r"\p{N}" if node.get("individual_digits", False) else r"\p{N}+"
+        return _split({"pattern": {"Regex": pattern}, "behavior": "Isolated"}, body, False)
     if kind == "Sequence":
         children = node.get("pretokenizers", [])
         return u8(_PRE_SEQUENCE) + u32(len(children)) + b"".join(_pre_tokenizer(c, body, removed_literals)
