@@ -60,6 +60,7 @@ class ExportCommand:
     max_memory: float | None
     trust_remote_code: bool
     quiet: bool
+    approximate_ignore_merges: bool = False
 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
@@ -108,6 +109,9 @@ class ExportCommand:
               help="Allow --verify to run the checkpoint's own modeling code (families whose reference model is "
                    "remote code, such as k2_horizon).")
 @click.option("--quiet", is_flag=True, help="Only warnings and errors.")
+@click.option("--approximate_ignore_merges", is_flag=True,
+              help="Export a tokenizer with ignore_merges words MNN's runtime cannot reach (Llama-3) instead of "
+                   "refusing it; the measured difference is logged and recorded in verify.json.")
 @click.version_option(__version__, "--version", prog_name="llmexport")
 def main(**flags: Any) -> None:
     """Export a HuggingFace LLM checkpoint to MNN (or ONNX), optionally verified."""
@@ -226,7 +230,8 @@ def export_options(command: ExportCommand) -> ExportOptions:
                             trust_remote_code=command.trust_remote_code,
                             runtime_profile=RuntimeProfile(command.runtime_profile),
                             chat_thinking=ChatThinking(command.chat_thinking), keep_failed=command.keep_failed,
-                            max_memory=command.max_memory)
+                            max_memory=command.max_memory,
+                            approximate_ignore_merges=command.approximate_ignore_merges)
     quant_config = command.quant_config
     if quant_config is None:
         return options

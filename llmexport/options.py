@@ -55,6 +55,10 @@ class ExportOptions:
     ``verify.json`` holding the failures) instead of discarding it. ``max_memory`` (GiB) replaces
     the machine's available memory in the check that refuses an export (or its verification)
     whose estimated peak would not fit (llmexport.memory_plan).
+
+    ``approximate_ignore_merges`` exports a tokenizer whose ``ignore_merges`` words MNN's runtime
+    cannot reach (Llama-3) instead of refusing it; the measured difference is logged and recorded
+    in verify.json (llmexport/mnn/tokenizer_whole_words.py). manifest.json records it only when set.
     """
 
     export: ExportFormat = ExportFormat.MNN
@@ -75,6 +79,7 @@ class ExportOptions:
     chat_thinking: ChatThinking = ChatThinking.DEFAULT
     keep_failed: bool = False
     max_memory: float | None = None
+    approximate_ignore_merges: bool = False
 
     #: fields that change how the export talks or runs, never what it writes (left out of manifest.json)
     PRESENTATION = ("quiet", "keep_failed", "max_memory")
@@ -112,7 +117,10 @@ class ExportOptions:
         """The options that decide the exported bytes, as recorded in manifest.json."""
         from dataclasses import asdict
 
-        return {k: v for k, v in asdict(self).items() if k not in self.PRESENTATION}
+        fields = {k: v for k, v in asdict(self).items() if k not in self.PRESENTATION}
+        if not self.approximate_ignore_merges:  # manifests written before the flag existed stay the same
+            del fields["approximate_ignore_merges"]
+        return fields
 
     def with_plan(self, plan: QuantPlan) -> "ExportOptions":
         """These options with a recipe's or quant_config's default, rules and table width."""

@@ -34,7 +34,7 @@ def _load(path: Path, options: ExportOptions, target: OutputTarget) -> tuple[Che
     verification's needs."""
     checkpoint = Checkpoint.open(path)
     arch = open_architecture(checkpoint)
-    prepared = target.prepare(checkpoint, arch)
+    prepared = target.prepare(checkpoint, arch, options)
     if options.verify and arch.reference_is_remote_code and not options.trust_remote_code:
         raise UsageError(f"--verify: the {arch.describe().family} reference model is the checkpoint's own code "
                          f"({', '.join(sorted(p.name for p in path.glob('*.py'))) or 'auto_map'}); pass "
@@ -81,7 +81,8 @@ def _verify(out: Path, path: Path, options: ExportOptions) -> tuple[VerifyReport
 
     try:
         return verify_export(out, path, raise_on_failure=not options.keep_failed,
-                             trust_remote_code=options.trust_remote_code), None
+                             trust_remote_code=options.trust_remote_code,
+                             approximate_ignore_merges=options.approximate_ignore_merges), None
     except Exception as exc:
         if not isinstance(exc, _VERIFY_CANNOT_RUN) and ResourceError.out_of_memory(exc, "") is None:
             raise

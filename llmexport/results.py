@@ -281,18 +281,29 @@ class RunComparison(LogitStats):
 
 @dataclass(frozen=True)
 class TokenizerCheck:
-    """The runtime's tokenizer against HF's on the sample texts and the prompt."""
+    """The runtime's tokenizer against HF's on the sample texts and the prompt.
+
+    ``ignore_merges``: with ``--approximate_ignore_merges``, the accepted difference measured at
+    export (llmexport/mnn/tokenizer_whole_words.py) and ``approximated``: the samples on which the
+    runtime gives HF's ids without the whole-word lookup (not counted as mismatches)."""
 
     agree: bool
     cases: int
     mismatches: tuple[str, ...]
+    ignore_merges: Mapping[str, Any] | None = None
+    approximated: tuple[str, ...] = ()
 
     @classmethod
     def from_json(cls, data: Mapping[str, Any]) -> TokenizerCheck:
-        return cls(data["agree"], data["cases"], tuple(data["mismatches"]))
+        return cls(data["agree"], data["cases"], tuple(data["mismatches"]), data.get("ignore_merges_approximation"),
+                   tuple(data.get("approximated", ())))
 
     def to_json(self) -> dict[str, Any]:
-        return {"agree": self.agree, "cases": self.cases, "mismatches": list(self.mismatches)}
+        out: dict[str, Any] = {"agree": self.agree, "cases": self.cases, "mismatches": list(self.mismatches)}
+        if self.ignore_merges is not None:
+            out["ignore_merges_approximation"] = dict(self.ignore_merges)
+            out["approximated"] = list(self.approximated)
+        return out
 
 
 @dataclass(frozen=True)

@@ -91,7 +91,8 @@ def default_prompt(tokenizer, min_tokens: int) -> list[int]:
 
 
 def verify_export(export_dir: Path, model_path: Path, steps: int = 24, prompt_ids: list[int] | None = None,
-                  raise_on_failure: bool = False, trust_remote_code: bool = False) -> VerifyReport:
+                  raise_on_failure: bool = False, trust_remote_code: bool = False,
+                  approximate_ignore_merges: bool = False) -> VerifyReport:
     """Verification report of ``export_dir`` against the checkpoint at ``model_path`` (also
     written to ``export_dir/verify.json``).
 
@@ -103,13 +104,35 @@ def verify_export(export_dir: Path, model_path: Path, steps: int = 24, prompt_id
     streamed references (llmexport/streamed_reference.py), so memory stays at one block of the
     model whatever its size. ``trust_remote_code`` must be True for families whose reference
     model is the checkpoint's own modeling code (``Architecture.reference_is_remote_code``).
+    ``approximate_ignore_merges``: the export was made with that flag; its measured difference is
+    recorded and samples the runtime encodes as HF does without the whole-word lookup do not fail.
     """
     with mapped_blocks():
-        return _verify_export(export_dir, model_path, steps, prompt_ids, raise_on_failure, trust_remote_code)
+        return _verify_export(export_dir, model_path, steps, prompt_ids, raise_on_failure, trust_remote_code,
+                              approximate_ignore_merges)
+
+
+def _tokenizer_check(model_path: Path, tok_cases: dict[str, tuple[list[int], list[int]]],
+                     approximate_ignore_merges: bool) -> TokenizerCheck:
+    mismatches = tuple(t for t, (m, h) in tok_cases.items() if m != h)
+    if not approximate_ignore_merges:
+        return TokenizerCheck(not mismatches, len(tok_cases), mismatches)
+    from tokenizers import Tokenizer
+
+    from llmexport.mnn.tokenizer import convert_tokenizer
+
+    difference = convert_tokenizer(model_path, approximate_ignore_merges=True).ignore_merges_difference
+    tj = json.loads((model_path / "tokenizer.json").read_text(encoding="utf-8"))
+    tj["model"]["ignore_merges"] = False
+    merges_only = Tokenizer.from_str(json.dumps(tj))
+    approximated = tuple(t for t in mismatches
+                         if tok_cases[t][0] == merges_only.encode(t, add_special_tokens=False).ids)
+    left = tuple(t for t in mismatches if t not in approximated)
+    return TokenizerCheck(not left, len(tok_cases), left, difference.to_json() if difference else {}, approximated)
 
 
 def _verify_export(export_dir: Path, model_path: Path, steps: int, prompt_ids: list[int] | None,
-                   raise_on_failure: bool, trust_remote_code: bool) -> VerifyReport:
+                   raise_on_failure: bool, trust_remote_code: bool, approximate_ignore_merges: bool) -> VerifyReport:
     from transformers import AutoTokenizer
 
     arch = open_architecture(Checkpoint.open(model_path))
@@ -159,8 +182,7 @@ def _verify_export(export_dir: Path, model_path: Path, steps: int, prompt_ids: l
     chat.add_fp32(arch, fp32)
     towers = verify_towers(arch, export_dir, oracle, fp32, media=exact_refused is None)
     tok_cases = {t: (run.encoded[t], tokenizer(t, add_special_tokens=False)["input_ids"]) for t in texts}
-    mismatches = tuple(t for t, (m, h) in tok_cases.items() if m != h)
-    tokenizer_check = TokenizerCheck(not mismatches, len(tok_cases), mismatches)
+    tokenizer_check = _tokenizer_check(model_path, tok_cases, approximate_ignore_merges)
     shipped = RunComparison.of(compare_logits(run.forced_logits, ref_logits), greedy_ref, run.greedy_ids)
     exact = None
     if kernels is not None:

@@ -110,6 +110,8 @@ class RealVocab:
 
 def parse_cases(inp: str, out: str) -> list[tuple[str, list[int]]]:
     texts = inp.split(CASE_SEPARATOR)
+    if len(texts) > 1 and texts[-1] == "":  # most files end each text with the separator
+        texts.pop()
     lines = out.split("\n")
     if lines and lines[-1] == "":
         lines.pop()

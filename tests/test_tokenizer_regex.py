@@ -183,3 +183,18 @@ def test_composed_classes_add_up(tmp_path):
         assert set(probe.differences(sample)) == set(sample) & union
     finally:
         probe.mnn.close()
+
+
+@pytest.mark.parametrize("individual", [True, False])
+def test_digits_pre_tokenizer_is_written_as_a_number_split(tmp_path, individual):
+    """HF's Digits pre-tokenizer splits on every Unicode number (the runtime's own Digits: ASCII
+    digits only, and nothing without individual_digits); written as a ``\\p{N}`` Split it agrees."""
+    digits = {"type": "Digits", "individual_digits": individual}
+    pairs = [[a, b] for a in "0123456789ab" for b in "0123456789ab"]
+    probe = Probe(tmp_path, byte_spec([digits], pairs))
+    try:
+        texts = ["a12345b", "x 2024-05-06 y", "v1.2.3", "٣٤ and ²³ and Ⅻ", "12ab34", "1", "", "ab 99 cd"]
+        assert probe.differences(texts) == []
+        assert len(probe.hf_ids("12345")) == (5 if individual else 3)
+    finally:
+        probe.mnn.close()

@@ -20,6 +20,11 @@ How the runtime uses the header (3.6.1):
   text segment between media tags of a multimodal prompt;
 * special ids are split out of the text before the pipeline runs, first match in list order at
   each position (we list longer strings first so the longest special token wins, as in HF);
+  that split ignores ``lstrip``/``rstrip``, so tokens with those flags are left to the pipeline's
+  added-token step (``PipelineTokenizer::encode``: leftmost-longest match, then strips the
+  whitespace before (lstrip) or after (rstrip) the token, as HF does). Its whitespace is C's
+  ``isspace`` (ASCII); HF's is Unicode White_Space, so the non-ASCII White_Space characters are
+  reported as unsafe characters when such a token exists (``STRIP_DIFFERENCES``);
 * stop ids end generation.
 
 Which HF components are written and which are refused: tokenizer_pipeline.py (and
@@ -53,6 +58,7 @@ from llmexport.mnn.tokenizer_pipeline import (
     u8,
     u32,
 )
+from llmexport.mnn.tokenizer_whole_words import IgnoreMergesDifference
 
 __all__ = ["write_mnn_tokenizer", "mnn_tokenizer_bytes", "convert_tokenizer", "MnnTokenizerFile",
            "MNN_TOKENIZER_MAGIC", "MNN_TOKENIZER_PIPELINE"]
@@ -67,10 +73,11 @@ MNN_TOKENIZER_PIPELINE = 4
 class MnnTokenizerFile:
     """The file's bytes, its stop ids, and where the runtime's encode differs from HF's.
 
-    ``unsafe_chars``: text characters on which the runtime's regex split may differ from HF's
-    (tokenizer_regex.py); ``notes``: other inputs it encodes differently (e.g. text not in NFC);
-    ``pieces``: id -> the vocabulary row written, which the runtime's single-id decode (what
-    generation streams) starts from (tokenizer_stream.py).
+    ``unsafe_chars``: text characters on which the runtime's encode may differ from HF's (the
+    regex split's, tokenizer_regex.py, and ``STRIP_DIFFERENCES``); ``notes``: other inputs it
+    encodes differently (e.g. text not in NFC); ``pieces``: id -> the vocabulary row written,
+    which the runtime's single-id decode (what generation streams) starts from (tokenizer_stream.py);
+    ``ignore_merges_difference``: what ``approximate_ignore_merges`` accepted (tokenizer_whole_words.py).
     """
 
     data: bytes
@@ -78,6 +85,7 @@ class MnnTokenizerFile:
     unsafe_chars: frozenset[str] = field(default_factory=frozenset)
     notes: tuple[str, ...] = ()
     pieces: tuple[str, ...] = ()
+    ignore_merges_difference: IgnoreMergesDifference | None = None
 
 
 def _token_text(value) -> str:
@@ -112,11 +120,22 @@ def _check_added_token(tok: dict, normalize) -> None:
             raise Unsupported(f"added token {tok['content']!r} is normalized and the normalizer changes it")
 
 
+#: Unicode White_Space characters outside ASCII: HF's lstrip/rstrip strips them, the runtime's
+#: (C ``isspace``) does not.
+STRIP_DIFFERENCES = frozenset("\u0085\u00a0\u1680\u2000\u2001\u2002\u2003\u2004\u2005\u2006\u2007\u2008"
+                              "\u2009\u200a\u2028\u2029\u202f\u205f\u3000")
+
+
+def _strips(tok: dict) -> bool:
+    return bool(tok.get("lstrip") or tok.get("rstrip"))
+
+
 def _check_added_overlaps(specials: list[dict], added: list[dict]) -> None:
-    """The runtime splits special tokens out of the text before the other added tokens; HF
-    matches all of them in one leftmost-longest pass. Equal only if no special token can overlap
-    another added token in some text."""
-    others = [t["content"] for t in added if not t.get("special")]
+    """The runtime splits the header's special tokens out of the text before the other added
+    tokens; HF matches all of them in one leftmost-longest pass. Equal only if no header token
+    can overlap another added token in some text."""
+    header = {t["id"] for t in specials}
+    others = [t["content"] for t in added if t["id"] not in header]
     for special in (t["content"] for t in specials):
         for other in others:
             if other in special or special in other or any(
@@ -180,13 +199,14 @@ def mnn_tokenizer_bytes(hf_tokenizer_dir: Path, **options) -> bytes:
     return convert_tokenizer(hf_tokenizer_dir, **options).data
 
 
-def _encode_body(tj: dict, tj_path: Path, added: list[dict]) -> tuple[Body, list[dict]]:
+def _encode_body(tj: dict, tj_path: Path, added: list[dict],
+                 approximate_ignore_merges: bool = False) -> tuple[Body, list[dict]]:
     """The pipeline body and the special tokens the runtime's special list may hold."""
     try:
         byte_level_decoder = decoder_has_byte_level(tj.get("decoder"))
-        specials = [tok for tok in added if tok.get("special")
+        specials = [tok for tok in added if tok.get("special") and not _strips(tok)
                     and _runtime_decodes_verbatim(tok["content"], byte_level_decoder)]
-        body = encode_body(tj, keep_ids=frozenset(tok["id"] for tok in specials))
+        body = encode_body(tj, frozenset(tok["id"] for tok in specials), approximate_ignore_merges)
         normalize = _hf_normalizer(tj_path) if tj.get("normalizer") is not None else None
         for tok in added:
             _check_added_token(tok, normalize)
@@ -195,6 +215,8 @@ def _encode_body(tj: dict, tj_path: Path, added: list[dict]) -> tuple[Body, list
         raise ValueError(f"{tj_path}: unsupported {exc}") from None
     except (AttributeError, TypeError, KeyError) as exc:  # a node of the wrong JSON type
         raise ValueError(f"{tj_path}: malformed tokenizer ({type(exc).__name__}: {exc})") from None
+    if any(_strips(tok) for tok in added):
+        body.unsafe_chars |= STRIP_DIFFERENCES
     return body, specials
 
 
@@ -205,13 +227,16 @@ def convert_tokenizer(
     end_of_turn: Sequence[str] = (),
     stop_token_ids: Sequence[int] | None = None,
     bos_prefix: bool = False,
+    approximate_ignore_merges: bool = False,
 ) -> MnnTokenizerFile:
     """Convert `hf_tokenizer_dir/tokenizer.json` into MNN 3.6.1's pipeline tokenizer file.
 
     `chat_template` is stored in the file (an llm_config.json `jinja.chat_template` overrides it).
     Stop ids are the eos token, the ids in generation_config.json's `eos_token_id`, the family's
     `end_of_turn` tokens that the tokenizer has, and `stop_token_ids`. See the module docstring
-    for `bos_prefix`. Raises ValueError, naming the file, for tokenizer features the runtime
+    for `bos_prefix`. `approximate_ignore_merges` writes an `ignore_merges` vocabulary whose
+    whole-word-only words the runtime cannot reach, and measures the difference (logged, and
+    returned as `ignore_merges_difference`). Raises ValueError, naming the file, for tokenizer features the runtime
     cannot reproduce (for example a Unigram or WordPiece model); inputs on which the runtime is
     known to differ are returned (and logged).
     """
@@ -224,7 +249,7 @@ def convert_tokenizer(
     added = _check_added_tokens(tj.get("added_tokens", []), tj_path)
     if not isinstance(tj.get("model") or {}, dict):
         raise ValueError(f"{tj_path}: 'model' must be an object")
-    body, specials = _encode_body(tj, tj_path, added)
+    body, specials = _encode_body(tj, tj_path, added, approximate_ignore_merges)
 
     content_to_id = {tok["content"]: tok["id"] for tok in added}
     vocab = (tj.get("model") or {}).get("vocab", {})
@@ -269,7 +294,8 @@ def convert_tokenizer(
     trailer = u32(len(template)) + template + string(eos_text) + u8(flags) + string(bos_text)
 
     converted = MnnTokenizerFile(header + body.data + b"".join(added_block) + trailer, tuple(stop_ids),
-                                 frozenset(body.unsafe_chars), tuple(body.notes), tuple(body.pieces))
+                                 frozenset(body.unsafe_chars), tuple(body.notes), tuple(body.pieces),
+                                 body.ignore_merges_difference)
     for note in converted.notes:
         log.warning("tokenizer: %s", note)
     if converted.unsafe_chars:

@@ -7,6 +7,8 @@ all but some inputs (``Body.notes`` says which), for example NFC, which the runt
 
 What the runtime does (tokenizer.cpp, unicode.cpp) that decides the rules here:
 
+* Digits pre-tokenizer: only ASCII digits, and nothing at all without ``individual_digits``; HF
+  splits on every Unicode number, so it is written as the Split regex ``\\p{N}`` (``\\p{N}+``).
 * ByteLevel pre-tokenizer: optional GPT-2 regex, then every byte mapped to its GPT-2 character;
   it has no ``add_prefix_space``. Split: a regex (see tokenizer_regex.py), ``invert`` and the
   behaviors Isolated, Removed, MergedWithPrevious; MergedWithPrevious also merges a match into a
@@ -30,6 +32,7 @@ import struct
 from dataclasses import dataclass, field
 
 from llmexport.mnn.tokenizer_regex import UnsupportedRegex, check_split_regex, escape_literal
+from llmexport.mnn.tokenizer_whole_words import APPROXIMATE_FLAG, IgnoreMergesDifference, measure_ignore_merges
 
 __all__ = ["Body", "Unsupported", "encode_body", "unreachable_words", "byte_level_chars", "decoder_has_byte_level",
            "GPT2_PATTERN", "NFC_NOTE", "u8", "u32", "string"]
@@ -87,7 +90,8 @@ class Body:
     pieces: list[str] = field(default_factory=list)  # id -> the vocabulary row the file holds
     byte_level: bool = False  # ByteLevel pre-tokenizer: words are byte characters
     byte_level_decoder: bool = False  # the runtime decodes single ids through the byte map
-    unsafe_chars: set[str] = field(default_factory=set)  # text characters the regexes may split differently
+    unsafe_chars: set[str] = field(default_factory=set)  # text characters the runtime may encode differently
+    ignore_merges_difference: IgnoreMergesDifference | None = None
     notes: list[str] = field(default_factory=list)
 
 
@@ -171,6 +175,11 @@ def _pre_tokenizer(node: dict | None, body: Body, removed_literals: set[str]) ->
         return _split(node, body, not regex and pattern in removed_literals)
     if kind == "ByteLevel":
         return _byte_level(node, body)
+    if kind == "Digits":
+        # HF splits on char::is_numeric (Nd, Nl, No = \p{N}); the runtime's own Digits
+        # pre-tokenizer knows only ASCII digits, and with individual_digits=false splits nothing.
+        pattern = r"\p{N}" if node.get("individual_digits", False) else r"\p{N}+"
+        return _split({"pattern": {"Regex": pattern}, "behavior": "Isolated"}, body, False)
     if kind == "Sequence":
         children = node.get("pretokenizers", [])
         return u8(_PRE_SEQUENCE) + u32(len(children)) + b"".join(_pre_tokenizer(c, body, removed_literals)
@@ -372,11 +381,12 @@ def _has_byte_level(node: dict | None) -> bool:
     return node.get("type") == "ByteLevel"
 
 
-def encode_body(tj: dict, keep_ids: frozenset[int] = frozenset()) -> Body:
+def encode_body(tj: dict, keep_ids: frozenset[int] = frozenset(), approximate_ignore_merges: bool = False) -> Body:
     """Normalizer + pre-tokenizer + BPE model + decoder of ``tokenizer.json`` in MNN's codes.
 
     ``keep_ids``: added tokens whose vocabulary row must stay their content (see
-    ``_respell_added_rows``)."""
+    ``_respell_added_rows``); ``approximate_ignore_merges``: write a vocabulary with words only
+    HF's whole-word lookup reaches anyway and measure the difference (tokenizer_whole_words.py)."""
     body = Body()
     model = tj.get("model") or {}
     mtype = model.get("type") or ("BPE" if "merges" in model else None)
@@ -389,9 +399,13 @@ def encode_body(tj: dict, keep_ids: frozenset[int] = frozenset()) -> Body:
              _decoder(tj.get("decoder"), body)]
     if model.get("ignore_merges"):
         bad = unreachable_words(tj)
-        if bad:
+        if bad and approximate_ignore_merges:
+            body.ignore_merges_difference = measure_ignore_merges(tj, bad)
+            body.notes.append(body.ignore_merges_difference.summary())
+        elif bad:
             raise Unsupported(
                 f"BPE model with ignore_merges=true: {len(bad)} vocabulary word(s) such as {sorted(bad)[:3]} are "
-                "single tokens in HF but not reachable by merges, and MNN 3.6.1's BPE has no whole-word lookup")
+                "single tokens in HF but not reachable by merges, and MNN 3.6.1's BPE has no whole-word lookup "
+                f"({APPROXIMATE_FLAG} exports it anyway and records the difference)")
     body.data = b"".join(parts)
     return body

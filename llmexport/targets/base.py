@@ -73,7 +73,7 @@ class OutputTarget(abc.ABC):
     #: whether ``--verify`` runs this format's files (in MNN's runtime)
     verifiable: bool = False
 
-    def prepare(self, checkpoint: Checkpoint, arch: Architecture) -> Any:
+    def prepare(self, checkpoint: Checkpoint, arch: Architecture, options: ExportOptions) -> Any:
         """Check (and convert in memory) what this format needs from the input before any heavy
         stage; input errors only, never output errors. Returns what ``write`` gets as ``job.prepared``."""
         return None

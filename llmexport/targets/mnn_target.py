@@ -22,6 +22,7 @@ from llmexport.mnn import config as mnn_config
 from llmexport.mnn.embeddings import table_size
 from llmexport.mnn.weights import record_size
 from llmexport.models.base import Architecture
+from llmexport.options import ExportOptions
 from llmexport.progress import Progress
 from llmexport.quant.methods import quantizers
 from llmexport.quant.rtn import NonFiniteError
@@ -38,14 +39,15 @@ TRACE_SEQ_LEN = 3
 class MnnTarget(OutputTarget):
     verifiable = True
 
-    def prepare(self, checkpoint: Checkpoint, arch: Architecture) -> bytes:
+    def prepare(self, checkpoint: Checkpoint, arch: Architecture, options: ExportOptions) -> bytes:
         """The runtime's tokenizer file, converted in memory (unsupported tokenizers fail here)."""
         from llmexport.mnn.tokenizer import mnn_tokenizer_bytes
 
         checkpoint.tokenizer_file()
         checkpoint.check_tokenizer_side_files()
         try:
-            return mnn_tokenizer_bytes(checkpoint.path, end_of_turn=arch.end_of_turn_tokens())
+            return mnn_tokenizer_bytes(checkpoint.path, end_of_turn=arch.end_of_turn_tokens(),
+                                       approximate_ignore_merges=options.approximate_ignore_merges)
         except ValueError as exc:
             raise InputError(str(exc)) from None
 
