@@ -1,4 +1,4 @@
-"""Llama, Qwen3 and Qwen3-MoE: the rewrite (eager) vs transformers, ONNX (onnxruntime) vs the
+"""Llama, Qwen2, Qwen3, Qwen3-MoE and Mistral: the rewrite (eager) vs transformers, ONNX (onnxruntime) vs the
 rewrite, the MNN-flavoured trace, config reading and the checkpoint checks."""
 
 from __future__ import annotations
@@ -55,10 +55,14 @@ def test_rewrite_matches_hf(tiny_decoder, variant):
     # the inverse frequencies without Llama-3's scaling
     ("llama3", lambda g: g.inv_freq.copy_(1.0 / 500000.0 ** (torch.arange(0, 16, 2).float() / 16))),
     ("qwen3-moe", lambda g: g.layers[1].mlp.gate.weight.mul_(1.5)),
+    # sliding layers reading the full-attention slice; Qwen2's q bias
+    ("qwen2", lambda g: setattr(g, "sliding", (False, False, True, False))),
+    ("mistral", lambda g: setattr(g, "sliding", (True, True, False, True))),
+    ("qwen2", lambda g: g.layers[1].self_attn.q_proj.bias.mul_(3.0)),
 ])
 def test_parity_check_detects_a_change(tiny_decoder, variant, alter):
     """Guards against a vacuous comparison: a q/k norm gamma, the Llama-3 frequency rescaling and
-    the router each change the logits."""
+    the router, a sliding layer's window and a q/k/v bias each change the logits."""
     torch.manual_seed(1)
     ids = torch.randint(5, 440, (21,))
     arch, graph, ours, ref = _rewrite_and_reference(tiny_decoder(variant), ids)
@@ -82,7 +86,8 @@ def test_random_configs_match_hf(tmp_path, family, seed):
     assert (ours - ref).abs().max().item() < 1e-4, config
 
 
-@parametrize("onnx", "variant", ["llama3", "llama3-tied", "qwen3-tied", "qwen3-moe-mixed"], MODEL_TYPE.get)
+@parametrize("onnx", "variant", ["llama3", "llama3-tied", "qwen2", "mistral", "qwen3-tied", "qwen3-moe-mixed"],
+             MODEL_TYPE.get)
 def test_reference_onnx_matches_eager(tiny_decoder, tmp_path, variant):  # between them, every feature
     arch = open_architecture(Checkpoint.open(tiny_decoder(variant)))
     graph = bind_weights(arch.build_graph(), arch.linear_weight)
@@ -118,17 +123,34 @@ def test_roles_and_recipes(tiny_decoder):
     assert plan.scheme_for(specs["model.layers.0.self_attn.k_proj"]).bits == 8
 
 
+#: the tiny variants with sliding layers: their layers' slices in the "mix" mask
+SLIDING = {"qwen2": [False, False, True, True], "mistral": [True] * 4}
+STOPS = {"llama": ("<|eot_id|>", "<|eom_id|>"), "mistral": ()}
+
+
 @pytest.mark.parametrize("variant", sorted(VARIANTS))
 def test_runtime_files_describe_the_family(tiny_decoder, variant):
     arch = open_architecture(Checkpoint.open(tiny_decoder(variant)))
     config = arch.llm_config()
-    assert config["attention_type"] == "full" and config["layer_nums"] == 4 and "attn_scale" not in config
+    assert config["layer_nums"] == 4 and "attn_scale" not in config
+    if variant in SLIDING:
+        assert config["attention_type"] == "mix" and config["sliding_window"] == 6
+        assert [layer.sliding for layer in arch.args.layers] == SLIDING[variant]
+        assert arch.graph_inputs(5).args[1].shape == (2, 1, 1, 5, 5)
+    else:
+        assert config["attention_type"] == "full" and "sliding_window" not in config
     assert config["model_type"] == MODEL_TYPE[variant]
     assert "<|im_start|>" in config["jinja"]["chat_template"] if variant.startswith("qwen") else \
         "<|start_header_id|>" in config["jinja"]["chat_template"]
     assert arch.runtime_config() == {"precision": "normal"}
-    expected_stops = ("<|im_end|>",) if variant.startswith("qwen") else ("<|eot_id|>", "<|eom_id|>")
-    assert arch.end_of_turn_tokens() == expected_stops
+    assert arch.end_of_turn_tokens() == STOPS.get(MODEL_TYPE[variant], ("<|im_end|>",))
+
+
+def test_qwen2_biases_are_q_k_v_only(tiny_decoder):
+    arch = open_architecture(Checkpoint.open(tiny_decoder("qwen2-tied")))
+    biased = {spec.name.rsplit(".", 1)[-1] for spec in arch.linears() if arch.linear_source(spec.name).bias}
+    assert biased == {"q_proj", "k_proj", "v_proj"}
+    assert arch.args.sliding_window == 0 and arch.llm_config()["attention_type"] == "full"
 
 
 def test_transformers_4_config_keys_read_the_same(tiny_decoder, tmp_path):
@@ -159,6 +181,12 @@ def test_transformers_4_config_keys_read_the_same(tiny_decoder, tmp_path):
     ("llama3", dict(config={"hidden_size": "64"}), "LlamaConfig rejects it"),
     ("llama3", dict(config={"num_attention_heads": 0}), "LlamaConfig rejects it"),
     ("qwen3-moe", dict(config={"num_experts_per_tok": 9}), "exceeds the 8 experts"),
+    ("qwen2", dict(config={"layer_types": ["full_attention", "chunked_attention"] * 2}), "layer_type"),
+    ("qwen2", dict(config={"layer_types": ["sliding_attention"] * 3}), "layer_type"),
+    ("qwen2", dict(config={"sliding_window": 0}), "'sliding_window' must be an integer >= 1"),
+    ("mistral", dict(config={"sliding_window": -2}), "'sliding_window' must be an integer >= 1"),
+    ("qwen2-tied", dict(add={"model.layers.0.self_attn.o_proj.bias": torch.zeros(64)}), "not mapped by the Qwen2"),
+    ("qwen2-tied", dict(drop=["model.layers.3.self_attn.v_proj.bias"]), "v_proj.bias' missing"),
 ])
 def test_checkpoint_problems_are_input_errors(tiny_decoder, tmp_path, variant, edit, message):
     path = edit_checkpoint(tiny_decoder(variant), tmp_path / "bad", **edit)
@@ -172,14 +200,15 @@ _JUNK = st.one_of(st.none(), st.booleans(), st.integers(-3, 10**6), st.floats(al
 _KEYS = ["num_hidden_layers", "hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim",
          "intermediate_size", "vocab_size", "rms_norm_eps", "rope_parameters", "rope_theta", "rope_scaling",
          "tie_word_embeddings", "attention_bias", "mlp_bias", "hidden_act", "max_position_embeddings", "layer_types",
-         "use_sliding_window", "num_experts", "num_local_experts", "num_experts_per_tok", "moe_intermediate_size",
+         "use_sliding_window", "sliding_window", "max_window_layers", "num_experts", "num_local_experts",
+         "num_experts_per_tok", "moe_intermediate_size",
          "norm_topk_prob", "decoder_sparse_step", "mlp_only_layers"]
 
 
 @settings(max_examples=int(os.environ.get("FUZZ_EXAMPLES", 80)), deadline=None,
           derandomize=not os.environ.get("FUZZ_EXAMPLES"), suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(variant=st.sampled_from(["llama3", "qwen3", "qwen3-moe-mixed"]), key=st.sampled_from(_KEYS), value=_JUNK,
-       delete=st.booleans())
+@given(variant=st.sampled_from(["llama3", "qwen2", "mistral", "qwen3", "qwen3-moe-mixed"]),
+       key=st.sampled_from(_KEYS), value=_JUNK, delete=st.booleans())
 def test_mutated_config_gives_typed_errors(tiny_decoder, tmp_path_factory, variant, key, value, delete):
     """Whatever a config value is, a typed one-line error or a working architecture comes out."""
     path = shutil.copytree(tiny_decoder(variant), tmp_path_factory.mktemp("fuzz"), dirs_exist_ok=True)
