@@ -1,4 +1,4 @@
-"""Llama, Qwen2, Qwen3, Qwen3-MoE and Mistral: the rewrite (eager) vs transformers, ONNX (onnxruntime) vs the
+"""Llama, Qwen2, Qwen3, Qwen3-MoE, Mistral and SmolLM3: the rewrite (eager) vs transformers, ONNX (onnxruntime) vs the
 rewrite, the MNN-flavoured trace, config reading and the checkpoint checks."""
 
 from __future__ import annotations
@@ -59,10 +59,12 @@ def test_rewrite_matches_hf(tiny_decoder, variant):
     ("qwen2", lambda g: setattr(g, "sliding", (False, False, True, False))),
     ("mistral", lambda g: setattr(g, "sliding", (True, True, False, True))),
     ("qwen2", lambda g: g.layers[1].self_attn.q_proj.bias.mul_(3.0)),
+    # a NoPE layer rotating q/k
+    ("smollm3", lambda g: setattr(g.layers[1].self_attn, "rope", True)),
 ])
 def test_parity_check_detects_a_change(tiny_decoder, variant, alter):
     """Guards against a vacuous comparison: a q/k norm gamma, the Llama-3 frequency rescaling and
-    the router, a sliding layer's window and a q/k/v bias each change the logits."""
+    the router, a sliding layer's window, a q/k/v bias and a NoPE layer each change the logits."""
     torch.manual_seed(1)
     ids = torch.randint(5, 440, (21,))
     arch, graph, ours, ref = _rewrite_and_reference(tiny_decoder(variant), ids)
@@ -86,8 +88,8 @@ def test_random_configs_match_hf(tmp_path, family, seed):
     assert (ours - ref).abs().max().item() < 1e-4, config
 
 
-@parametrize("onnx", "variant", ["llama3", "llama3-tied", "qwen2", "mistral", "qwen3-tied", "qwen3-moe-mixed"],
-             MODEL_TYPE.get)
+@parametrize("onnx", "variant", ["llama3", "llama3-tied", "qwen2", "mistral", "qwen3-tied", "qwen3-moe-mixed",
+                                 "smollm3-sliding"], MODEL_TYPE.get)
 def test_reference_onnx_matches_eager(tiny_decoder, tmp_path, variant):  # between them, every feature
     arch = open_architecture(Checkpoint.open(tiny_decoder(variant)))
     graph = bind_weights(arch.build_graph(), arch.linear_weight)
@@ -124,7 +126,9 @@ def test_roles_and_recipes(tiny_decoder):
 
 
 #: the tiny variants with sliding layers: their layers' slices in the "mix" mask
-SLIDING = {"qwen2": [False, False, True, True], "mistral": [True] * 4}
+SLIDING = {"qwen2": [False, False, True, True], "mistral": [True] * 4, "smollm3-sliding": [True, False, True, False]}
+#: the tiny variants' layers without RoPE (SmolLM3)
+NO_ROPE = {"smollm3": [1, 3], "smollm3-sliding": [0, 2]}
 STOPS = {"llama": ("<|eot_id|>", "<|eom_id|>"), "mistral": ()}
 
 
@@ -140,8 +144,9 @@ def test_runtime_files_describe_the_family(tiny_decoder, variant):
     else:
         assert config["attention_type"] == "full" and "sliding_window" not in config
     assert config["model_type"] == MODEL_TYPE[variant]
-    assert "<|im_start|>" in config["jinja"]["chat_template"] if variant.startswith("qwen") else \
-        "<|start_header_id|>" in config["jinja"]["chat_template"]
+    assert [layer.index for layer in arch.args.layers if not layer.rope] == NO_ROPE.get(variant, [])
+    assert "<|im_start|>" in config["jinja"]["chat_template"] if FAMILIES[MODEL_TYPE[variant]].tokenizer == "qwen" \
+        else "<|start_header_id|>" in config["jinja"]["chat_template"]
     assert arch.runtime_config() == {"precision": "normal"}
     assert arch.end_of_turn_tokens() == STOPS.get(MODEL_TYPE[variant], ("<|im_end|>",))
 
@@ -187,6 +192,9 @@ def test_transformers_4_config_keys_read_the_same(tiny_decoder, tmp_path):
     ("mistral", dict(config={"sliding_window": -2}), "'sliding_window' must be an integer >= 1"),
     ("qwen2-tied", dict(add={"model.layers.0.self_attn.o_proj.bias": torch.zeros(64)}), "not mapped by the Qwen2"),
     ("qwen2-tied", dict(drop=["model.layers.3.self_attn.v_proj.bias"]), "v_proj.bias' missing"),
+    ("smollm3", dict(config={"no_rope_layers": [1, 0, 1]}), "no_rope_layers"),
+    ("smollm3", dict(config={"no_rope_layers": [1, 0, 2, 1]}), "no_rope_layers"),
+    ("smollm3", dict(config={"mlp_bias": True}), "mlp_bias"),
 ])
 def test_checkpoint_problems_are_input_errors(tiny_decoder, tmp_path, variant, edit, message):
     path = edit_checkpoint(tiny_decoder(variant), tmp_path / "bad", **edit)
@@ -202,12 +210,12 @@ _KEYS = ["num_hidden_layers", "hidden_size", "num_attention_heads", "num_key_val
          "tie_word_embeddings", "attention_bias", "mlp_bias", "hidden_act", "max_position_embeddings", "layer_types",
          "use_sliding_window", "sliding_window", "max_window_layers", "num_experts", "num_local_experts",
          "num_experts_per_tok", "moe_intermediate_size",
-         "norm_topk_prob", "decoder_sparse_step", "mlp_only_layers"]
+         "norm_topk_prob", "decoder_sparse_step", "mlp_only_layers", "no_rope_layers", "no_rope_layer_interval"]
 
 
 @settings(max_examples=int(os.environ.get("FUZZ_EXAMPLES", 80)), deadline=None,
           derandomize=not os.environ.get("FUZZ_EXAMPLES"), suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(variant=st.sampled_from(["llama3", "qwen2", "mistral", "qwen3", "qwen3-moe-mixed"]),
+@given(variant=st.sampled_from(["llama3", "qwen2", "mistral", "qwen3", "qwen3-moe-mixed", "smollm3-sliding"]),
        key=st.sampled_from(_KEYS), value=_JUNK, delete=st.booleans())
 def test_mutated_config_gives_typed_errors(tiny_decoder, tmp_path_factory, variant, key, value, delete):
     """Whatever a config value is, a typed one-line error or a working architecture comes out."""

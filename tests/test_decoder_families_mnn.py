@@ -20,7 +20,7 @@ from llmexport.quant.recipes import recipe
 from llmexport.quant.scheme import QuantScheme
 from llmexport.results import VerifyReport
 from llmexport.tiny.byte_level_tokenizer import STYLES
-from llmexport.tiny.decoders import VARIANTS, build_decoder_checkpoint, random_config
+from llmexport.tiny.decoders import FAMILIES, VARIANTS, build_decoder_checkpoint, random_config
 from llmexport.tiny.k2_horizon import build_tiny_k2_horizon
 from llmexport.verification import summary_line, verify_export
 
@@ -61,7 +61,7 @@ def test_fp16_export_agrees_with_fp32_reference(tiny_decoder, tmp_path, variant)
     assert report.oracle.top1_agreement == report.fp32.top1_agreement == 1.0
     assert report.oracle.max_abs_err < 0.005 and report.fp32.max_abs_err < 0.005
     assert len(set(report.oracle.greedy_ref)) > 3  # decoding is not stuck on one token
-    style = STYLES["qwen" if MODEL_TYPE[variant].startswith("qwen") else "llama3"]
+    style = STYLES[FAMILIES[MODEL_TYPE[variant]].tokenizer]
     assert _stop_ids(out) == list(dict.fromkeys(_token_id(path, t) for t in (style.eos, *style.generation_eos)))
     assert json.loads((out / "llm_config.json").read_text())["jinja"]["chat_template"] == style.chat_template
     subgraphs = {s["name"].rsplit("_", 1)[0] for s in mnn_to_json(out / "llm.mnn", tmp_path / "g.json")

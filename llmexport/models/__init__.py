@@ -23,6 +23,7 @@ FAMILIES: dict[str, str] = {
     "qwen2": "llmexport.models.qwen2:Qwen2",
     "qwen3": "llmexport.models.qwen3:Qwen3",
     "qwen3_moe": "llmexport.models.qwen3:Qwen3Moe",
+    "smollm3": "llmexport.models.smollm3:SmolLM3",
 }
 
 

@@ -37,6 +37,7 @@ class LayerSpec:
     index: int
     sparse: bool  # routed MoE FFN instead of the dense SwiGLU MLP
     sliding: bool = False  # attends to the last ``DecoderArgs.sliding_window`` keys (mask slice 1)
+    rope: bool = True  # rotates q and k (SmolLM3's NoPE layers do not)
 
 
 @dataclass(frozen=True)
@@ -150,6 +151,18 @@ def _sliding_layers(cfg: dict[str, Any], n: int, where: str, sliding: str) -> tu
     return flags, int_value(cfg, "sliding_window", where)
 
 
+def _rope_layers(cfg: dict[str, Any], n: int, where: str, no_rope: bool) -> tuple[bool, ...]:
+    """Which layers rotate q/k: all, or SmolLM3's ``no_rope_layers`` (1: RoPE, 0: NoPE; its config
+    class derives them from ``no_rope_layer_interval``)."""
+    if not no_rope:
+        return (True,) * n
+    flags = cfg.get("no_rope_layers")
+    if not isinstance(flags, list) or len(flags) != n or any(f not in (0, 1) or isinstance(f, float) for f in flags):
+        raise InputError(f"{where}: 'no_rope_layers' must list 1 (RoPE) or 0 (no RoPE) for each of the {n} layers "
+                         f"(got {flags!r})")
+    return tuple(bool(f) for f in flags)
+
+
 def attention_biases(cfg: dict[str, Any], where: str, fixed: tuple[str, ...] | None) -> frozenset[str]:
     """The projections with a bias: the family's ``fixed`` set (Qwen2: q, k, v), or all four
     with ``attention_bias`` (Llama, Qwen3)."""
@@ -160,11 +173,11 @@ def attention_biases(cfg: dict[str, Any], where: str, fixed: tuple[str, ...] | N
 
 def parse_decoder_args(cfg: dict[str, Any], where: str, *, qk_norm: bool, rope_types: tuple[str, ...],
                        max_count: int | None = None, sliding: str = NO_SLIDING,
-                       biases: tuple[str, ...] | None = None) -> DecoderArgs:
+                       biases: tuple[str, ...] | None = None, no_rope: bool = False) -> DecoderArgs:
     """Arguments from a resolved config (``resolve_config``); ``max_count`` bounds the layer and
     expert counts by the tensors present before anything is sized by them; ``sliding`` and
     ``biases``: the family's rule for sliding layers and its biased projections (None: by
-    ``attention_bias``)."""
+    ``attention_bias``); ``no_rope``: layers without RoPE listed in ``no_rope_layers``."""
     _check_unsupported(cfg, where, sliding)
     n = int_value(cfg, "num_hidden_layers", where, maximum=max_count)
     hidden, heads = int_value(cfg, "hidden_size", where), int_value(cfg, "num_attention_heads", where)
@@ -178,8 +191,8 @@ def parse_decoder_args(cfg: dict[str, Any], where: str, *, qk_norm: bool, rope_t
         raise InputError(f"{where}: head_dim {head_dim} must be even (RoPE rotates pairs)")
     num_experts = int_value(cfg, "num_local_experts", where, 0, minimum=0, maximum=max_count)
     slides, window = _sliding_layers(cfg, n, where, sliding)
-    layers = tuple(LayerSpec(layer.index, layer.sparse, slide)
-                   for layer, slide in zip(_layers(cfg, n, num_experts, where), slides))
+    layers = tuple(LayerSpec(layer.index, layer.sparse, slide, rope) for layer, slide, rope
+                   in zip(_layers(cfg, n, num_experts, where), slides, _rope_layers(cfg, n, where, no_rope)))
     moe = None
     if any(layer.sparse for layer in layers):
         moe = MoeSpec(num_experts, int_value(cfg, "num_experts_per_tok", where),

@@ -31,8 +31,10 @@ class Attention(nn.Module):
     K2-Horizon), MNN's Attention op. Subclasses replace ``init_values``/``values`` (K2-Horizon's MoVA)."""
 
     def __init__(self, names: NameTable, index: int, hidden: int, heads: int, kv_heads: int, head_dim: int,
-                 bias: Biases, qk_norms: tuple[nn.Module, nn.Module] | None = None, **value_options):
+                 bias: Biases, qk_norms: tuple[nn.Module, nn.Module] | None = None, rope: bool = True,
+                 **value_options):
         super().__init__()
+        self.rope = rope  # SmolLM3's NoPE layers attend without rotating q and k
         self.heads, self.kv_heads, self.head_dim = heads, kv_heads, head_dim
         self.q_proj = PlaceholderLinear(names.name("attn.q"), hidden, heads * head_dim, has_bias(bias, "attn.q"))
         self.k_proj = PlaceholderLinear(names.name("attn.k"), hidden, kv_heads * head_dim, has_bias(bias, "attn.k"))
@@ -56,7 +58,9 @@ class Attention(nn.Module):
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         d = self.head_dim
-        return self.o_proj(self.attn(rotate(q, cos, sin, d), rotate(k, cos, sin, d), v, mask))
+        if self.rope:
+            q, k = rotate(q, cos, sin, d), rotate(k, cos, sin, d)
+        return self.o_proj(self.attn(q, k, v, mask))
 
 
 class PreNormLayer(nn.Module):
@@ -139,7 +143,7 @@ def _layer(args: DecoderArgs, names: NameTable, layer: LayerSpec, lookup: Tensor
     norm = lambda key: Norm(const(lookup, p.name(key)), args.eps)  # noqa: E731
     qk = (norm("norm.q"), norm("norm.k")) if args.qk_norm else None
     attn = Attention(p, layer.index, args.hidden_size, args.num_heads, args.kv_heads, args.head_dim,
-                     args.biases, qk)
+                     args.biases, qk, rope=layer.rope)
     assert args.moe is not None or not layer.sparse, "a sparse layer without experts"
     mlp = SoftmaxMoe(p, layer.index, args.hidden_size, args.moe) if args.moe and layer.sparse else \
         SwiGlu(p.names(MLP), args.hidden_size, args.intermediate_size)

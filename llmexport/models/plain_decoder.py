@@ -1,11 +1,12 @@
-"""Plain HF decoders in the Llama layout: what Llama, Qwen2, Qwen3, Qwen3-MoE and Mistral have in common.
+"""Plain HF decoders in the Llama layout: what Llama, Qwen2, Qwen3, Qwen3-MoE, Mistral and SmolLM3 share.
 
 Tensors: the table ``decoder_names.LLAMA_LAYOUT`` (``lm_head.weight`` absent when tied, biases of
 the attention projections with ``attention_bias`` or the family's fixed set, the q/k norms
 [head_dim] with ``qk_norm``, routers and per-expert MLPs on sparse layers, as the hub saves them).
 A family file sets the transformers config class, whether q/k are normed, which projections
-carry biases, how its sliding layers are chosen, the RoPE types it accepts, its end-of-turn
-tokens and, if its names differ, its own table (docs/adding-a-family.md).
+carry biases, how its sliding layers are chosen, whether some layers skip RoPE, the RoPE types
+it accepts, its end-of-turn tokens and, if its names differ, its own table
+(docs/adding-a-family.md).
 """
 
 from __future__ import annotations
@@ -43,6 +44,8 @@ class PlainDecoder(DecoderFamily):
     attention_biases: tuple[str, ...] | None = None
     #: how the reference picks sliding layers (decoder_args: NO_SLIDING refuses sliding configs)
     sliding: str = NO_SLIDING
+    #: SmolLM3: layers without RoPE, listed in ``no_rope_layers``
+    no_rope: bool = False
     #: accepted ``rope_parameters.rope_type`` values
     rope_types: tuple[str, ...] = ("default",)
     #: tokens that close a chat turn (``Architecture.end_of_turn_tokens``)
@@ -56,7 +59,7 @@ class PlainDecoder(DecoderFamily):
         config = resolve_config(getattr(transformers, self.config_class), checkpoint.config, where)
         self.args: DecoderArgs = parse_decoder_args(config, where, qk_norm=self.qk_norm, rope_types=self.rope_types,
                                                     max_count=count_limit(checkpoint.weights), sliding=self.sliding,
-                                                    biases=self.attention_biases)
+                                                    biases=self.attention_biases, no_rope=self.no_rope)
         self._linears = self._collect_linears()
         self.check_weights()
 
@@ -111,6 +114,7 @@ class PlainDecoder(DecoderFamily):
         return ArchitectureSummary(
             self.family, self.checkpoint.model_type, a.num_layers, a.hidden_size, a.vocab_size, a.tie_embeddings,
             tuple(f"{layer.index}: {'sparse: MoE' if layer.sparse else 'dense'}{', sliding' if layer.sliding else ''}"
+                  f"{'' if layer.rope else ', no RoPE'}"
                   for layer in a.layers), details)
 
     # --- runtime files ----------------------------------------------------------------------

@@ -1,10 +1,10 @@
-"""Tiny random Llama, Qwen2, Qwen3, Qwen3-MoE and Mistral checkpoints, built with transformers' own classes.
+"""Tiny random Llama, Qwen2, Qwen3, Qwen3-MoE, Mistral and SmolLM3 checkpoints, built with transformers' own classes.
 
 Each holds what a real checkpoint does: ``config.json`` and ``model.safetensors`` as
 ``save_pretrained`` writes them (Qwen3-MoE experts one tensor per expert, the hub layout), the
 family's tokenizer style (llmexport.tiny.byte_level_tokenizer: Llama-3's for Llama and Mistral
 (a byte-level BPE, as Mistral-Nemo's tekken), Qwen's ByteLevel BPE with NFC and the ChatML
-template for Qwen2/Qwen3/Qwen3-MoE) and generation_config.json
+template for Qwen2/Qwen3/Qwen3-MoE and SmolLM3) and generation_config.json
 with the style's eos ids. bf16 weights (llmexport.tiny.weights), as these families ship.
 """
 
@@ -54,6 +54,10 @@ FAMILIES: dict[str, Family] = {
     "mistral": Family("MistralForCausalLM", "MistralConfig", "llama3",
                       dict(_COMMON, rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0},
                            sliding_window=TINY_WINDOW)),
+    # SmolLM3: a Llama-3 vocabulary with ChatML turns; the tiny one takes the Qwen (ChatML) style
+    "smollm3": Family("SmolLM3ForCausalLM", "SmolLM3Config", "qwen",
+                      dict(_COMMON, rope_parameters={"rope_type": "default", "rope_theta": 5_000_000.0},
+                           no_rope_layer_interval=2)),
     "qwen3_moe": Family("Qwen3MoeForCausalLM", "Qwen3MoeConfig", "qwen",
                         dict(_COMMON, **_MOE, rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0})),
 }
@@ -72,6 +76,11 @@ VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
     # every layer sliding (Mistral 7B v0.1's config)
     "mistral": ("mistral", {}),
     "qwen3": ("qwen3", {}),
+    # NoPE on layers 1 and 3 (no_rope_layer_interval 2), attention biases
+    "smollm3": ("smollm3", dict(attention_bias=True)),
+    # NoPE layers 0 and 2 listed, and sliding (use_sliding_window makes the NoPE layers slide)
+    "smollm3-sliding": ("smollm3", dict(no_rope_layers=[0, 1, 0, 1], use_sliding_window=True,
+                                        sliding_window=TINY_WINDOW, tie_word_embeddings=True)),
     # Qwen3-0.6B-style tied embeddings, with attention biases
     "qwen3-tied": ("qwen3", dict(tie_word_embeddings=True, attention_bias=True)),
     # every layer sparse, renormalised top-k (Qwen3-30B-A3B's settings)
@@ -106,6 +115,9 @@ def random_config(family: str, seed: int) -> dict[str, Any]:
                       max_window_layers=rng.randint(0, config["num_hidden_layers"]))
     if family == "mistral":
         config["sliding_window"] = rng.choice([None, 3, 6])
+    if family == "smollm3":
+        config.update(no_rope_layer_interval=rng.choice([2, 3, 4]), use_sliding_window=rng.random() < 0.5,
+                      sliding_window=rng.choice([3, 6]))
     if family == "qwen3_moe":
         experts = rng.choice([4, 6])
         config.update(num_experts=experts, num_experts_per_tok=rng.randint(1, 3), moe_intermediate_size=16,

@@ -45,4 +45,5 @@ TINY_BUILDERS: dict[str, Builder] = {
     "qwen2": _decoder("qwen2"),
     "qwen3": _decoder("qwen3"),
     "qwen3_moe": _decoder("qwen3-moe"),
+    "smollm3": _decoder("smollm3"),
 }
