@@ -15,6 +15,7 @@ from llmexport.models.plain_decoder import PlainDecoder
 
 class Mistral(PlainDecoder):
     family = "Mistral"
+    mlx_port = True
     config_class = "MistralConfig"
     attention_biases = ()
     sliding = EVERY_LAYER

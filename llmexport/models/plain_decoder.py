@@ -30,7 +30,7 @@ from llmexport.models.decoder_names import (
 )
 from llmexport.models.tensor_checks import Shapes, count_limit, finite_lookup
 from llmexport.models.tensor_names import LinearList
-from llmexport.spec import ArchitectureSummary, ExpertTemplate, LinearRole
+from llmexport.spec import ArchitectureSummary, ExpertTemplate, LinearRole, MlxLayout
 
 
 class PlainDecoder(DecoderFamily):
@@ -46,6 +46,9 @@ class PlainDecoder(DecoderFamily):
     sliding: str = NO_SLIDING
     #: SmolLM3: layers without RoPE, listed in ``no_rope_layers``
     no_rope: bool = False
+    #: mlx-lm ports the family under HF's own tensor names (mlx_lm/models/qwen2.py, smollm3.py;
+    #: mistral runs as llama.py): its MLX-quantized checkpoints are read as they are
+    mlx_port: bool = False
     #: accepted ``rope_parameters.rope_type`` values
     rope_types: tuple[str, ...] = ("default",)
     #: tokens that close a chat turn (``Architecture.end_of_turn_tokens``)
@@ -62,6 +65,10 @@ class PlainDecoder(DecoderFamily):
                                                     biases=self.attention_biases, no_rope=self.no_rope)
         self._linears = self._collect_linears()
         self.check_weights()
+
+    @classmethod
+    def mlx_layout(cls, config: dict[str, Any]) -> MlxLayout | None:
+        return MlxLayout() if cls.mlx_port else None
 
     # --- weights ----------------------------------------------------------------------------
     def _collect_linears(self) -> LinearList:

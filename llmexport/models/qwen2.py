@@ -15,6 +15,7 @@ from llmexport.models.plain_decoder import PlainDecoder
 
 class Qwen2(PlainDecoder):
     family = "Qwen2"
+    mlx_port = True
     config_class = "Qwen2Config"
     attention_biases = ("attn.q", "attn.k", "attn.v")
     sliding = BY_LAYER_TYPES

@@ -16,6 +16,7 @@ from llmexport.models.plain_decoder import PlainDecoder
 
 class SmolLM3(PlainDecoder):
     family = "SmolLM3"
+    mlx_port = True
     config_class = "SmolLM3Config"
     no_rope = True
     sliding = BY_LAYER_TYPES
