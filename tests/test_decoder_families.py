@@ -231,3 +231,47 @@ def test_mutated_config_gives_typed_errors(tiny_decoder, tmp_path_factory, varia
         arch.build_graph()
     except LlmExportError as exc:
         assert str(exc) and "\n" not in str(exc).strip()
+
+
+def _parse(family_class, config: dict):
+    import transformers
+
+    from llmexport.models.decoder_args import parse_decoder_args, resolve_config
+
+    cfg = resolve_config(getattr(transformers, family_class.config_class), config, "config.json")
+    return parse_decoder_args(cfg, "config.json", qk_norm=False, rope_types=("default",), sliding=family_class.sliding,
+                              biases=family_class.attention_biases, no_rope=family_class.no_rope)
+
+
+@settings(max_examples=60, deadline=None, derandomize=True)
+@given(n=st.integers(1, 8), use=st.booleans(), window=st.integers(1, 64), first=st.integers(0, 10))
+def test_qwen2_sliding_layers_follow_max_window_layers(n, use, window, first):
+    from llmexport.models.qwen2 import Qwen2
+
+    args = _parse(Qwen2, {**FAMILIES["qwen2"].base, "num_hidden_layers": n, "use_sliding_window": use,
+                          "sliding_window": window, "max_window_layers": first})
+    assert [layer.sliding for layer in args.layers] == [use and i >= first for i in range(n)]
+    assert args.sliding_window == (window if use and first < n else 0)
+    assert args.biases == {"attn.q", "attn.k", "attn.v"}
+
+
+@settings(max_examples=40, deadline=None, derandomize=True)
+@given(n=st.integers(1, 8), window=st.one_of(st.none(), st.integers(1, 64)))
+def test_mistral_slides_every_layer_with_a_window(n, window):
+    from llmexport.models.mistral import Mistral
+
+    args = _parse(Mistral, {**FAMILIES["mistral"].base, "num_hidden_layers": n, "sliding_window": window})
+    assert [layer.sliding for layer in args.layers] == [window is not None] * n
+    assert args.sliding_window == (window or 0) and args.biases == frozenset()
+
+
+@settings(max_examples=40, deadline=None, derandomize=True)
+@given(n=st.integers(1, 8), interval=st.integers(1, 5), use=st.booleans(), window=st.integers(1, 64))
+def test_smollm3_nope_layers_follow_the_interval(n, interval, use, window):
+    from llmexport.models.smollm3 import SmolLM3
+
+    args = _parse(SmolLM3, {**FAMILIES["smollm3"].base, "num_hidden_layers": n, "no_rope_layer_interval": interval,
+                            "use_sliding_window": use, "sliding_window": window})
+    rope = [(i + 1) % interval != 0 for i in range(n)]
+    assert [layer.rope for layer in args.layers] == rope
+    assert [layer.sliding for layer in args.layers] == [use and not r for r in rope]
