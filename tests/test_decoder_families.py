@@ -1,4 +1,4 @@
-"""Llama, Qwen3 and Qwen3-MoE: the rewrite (eager) vs transformers, ONNX (onnxruntime) vs the
+"""Llama, Qwen2, Qwen3, Qwen3-MoE, Mistral and SmolLM3: the rewrite (eager) vs transformers, ONNX (onnxruntime) vs the
 rewrite, the MNN-flavoured trace, config reading and the checkpoint checks."""
 
 from __future__ import annotations
@@ -55,10 +55,16 @@ def test_rewrite_matches_hf(tiny_decoder, variant):
     # the inverse frequencies without Llama-3's scaling
     ("llama3", lambda g: g.inv_freq.copy_(1.0 / 500000.0 ** (torch.arange(0, 16, 2).float() / 16))),
     ("qwen3-moe", lambda g: g.layers[1].mlp.gate.weight.mul_(1.5)),
+    # sliding layers reading the full-attention slice; Qwen2's q bias
+    ("qwen2", lambda g: setattr(g, "sliding", (False, False, True, False))),
+    ("mistral", lambda g: setattr(g, "sliding", (True, True, False, True))),
+    ("qwen2", lambda g: g.layers[1].self_attn.q_proj.bias.mul_(3.0)),
+    # a NoPE layer rotating q/k
+    ("smollm3", lambda g: setattr(g.layers[1].self_attn, "rope", True)),
 ])
 def test_parity_check_detects_a_change(tiny_decoder, variant, alter):
     """Guards against a vacuous comparison: a q/k norm gamma, the Llama-3 frequency rescaling and
-    the router each change the logits."""
+    the router, a sliding layer's window, a q/k/v bias and a NoPE layer each change the logits."""
     torch.manual_seed(1)
     ids = torch.randint(5, 440, (21,))
     arch, graph, ours, ref = _rewrite_and_reference(tiny_decoder(variant), ids)
@@ -82,7 +88,8 @@ def test_random_configs_match_hf(tmp_path, family, seed):
     assert (ours - ref).abs().max().item() < 1e-4, config
 
 
-@parametrize("onnx", "variant", ["llama3", "llama3-tied", "qwen3-tied", "qwen3-moe-mixed"], MODEL_TYPE.get)
+@parametrize("onnx", "variant", ["llama3", "llama3-tied", "qwen2", "mistral", "qwen3-tied", "qwen3-moe-mixed",
+                                 "smollm3-sliding"], MODEL_TYPE.get)
 def test_reference_onnx_matches_eager(tiny_decoder, tmp_path, variant):  # between them, every feature
     arch = open_architecture(Checkpoint.open(tiny_decoder(variant)))
     graph = bind_weights(arch.build_graph(), arch.linear_weight)
@@ -118,17 +125,37 @@ def test_roles_and_recipes(tiny_decoder):
     assert plan.scheme_for(specs["model.layers.0.self_attn.k_proj"]).bits == 8
 
 
+#: the tiny variants with sliding layers: their layers' slices in the "mix" mask
+SLIDING = {"qwen2": [False, False, True, True], "mistral": [True] * 4, "smollm3-sliding": [True, False, True, False]}
+#: the tiny variants' layers without RoPE (SmolLM3)
+NO_ROPE = {"smollm3": [1, 3], "smollm3-sliding": [0, 2]}
+STOPS = {"llama": ("<|eot_id|>", "<|eom_id|>"), "mistral": ()}
+
+
 @pytest.mark.parametrize("variant", sorted(VARIANTS))
 def test_runtime_files_describe_the_family(tiny_decoder, variant):
     arch = open_architecture(Checkpoint.open(tiny_decoder(variant)))
     config = arch.llm_config()
-    assert config["attention_type"] == "full" and config["layer_nums"] == 4 and "attn_scale" not in config
+    assert config["layer_nums"] == 4 and "attn_scale" not in config
+    if variant in SLIDING:
+        assert config["attention_type"] == "mix" and config["sliding_window"] == 6
+        assert [layer.sliding for layer in arch.args.layers] == SLIDING[variant]
+        assert arch.graph_inputs(5).args[1].shape == (2, 1, 1, 5, 5)
+    else:
+        assert config["attention_type"] == "full" and "sliding_window" not in config
     assert config["model_type"] == MODEL_TYPE[variant]
-    assert "<|im_start|>" in config["jinja"]["chat_template"] if variant.startswith("qwen") else \
-        "<|start_header_id|>" in config["jinja"]["chat_template"]
+    assert [layer.index for layer in arch.args.layers if not layer.rope] == NO_ROPE.get(variant, [])
+    assert "<|im_start|>" in config["jinja"]["chat_template"] if FAMILIES[MODEL_TYPE[variant]].tokenizer == "qwen" \
+        else "<|start_header_id|>" in config["jinja"]["chat_template"]
     assert arch.runtime_config() == {"precision": "normal"}
-    expected_stops = ("<|im_end|>",) if variant.startswith("qwen") else ("<|eot_id|>", "<|eom_id|>")
-    assert arch.end_of_turn_tokens() == expected_stops
+    assert arch.end_of_turn_tokens() == STOPS.get(MODEL_TYPE[variant], ("<|im_end|>",))
+
+
+def test_qwen2_biases_are_q_k_v_only(tiny_decoder):
+    arch = open_architecture(Checkpoint.open(tiny_decoder("qwen2-tied")))
+    biased = {spec.name.rsplit(".", 1)[-1] for spec in arch.linears() if arch.linear_source(spec.name).bias}
+    assert biased == {"q_proj", "k_proj", "v_proj"}
+    assert arch.args.sliding_window == 0 and arch.llm_config()["attention_type"] == "full"
 
 
 def test_transformers_4_config_keys_read_the_same(tiny_decoder, tmp_path):
@@ -159,6 +186,15 @@ def test_transformers_4_config_keys_read_the_same(tiny_decoder, tmp_path):
     ("llama3", dict(config={"hidden_size": "64"}), "LlamaConfig rejects it"),
     ("llama3", dict(config={"num_attention_heads": 0}), "LlamaConfig rejects it"),
     ("qwen3-moe", dict(config={"num_experts_per_tok": 9}), "exceeds the 8 experts"),
+    ("qwen2", dict(config={"layer_types": ["full_attention", "chunked_attention"] * 2}), "layer_type"),
+    ("qwen2", dict(config={"layer_types": ["sliding_attention"] * 3}), "layer_type"),
+    ("qwen2", dict(config={"sliding_window": 0}), "'sliding_window' must be an integer >= 1"),
+    ("mistral", dict(config={"sliding_window": -2}), "'sliding_window' must be an integer >= 1"),
+    ("qwen2-tied", dict(add={"model.layers.0.self_attn.o_proj.bias": torch.zeros(64)}), "not mapped by the Qwen2"),
+    ("qwen2-tied", dict(drop=["model.layers.3.self_attn.v_proj.bias"]), "v_proj.bias' missing"),
+    ("smollm3", dict(config={"no_rope_layers": [1, 0, 1]}), "no_rope_layers"),
+    ("smollm3", dict(config={"no_rope_layers": [1, 0, 2, 1]}), "no_rope_layers"),
+    ("smollm3", dict(config={"mlp_bias": True}), "mlp_bias"),
 ])
 def test_checkpoint_problems_are_input_errors(tiny_decoder, tmp_path, variant, edit, message):
     path = edit_checkpoint(tiny_decoder(variant), tmp_path / "bad", **edit)
@@ -172,14 +208,15 @@ _JUNK = st.one_of(st.none(), st.booleans(), st.integers(-3, 10**6), st.floats(al
 _KEYS = ["num_hidden_layers", "hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim",
          "intermediate_size", "vocab_size", "rms_norm_eps", "rope_parameters", "rope_theta", "rope_scaling",
          "tie_word_embeddings", "attention_bias", "mlp_bias", "hidden_act", "max_position_embeddings", "layer_types",
-         "use_sliding_window", "num_experts", "num_local_experts", "num_experts_per_tok", "moe_intermediate_size",
-         "norm_topk_prob", "decoder_sparse_step", "mlp_only_layers"]
+         "use_sliding_window", "sliding_window", "max_window_layers", "num_experts", "num_local_experts",
+         "num_experts_per_tok", "moe_intermediate_size",
+         "norm_topk_prob", "decoder_sparse_step", "mlp_only_layers", "no_rope_layers", "no_rope_layer_interval"]
 
 
 @settings(max_examples=int(os.environ.get("FUZZ_EXAMPLES", 80)), deadline=None,
           derandomize=not os.environ.get("FUZZ_EXAMPLES"), suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(variant=st.sampled_from(["llama3", "qwen3", "qwen3-moe-mixed"]), key=st.sampled_from(_KEYS), value=_JUNK,
-       delete=st.booleans())
+@given(variant=st.sampled_from(["llama3", "qwen2", "mistral", "qwen3", "qwen3-moe-mixed", "smollm3-sliding"]),
+       key=st.sampled_from(_KEYS), value=_JUNK, delete=st.booleans())
 def test_mutated_config_gives_typed_errors(tiny_decoder, tmp_path_factory, variant, key, value, delete):
     """Whatever a config value is, a typed one-line error or a working architecture comes out."""
     path = shutil.copytree(tiny_decoder(variant), tmp_path_factory.mktemp("fuzz"), dirs_exist_ok=True)
@@ -194,3 +231,47 @@ def test_mutated_config_gives_typed_errors(tiny_decoder, tmp_path_factory, varia
         arch.build_graph()
     except LlmExportError as exc:
         assert str(exc) and "\n" not in str(exc).strip()
+
+
+def _parse(family_class, config: dict):
+    import transformers
+
+    from llmexport.models.decoder_args import parse_decoder_args, resolve_config
+
+    cfg = resolve_config(getattr(transformers, family_class.config_class), config, "config.json")
+    return parse_decoder_args(cfg, "config.json", qk_norm=False, rope_types=("default",), sliding=family_class.sliding,
+                              biases=family_class.attention_biases, no_rope=family_class.no_rope)
+
+
+@settings(max_examples=60, deadline=None, derandomize=True)
+@given(n=st.integers(1, 8), use=st.booleans(), window=st.integers(1, 64), first=st.integers(0, 10))
+def test_qwen2_sliding_layers_follow_max_window_layers(n, use, window, first):
+    from llmexport.models.qwen2 import Qwen2
+
+    args = _parse(Qwen2, {**FAMILIES["qwen2"].base, "num_hidden_layers": n, "use_sliding_window": use,
+                          "sliding_window": window, "max_window_layers": first})
+    assert [layer.sliding for layer in args.layers] == [use and i >= first for i in range(n)]
+    assert args.sliding_window == (window if use and first < n else 0)
+    assert args.biases == {"attn.q", "attn.k", "attn.v"}
+
+
+@settings(max_examples=40, deadline=None, derandomize=True)
+@given(n=st.integers(1, 8), window=st.one_of(st.none(), st.integers(1, 64)))
+def test_mistral_slides_every_layer_with_a_window(n, window):
+    from llmexport.models.mistral import Mistral
+
+    args = _parse(Mistral, {**FAMILIES["mistral"].base, "num_hidden_layers": n, "sliding_window": window})
+    assert [layer.sliding for layer in args.layers] == [window is not None] * n
+    assert args.sliding_window == (window or 0) and args.biases == frozenset()
+
+
+@settings(max_examples=40, deadline=None, derandomize=True)
+@given(n=st.integers(1, 8), interval=st.integers(1, 5), use=st.booleans(), window=st.integers(1, 64))
+def test_smollm3_nope_layers_follow_the_interval(n, interval, use, window):
+    from llmexport.models.smollm3 import SmolLM3
+
+    args = _parse(SmolLM3, {**FAMILIES["smollm3"].base, "num_hidden_layers": n, "no_rope_layer_interval": interval,
+                            "use_sliding_window": use, "sliding_window": window})
+    rope = [(i + 1) % interval != 0 for i in range(n)]
+    assert [layer.rope for layer in args.layers] == rope
+    assert [layer.sliding for layer in args.layers] == [use and not r for r in rope]

@@ -20,7 +20,7 @@ from llmexport.quant.recipes import recipe
 from llmexport.quant.scheme import QuantScheme
 from llmexport.results import VerifyReport
 from llmexport.tiny.byte_level_tokenizer import STYLES
-from llmexport.tiny.decoders import VARIANTS, build_decoder_checkpoint, random_config
+from llmexport.tiny.decoders import FAMILIES, VARIANTS, build_decoder_checkpoint, random_config
 from llmexport.tiny.k2_horizon import build_tiny_k2_horizon
 from llmexport.verification import summary_line, verify_export
 
@@ -61,7 +61,7 @@ def test_fp16_export_agrees_with_fp32_reference(tiny_decoder, tmp_path, variant)
     assert report.oracle.top1_agreement == report.fp32.top1_agreement == 1.0
     assert report.oracle.max_abs_err < 0.005 and report.fp32.max_abs_err < 0.005
     assert len(set(report.oracle.greedy_ref)) > 3  # decoding is not stuck on one token
-    style = STYLES["qwen" if MODEL_TYPE[variant].startswith("qwen") else "llama3"]
+    style = STYLES[FAMILIES[MODEL_TYPE[variant]].tokenizer]
     assert _stop_ids(out) == list(dict.fromkeys(_token_id(path, t) for t in (style.eos, *style.generation_eos)))
     assert json.loads((out / "llm_config.json").read_text())["jinja"]["chat_template"] == style.chat_template
     subgraphs = {s["name"].rsplit("_", 1)[0] for s in mnn_to_json(out / "llm.mnn", tmp_path / "g.json")
@@ -90,7 +90,8 @@ def test_mlp4_attn8_recipe_export(tiny_decoder, tmp_path, variant):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("family, seed", [("llama", 305), ("qwen3_moe", 306)])
+@pytest.mark.parametrize("family, seed", [("llama", 305), ("qwen3_moe", 306), ("qwen2", 307), ("mistral", 310),
+                                          ("smollm3", 305)])
 def test_random_config_runs_in_mnn(tmp_path, family, seed):
     path = build_decoder_checkpoint(tmp_path / "model", family, random_config(family, seed), seed=seed)
     export(path, tmp_path / "out", ExportOptions(quant=QuantScheme(16, 64)))
@@ -98,14 +99,16 @@ def test_random_config_runs_in_mnn(tmp_path, family, seed):
 
 
 @pytest.mark.slow
-def test_cli_verify_on_qwen3(tiny_decoder, tmp_path):
+@pytest.mark.parametrize("variant", ["qwen3", "qwen2", "mistral", "smollm3-sliding"])
+def test_cli_verify(tiny_decoder, tmp_path, variant):
     dst = tmp_path / "out"
     proc = subprocess.run([sys.executable, "-c", "from llmexport.cli import main; main()", "--path",
-                           str(tiny_decoder("qwen3")), "--dst_path", str(dst), "--quant_bit", "8", "--verify"],
+                           str(tiny_decoder(variant)), "--dst_path", str(dst), "--quant_bit", "8", "--verify"],
                           capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "verify: PASS" in proc.stdout
-    assert "normalizer NFC" in proc.stderr  # the documented tokenizer difference is said, not hidden
+    if FAMILIES[MODEL_TYPE[variant]].tokenizer == "qwen":  # the documented difference is said, not hidden
+        assert "normalizer NFC" in proc.stderr
     assert json.loads((dst / "verify.json").read_text())["passed"]
 
 

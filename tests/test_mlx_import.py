@@ -185,6 +185,8 @@ def _k2_mlx_name(name: str) -> list[tuple[str, int | None]]:
 @pytest.fixture(scope="module")
 def mlx_checkpoints(tmp_path_factory):
     """name -> (MLX checkpoint folder, placeholder -> MLX modules)."""
+    from llmexport.tiny.decoders import VARIANTS as DECODER_VARIANTS
+    from llmexport.tiny.decoders import build_tiny_decoder
     from llmexport.tiny.k2_horizon import build_tiny_k2_horizon
 
     root = tmp_path_factory.mktemp("mlx")
@@ -192,11 +194,16 @@ def mlx_checkpoints(tmp_path_factory):
 
     def get(name: str):
         if name not in cache:
+            shape, _, recipe = name.partition(":")
             if name == "k2-sparse-mlp4-attn8":
                 hf = build_tiny_k2_horizon(root / "k2-hf", "sparse")
                 cache[name] = (_k2_mlx(hf, root / name), _k2_mlx_name)
+            elif shape in DECODER_VARIANTS:  # mlx-lm's own ports; HF names, lm_head or the tied embedding
+                hf = build_tiny_decoder(root / f"{shape}-hf", shape)
+                mlx_convert.convert(str(hf), str(root / shape), quantize=True, q_group_size=64, q_bits=4)
+                tied = json.loads((hf / "config.json").read_text())["tie_word_embeddings"]
+                cache[name] = (root / shape, _k2_mlx_name if tied else lambda module: [(module, None)])
             else:
-                shape, recipe = name.split(":")
                 hf = _gemma4_hf(root / f"{shape}-hf", shape)
                 kwargs = dict(q_bits=4) if recipe == "q4" else dict(quant_predicate=recipe)
                 mlx_convert.convert(str(hf), str(root / name.replace(":", "-")), quantize=True, q_group_size=64,
@@ -245,6 +252,9 @@ CASES = {
                       "model.language_model.layers.7.mlp.down_proj": "6-bit"},
     # MoE + MoVA experts stacked; routers left in bf16 by MLX (kept as fp16 records)
     "k2-sparse-mlp4-attn8": {},
+    # plain decoders at mlx-lm's default 4 bits: Qwen2 (q/k/v biases, sliding layers), Mistral
+    # (every layer sliding), SmolLM3 (NoPE and sliding layers, tied embedding)
+    "qwen2:q4": {}, "mistral:q4": {}, "smollm3-sliding:q4": {},
 }
 
 

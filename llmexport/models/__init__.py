@@ -19,8 +19,11 @@ FAMILIES: dict[str, str] = {
     "gemma4_text": "llmexport.models.gemma4:Gemma4",
     "k2_horizon": "llmexport.models.k2_horizon:K2Horizon",
     "llama": "llmexport.models.llama:Llama",
+    "mistral": "llmexport.models.mistral:Mistral",
+    "qwen2": "llmexport.models.qwen2:Qwen2",
     "qwen3": "llmexport.models.qwen3:Qwen3",
     "qwen3_moe": "llmexport.models.qwen3:Qwen3Moe",
+    "smollm3": "llmexport.models.smollm3:SmolLM3",
 }
 
 

@@ -94,6 +94,12 @@ class DecoderFamily(Architecture):
         """Tables read row by row (the token embedding, PLE)."""
         return {self.embedding_name: (self.args.vocab_size, self.args.hidden_size)}
 
+    @property
+    def sliding_window(self) -> int:
+        """Keys a sliding layer sees; 0 when every layer is full attention. Otherwise the runtime
+        runs "mix" attention: a [2, 1, 1, seq, kv] mask, slice 1 for the sliding layers."""
+        return 0
+
     def add_head(self, linears: LinearList) -> None:
         """The lm_head, which reads the token embedding when the embeddings are tied."""
         tied = LinearSource(self.embedding_name) if self.tied_embedding else None
@@ -139,23 +145,28 @@ class DecoderFamily(Architecture):
 
     # --- graph --------------------------------------------------------------------------------
     def graph_inputs(self, seq_len: int) -> GraphInputs:
-        """The runtime's inputs for one full-attention mask."""
-        args = (torch.randn(seq_len, 1, self.args.hidden_size), torch.zeros(1, 1, seq_len, seq_len),
+        """The runtime's inputs: one full-attention mask, or the "mix" pair with sliding layers."""
+        mask = torch.zeros((2, 1, 1, seq_len, seq_len) if self.sliding_window else (1, 1, seq_len, seq_len))
+        args = (torch.randn(seq_len, 1, self.args.hidden_size), mask,
                 torch.arange(seq_len, dtype=torch.int32).view(1, -1), torch.tensor([-1], dtype=torch.int32))
-        axes = {"input_ids": {0: "seq_len"}, "attention_mask": {2: "seq_len", 3: "kv_len"},
+        axes = {"input_ids": {0: "seq_len"}, "attention_mask": {mask.dim() - 2: "seq_len", mask.dim() - 1: "kv_len"},
                 "position_ids": {1: "seq_len"}}
         return GraphInputs(args, ["input_ids", "attention_mask", "position_ids", "logits_index"], axes,
                            ["logits", "hidden_states"])
 
     # --- runtime files ------------------------------------------------------------------------
     def full_attention_config(self, model_type: str) -> dict[str, Any]:
-        """llm_config.json of a full-attention decoder with the checkpoint's own chat template.
-        ``attn_scale`` is left to the runtime default 1/sqrt(head_dim), which is the family's
-        (the graph's Attention ops carry the same scale)."""
+        """llm_config.json of a decoder with the checkpoint's own chat template: full attention, or
+        "mix" with the window when layers slide (``sliding_window``). ``attn_scale`` is left to
+        the runtime default 1/sqrt(head_dim), which is the family's (the graph's Attention ops
+        carry the same scale)."""
         a = self.args
+        attention = "mix" if self.sliding_window else "full"
         config: dict[str, Any] = {"model_type": model_type, "hidden_size": a.hidden_size,
-                                  "layer_nums": a.num_layers, "attention_type": "full",
+                                  "layer_nums": a.num_layers, "attention_type": attention,
                                   "max_position_embeddings": a.max_position_embeddings}
+        if self.sliding_window:
+            config["sliding_window"] = self.sliding_window
         jinja = self.checkpoint_chat_template()
         if jinja:
             config["jinja"] = jinja

@@ -1,10 +1,17 @@
-"""Typed arguments of the plain decoder families (Llama, Qwen3, Qwen3-MoE) from config.json.
+"""Typed arguments of the plain decoder families (Llama, Qwen2, Qwen3, Qwen3-MoE, Mistral) from config.json.
 
 config.json first goes through the family's transformers config class, as the HF reference does
 (``from_dict``): the same defaults for absent keys, transformers 4 spellings (``rope_theta`` +
 ``rope_scaling``) turned into ``rope_parameters``, ``num_experts`` into ``num_local_experts``.
 Every value the export uses is then read with a type and range check, and features the graph
-does not implement (sliding windows, MLP biases, other RoPE types) are refused by key.
+does not implement (MLP biases, other RoPE types, sliding windows in a family whose reference
+has none) are refused by key.
+
+Sliding windows (``SlidingRule``): HF's sliding layers attend to the keys ``k > q - window``
+(masking_utils ``sliding_window_overlay``), which is the runtime's "mix" mask slice 1 (the
+verification's eager inputs build the same, llmexport/eager.py). Qwen2 marks its sliding layers
+in ``layer_types`` (Qwen2Config derives them from ``use_sliding_window`` and
+``max_window_layers``); Mistral's model slides every layer when ``sliding_window`` is set.
 """
 
 from __future__ import annotations
@@ -17,13 +24,20 @@ from llmexport.models.config_values import flag_value, float_value, int_value, s
 from llmexport.models.decoder import AttentionShape
 from llmexport.models.rope import Llama3Scaling, RopeSpec
 
-FULL_ATTENTION = "full_attention"
+FULL_ATTENTION, SLIDING_ATTENTION = "full_attention", "sliding_attention"
+#: the attention projections that may carry a bias (decoder_names.LLAMA_LAYOUT keys)
+ATTENTION_PROJECTIONS = ("attn.q", "attn.k", "attn.v", "attn.o")
+#: how a family's reference chooses sliding layers: none (sliding configs refused), by
+#: ``layer_types`` (Qwen2), every layer when ``sliding_window`` is set (Mistral)
+NO_SLIDING, BY_LAYER_TYPES, EVERY_LAYER = "none", "layer_types", "every_layer"
 
 
 @dataclass(frozen=True)
 class LayerSpec:
     index: int
     sparse: bool  # routed MoE FFN instead of the dense SwiGLU MLP
+    sliding: bool = False  # attends to the last ``DecoderArgs.sliding_window`` keys (mask slice 1)
+    rope: bool = True  # rotates q and k (SmolLM3's NoPE layers do not)
 
 
 @dataclass(frozen=True)
@@ -47,11 +61,12 @@ class DecoderArgs(AttentionShape):
     eps: float
     rope: RopeSpec
     qk_norm: bool  # per-head RMSNorm of q and k over head_dim, before RoPE (Qwen3)
-    attention_bias: bool  # q/k/v/o biases
+    biases: frozenset[str]  # the attention projections (ATTENTION_PROJECTIONS) with a bias
     tie_embeddings: bool
     max_position_embeddings: int
     layers: tuple[LayerSpec, ...]
     moe: MoeSpec | None
+    sliding_window: int = 0  # keys a sliding layer sees (0: every layer is full attention)
 
 
 def resolve_config(config_class: Any, raw: dict[str, Any], where: str) -> dict[str, Any]:
@@ -105,10 +120,12 @@ def _layers(cfg: dict[str, Any], n: int, num_experts: int, where: str) -> tuple[
     return tuple(LayerSpec(i, i not in set(mlp_only) and (i + 1) % step == 0) for i in range(n))
 
 
-def _check_unsupported(cfg: dict[str, Any], where: str) -> None:
+def _check_unsupported(cfg: dict[str, Any], where: str, sliding: str) -> None:
     str_value(cfg, "hidden_act", where, "silu", ("silu",))
     if flag_value(cfg, "mlp_bias", where, False):
         raise InputError(f"{where}: 'mlp_bias' true is not supported")
+    if sliding != NO_SLIDING:
+        return
     if flag_value(cfg, "use_sliding_window", where, False):
         raise InputError(f"{where}: 'use_sliding_window' true is not supported (full attention only)")
     types = cfg.get("layer_types")
@@ -116,11 +133,52 @@ def _check_unsupported(cfg: dict[str, Any], where: str) -> None:
         raise InputError(f"{where}: 'layer_types' must all be {FULL_ATTENTION!r} (got {types!r})")
 
 
+def _sliding_layers(cfg: dict[str, Any], n: int, where: str, sliding: str) -> tuple[tuple[bool, ...], int]:
+    """Which of the ``n`` layers slide (``sliding``: the family's rule) and the window (0: none)."""
+    window = cfg.get("sliding_window")
+    if sliding == NO_SLIDING:
+        return (False,) * n, 0
+    if sliding == EVERY_LAYER:
+        flags = (window is not None,) * n
+    else:
+        types = cfg.get("layer_types")
+        if not isinstance(types, list) or len(types) != n or set(types) - {FULL_ATTENTION, SLIDING_ATTENTION}:
+            raise InputError(f"{where}: 'layer_types' must list {FULL_ATTENTION!r} or {SLIDING_ATTENTION!r} "
+                             f"for each of the {n} layers (got {types!r})")
+        flags = tuple(kind == SLIDING_ATTENTION for kind in types)
+    if not any(flags):
+        return flags, 0
+    return flags, int_value(cfg, "sliding_window", where)
+
+
+def _rope_layers(cfg: dict[str, Any], n: int, where: str, no_rope: bool) -> tuple[bool, ...]:
+    """Which layers rotate q/k: all, or SmolLM3's ``no_rope_layers`` (1: RoPE, 0: NoPE; its config
+    class derives them from ``no_rope_layer_interval``)."""
+    if not no_rope:
+        return (True,) * n
+    flags = cfg.get("no_rope_layers")
+    if not isinstance(flags, list) or len(flags) != n or any(f not in (0, 1) or isinstance(f, float) for f in flags):
+        raise InputError(f"{where}: 'no_rope_layers' must list 1 (RoPE) or 0 (no RoPE) for each of the {n} layers "
+                         f"(got {flags!r})")
+    return tuple(bool(f) for f in flags)
+
+
+def attention_biases(cfg: dict[str, Any], where: str, fixed: tuple[str, ...] | None) -> frozenset[str]:
+    """The projections with a bias: the family's ``fixed`` set (Qwen2: q, k, v), or all four
+    with ``attention_bias`` (Llama, Qwen3)."""
+    if fixed is not None:
+        return frozenset(fixed)
+    return frozenset(ATTENTION_PROJECTIONS if flag_value(cfg, "attention_bias", where, False) else ())
+
+
 def parse_decoder_args(cfg: dict[str, Any], where: str, *, qk_norm: bool, rope_types: tuple[str, ...],
-                       max_count: int | None = None) -> DecoderArgs:
+                       max_count: int | None = None, sliding: str = NO_SLIDING,
+                       biases: tuple[str, ...] | None = None, no_rope: bool = False) -> DecoderArgs:
     """Arguments from a resolved config (``resolve_config``); ``max_count`` bounds the layer and
-    expert counts by the tensors present before anything is sized by them."""
-    _check_unsupported(cfg, where)
+    expert counts by the tensors present before anything is sized by them; ``sliding`` and
+    ``biases``: the family's rule for sliding layers and its biased projections (None: by
+    ``attention_bias``); ``no_rope``: layers without RoPE listed in ``no_rope_layers``."""
+    _check_unsupported(cfg, where, sliding)
     n = int_value(cfg, "num_hidden_layers", where, maximum=max_count)
     hidden, heads = int_value(cfg, "hidden_size", where), int_value(cfg, "num_attention_heads", where)
     kv_heads = int_value(cfg, "num_key_value_heads", where, heads)
@@ -132,7 +190,9 @@ def parse_decoder_args(cfg: dict[str, Any], where: str, *, qk_norm: bool, rope_t
     if head_dim % 2:
         raise InputError(f"{where}: head_dim {head_dim} must be even (RoPE rotates pairs)")
     num_experts = int_value(cfg, "num_local_experts", where, 0, minimum=0, maximum=max_count)
-    layers = _layers(cfg, n, num_experts, where)
+    slides, window = _sliding_layers(cfg, n, where, sliding)
+    layers = tuple(LayerSpec(layer.index, layer.sparse, slide, rope) for layer, slide, rope
+                   in zip(_layers(cfg, n, num_experts, where), slides, _rope_layers(cfg, n, where, no_rope)))
     moe = None
     if any(layer.sparse for layer in layers):
         moe = MoeSpec(num_experts, int_value(cfg, "num_experts_per_tok", where),
@@ -146,7 +206,8 @@ def parse_decoder_args(cfg: dict[str, Any], where: str, *, qk_norm: bool, rope_t
         num_heads=heads, kv_heads=kv_heads, head_dim=head_dim,
         eps=float_value(cfg, "rms_norm_eps", where, None, high=1.0) or _missing(where, "rms_norm_eps"),
         rope=_rope(cfg, head_dim, where, rope_types), qk_norm=qk_norm,
-        attention_bias=flag_value(cfg, "attention_bias", where, False),
+        biases=attention_biases(cfg, where, biases),
         tie_embeddings=flag_value(cfg, "tie_word_embeddings", where, False),
         max_position_embeddings=int_value(cfg, "max_position_embeddings", where), layers=layers, moe=moe,
+        sliding_window=window,
     )

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from llmexport.models.decoder_args import DecoderArgs, LayerSpec, MoeSpec
-from llmexport.models.decoder_names import EXPERT_MLP, MLP
+from llmexport.models.decoder_names import EXPERT_MLP, MLP, Biases, has_bias
 from llmexport.models.graph_parts import Norm, TensorLookup, const
 from llmexport.models.rope import rope_cos_sin, rotate
 from llmexport.models.tensor_names import NameTable
@@ -31,13 +31,15 @@ class Attention(nn.Module):
     K2-Horizon), MNN's Attention op. Subclasses replace ``init_values``/``values`` (K2-Horizon's MoVA)."""
 
     def __init__(self, names: NameTable, index: int, hidden: int, heads: int, kv_heads: int, head_dim: int,
-                 bias: bool, qk_norms: tuple[nn.Module, nn.Module] | None = None, **value_options):
+                 bias: Biases, qk_norms: tuple[nn.Module, nn.Module] | None = None, rope: bool = True,
+                 **value_options):
         super().__init__()
+        self.rope = rope  # SmolLM3's NoPE layers attend without rotating q and k
         self.heads, self.kv_heads, self.head_dim = heads, kv_heads, head_dim
-        self.q_proj = PlaceholderLinear(names.name("attn.q"), hidden, heads * head_dim, bias)
-        self.k_proj = PlaceholderLinear(names.name("attn.k"), hidden, kv_heads * head_dim, bias)
-        self.o_proj = PlaceholderLinear(names.name("attn.o"), heads * head_dim, hidden, bias)
-        self.init_values(names, hidden, kv_heads * head_dim, bias, **value_options)
+        self.q_proj = PlaceholderLinear(names.name("attn.q"), hidden, heads * head_dim, has_bias(bias, "attn.q"))
+        self.k_proj = PlaceholderLinear(names.name("attn.k"), hidden, kv_heads * head_dim, has_bias(bias, "attn.k"))
+        self.o_proj = PlaceholderLinear(names.name("attn.o"), heads * head_dim, hidden, has_bias(bias, "attn.o"))
+        self.init_values(names, hidden, kv_heads * head_dim, has_bias(bias, "attn.v"), **value_options)
         self.qk_norm = qk_norms is not None
         if qk_norms is not None:
             self.q_norm, self.k_norm = qk_norms
@@ -56,7 +58,9 @@ class Attention(nn.Module):
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         d = self.head_dim
-        return self.o_proj(self.attn(rotate(q, cos, sin, d), rotate(k, cos, sin, d), v, mask))
+        if self.rope:
+            q, k = rotate(q, cos, sin, d), rotate(k, cos, sin, d)
+        return self.o_proj(self.attn(q, k, v, mask))
 
 
 class PreNormLayer(nn.Module):
@@ -76,14 +80,17 @@ class PreNormLayer(nn.Module):
 class DecoderStack(nn.Module):
     """Inputs (runtime layout): input_ids = embeddings [seq, 1, hidden], attention_mask
     [1, 1, seq, kv] float, position_ids int32 [1, seq], logits_index int32 [1].
-    Outputs: logits [1, n, vocab], hidden_states [1, n, hidden] (final-normed, sliced)."""
+    Outputs: logits [1, n, vocab], hidden_states [1, n, hidden] (final-normed, sliced).
+    With ``sliding`` (one flag per layer) the mask is the runtime's "mix" pair [2, 1, 1, seq, kv]:
+    full layers read slice 0, sliding layers slice 1."""
 
     inv_freq: torch.Tensor
 
     def __init__(self, layers: Sequence[nn.Module], norm: nn.Module, head: str, hidden: int, vocab: int,
-                 inv_freq: torch.Tensor):
+                 inv_freq: torch.Tensor, sliding: Sequence[bool] | None = None):
         super().__init__()
         self.hidden = hidden
+        self.sliding = tuple(sliding) if sliding is not None and any(sliding) else None
         self.layers = nn.ModuleList(layers)
         self.norm = norm
         self.lm_head = PlaceholderLinear(head, hidden, vocab)
@@ -92,8 +99,10 @@ class DecoderStack(nn.Module):
     def forward(self, input_ids, attention_mask, position_ids, logits_index):
         x = input_ids.view(1, -1, self.hidden)
         cos, sin = rope_cos_sin(position_ids, self.inv_freq)  # [1, seq, 1, head_dim]
-        for layer in self.layers:
-            x = layer(x, cos, sin, attention_mask)
+        # unbind (one Split op) rather than indexing each layer's slice
+        masks = attention_mask.unbind(0) if self.sliding else None
+        for i, layer in enumerate(self.layers):
+            x = layer(x, cos, sin, masks[int(self.sliding[i])] if masks and self.sliding else attention_mask)
         x = x[:, logits_index.to(torch.int64):, :]
         hidden = self.norm(x)
         return self.lm_head(hidden), hidden
@@ -134,7 +143,7 @@ def _layer(args: DecoderArgs, names: NameTable, layer: LayerSpec, lookup: Tensor
     norm = lambda key: Norm(const(lookup, p.name(key)), args.eps)  # noqa: E731
     qk = (norm("norm.q"), norm("norm.k")) if args.qk_norm else None
     attn = Attention(p, layer.index, args.hidden_size, args.num_heads, args.kv_heads, args.head_dim,
-                     args.attention_bias, qk)
+                     args.biases, qk, rope=layer.rope)
     assert args.moe is not None or not layer.sparse, "a sparse layer without experts"
     mlp = SoftmaxMoe(p, layer.index, args.hidden_size, args.moe) if args.moe and layer.sparse else \
         SwiGlu(p.names(MLP), args.hidden_size, args.intermediate_size)
@@ -148,4 +157,5 @@ class DenseDecoderGraph(DecoderStack):
     def __init__(self, args: DecoderArgs, names: NameTable, lookup: TensorLookup):
         layers = [_layer(args, names, layer, lookup) for layer in args.layers]
         super().__init__(layers, Norm(const(lookup, names.name("norm.final")), args.eps), names.name("lm_head"),
-                         args.hidden_size, args.vocab_size, args.rope.inv_freq())
+                         args.hidden_size, args.vocab_size, args.rope.inv_freq(),
+                         [layer.sliding for layer in args.layers])

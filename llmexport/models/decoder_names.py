@@ -9,7 +9,7 @@ module path (tensors ``{path}.weight``, ``{path}.bias``), norms by their gamma
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import AbstractSet, Callable, Union
 
 from llmexport.models.tensor_checks import Shapes
 from llmexport.models.tensor_names import LinearList, NameTable
@@ -46,16 +46,24 @@ LLAMA_LAYOUT = NameTable({
 })
 
 
-def add_attention(linears: LinearList, layer: int, hidden: int, q_width: int, kv_width: int, bias: bool,
+#: which attention projections carry a bias: all or none, or the set of their keys (Qwen2: q, k, v)
+Biases = Union[bool, AbstractSet[str]]
+
+
+def has_bias(bias: Biases, key: str) -> bool:
+    return bias if isinstance(bias, bool) else key in bias
+
+
+def add_attention(linears: LinearList, layer: int, hidden: int, q_width: int, kv_width: int, bias: Biases,
                   values: Callable[[], None] | None = None) -> None:
     """``attn.q``, ``attn.k``, the value projection(s) (``attn.v``, or what ``values`` adds), ``attn.o``."""
-    linears.add("attn.q", hidden, q_width, LinearRole.ATTENTION, bias, layer=layer)
-    linears.add("attn.k", hidden, kv_width, LinearRole.ATTENTION, bias, layer=layer)
+    linears.add("attn.q", hidden, q_width, LinearRole.ATTENTION, has_bias(bias, "attn.q"), layer=layer)
+    linears.add("attn.k", hidden, kv_width, LinearRole.ATTENTION, has_bias(bias, "attn.k"), layer=layer)
     if values is None:
-        linears.add("attn.v", hidden, kv_width, LinearRole.ATTENTION, bias, layer=layer)
+        linears.add("attn.v", hidden, kv_width, LinearRole.ATTENTION, has_bias(bias, "attn.v"), layer=layer)
     else:
         values()
-    linears.add("attn.o", q_width, hidden, LinearRole.ATTENTION, bias, layer=layer)
+    linears.add("attn.o", q_width, hidden, LinearRole.ATTENTION, has_bias(bias, "attn.o"), layer=layer)
 
 
 def add_mlp(linears: LinearList, keys: tuple[str, str, str], hidden: int, width: int, role: LinearRole,

@@ -1,9 +1,10 @@
-"""Tiny random Llama, Qwen3 and Qwen3-MoE checkpoints, built with transformers' own classes.
+"""Tiny random Llama, Qwen2, Qwen3, Qwen3-MoE, Mistral and SmolLM3 checkpoints, built with transformers' own classes.
 
 Each holds what a real checkpoint does: ``config.json`` and ``model.safetensors`` as
 ``save_pretrained`` writes them (Qwen3-MoE experts one tensor per expert, the hub layout), the
-family's tokenizer style (llmexport.tiny.byte_level_tokenizer: Llama-3's for Llama, Qwen's
-ByteLevel BPE with NFC and the ChatML template for Qwen3/Qwen3-MoE) and generation_config.json
+family's tokenizer style (llmexport.tiny.byte_level_tokenizer: Llama-3's for Llama and Mistral
+(a byte-level BPE, as Mistral-Nemo's tekken), Qwen's ByteLevel BPE with NFC and the ChatML
+template for Qwen2/Qwen3/Qwen3-MoE and SmolLM3) and generation_config.json
 with the style's eos ids. bf16 weights (llmexport.tiny.weights), as these families ship.
 """
 
@@ -22,6 +23,9 @@ from llmexport.tiny.weights import randomize
 TINY_VOCAB = 512
 # Llama 3.1's RoPE: theta 5e5, frequencies rescaled beyond an 8192-token original context (all three
 # bands of the rescaling occur at head_dim 16).
+#: a window shorter than the parity prompts (21 and 13 tokens) and the verification's prompt, so a
+#: wrong sliding mask shows
+TINY_WINDOW = 6
 LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
                "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
 
@@ -45,6 +49,15 @@ FAMILIES: dict[str, Family] = {
                     dict(_COMMON, rope_parameters=dict(LLAMA3_ROPE), max_position_embeddings=131072)),
     "qwen3": Family("Qwen3ForCausalLM", "Qwen3Config", "qwen",
                     dict(_COMMON, rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0})),
+    "qwen2": Family("Qwen2ForCausalLM", "Qwen2Config", "qwen",
+                    dict(_COMMON, rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0})),
+    "mistral": Family("MistralForCausalLM", "MistralConfig", "llama3",
+                      dict(_COMMON, rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0},
+                           sliding_window=TINY_WINDOW)),
+    # SmolLM3: a Llama-3 vocabulary with ChatML turns; the tiny one takes the Qwen (ChatML) style
+    "smollm3": Family("SmolLM3ForCausalLM", "SmolLM3Config", "qwen",
+                      dict(_COMMON, rope_parameters={"rope_type": "default", "rope_theta": 5_000_000.0},
+                           no_rope_layer_interval=2)),
     "qwen3_moe": Family("Qwen3MoeForCausalLM", "Qwen3MoeConfig", "qwen",
                         dict(_COMMON, **_MOE, rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0})),
 }
@@ -56,7 +69,18 @@ VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
     # Llama 3.2-style small model: tied embeddings; plus q/k/v/o biases and default RoPE
     "llama3-tied": ("llama", dict(tie_word_embeddings=True, attention_bias=True,
                                   rope_parameters={"rope_type": "default", "rope_theta": 500000.0})),
+    # Qwen2 with sliding layers 2-3 (use_sliding_window, max_window_layers); q/k/v biases always
+    "qwen2": ("qwen2", dict(use_sliding_window=True, sliding_window=TINY_WINDOW, max_window_layers=2)),
+    # Qwen2.5-0.5B-style: tied embeddings, full attention
+    "qwen2-tied": ("qwen2", dict(tie_word_embeddings=True)),
+    # every layer sliding (Mistral 7B v0.1's config)
+    "mistral": ("mistral", {}),
     "qwen3": ("qwen3", {}),
+    # NoPE on layers 1 and 3 (no_rope_layer_interval 2), attention biases
+    "smollm3": ("smollm3", dict(attention_bias=True)),
+    # NoPE layers 0 and 2 listed, and sliding (use_sliding_window makes the NoPE layers slide)
+    "smollm3-sliding": ("smollm3", dict(no_rope_layers=[0, 1, 0, 1], use_sliding_window=True,
+                                        sliding_window=TINY_WINDOW, tie_word_embeddings=True)),
     # Qwen3-0.6B-style tied embeddings, with attention biases
     "qwen3-tied": ("qwen3", dict(tie_word_embeddings=True, attention_bias=True)),
     # every layer sparse, renormalised top-k (Qwen3-30B-A3B's settings)
@@ -86,6 +110,14 @@ def random_config(family: str, seed: int) -> dict[str, Any]:
         rms_norm_eps=rng.choice([1e-6, 1e-5]))}
     if family == "llama" and rng.random() < 0.5:
         config["rope_parameters"] = {"rope_type": "default", "rope_theta": rng.choice([10_000.0, 500_000.0])}
+    if family == "qwen2":
+        config.update(use_sliding_window=rng.random() < 0.7, sliding_window=rng.choice([3, 6]),
+                      max_window_layers=rng.randint(0, config["num_hidden_layers"]))
+    if family == "mistral":
+        config["sliding_window"] = rng.choice([None, 3, 6])
+    if family == "smollm3":
+        config.update(no_rope_layer_interval=rng.choice([2, 3, 4]), use_sliding_window=rng.random() < 0.5,
+                      sliding_window=rng.choice([3, 6]))
     if family == "qwen3_moe":
         experts = rng.choice([4, 6])
         config.update(num_experts=experts, num_experts_per_tok=rng.randint(1, 3), moe_intermediate_size=16,
@@ -96,7 +128,7 @@ def random_config(family: str, seed: int) -> dict[str, Any]:
 
 def build_decoder_checkpoint(out_dir: Path | str, family: str, config_kwargs: dict[str, Any], *, seed: int = 0,
                              dtype: torch.dtype = torch.bfloat16) -> Path:
-    """Write a random-weight checkpoint of ``family`` ("llama", "qwen3", "qwen3_moe") to ``out_dir``."""
+    """Write a random-weight checkpoint of ``family`` (a key of ``FAMILIES``) to ``out_dir``."""
     import transformers
 
     spec = FAMILIES[family]

@@ -41,6 +41,9 @@ TINY_BUILDERS: dict[str, Builder] = {
     "gemma4_text": _gemma4(text_only=True),
     "k2_horizon": _k2_horizon,
     "llama": _decoder("llama3"),
+    "mistral": _decoder("mistral"),
+    "qwen2": _decoder("qwen2"),
     "qwen3": _decoder("qwen3"),
     "qwen3_moe": _decoder("qwen3-moe"),
+    "smollm3": _decoder("smollm3"),
 }

@@ -1,0 +1,21 @@
+"""Mistral family (``model_type`` "mistral", ``MistralForCausalLM``): Mistral 7B, Ministral 8B's
+hub checkpoints, Mistral-Nemo and the other Llama-layout Mistral decoders.
+
+The Llama layout without biases, default RoPE, and sliding-window attention on every layer when
+``sliding_window`` is set (MistralModel masks all layers with it and ignores ``layer_types``);
+the runtime's "mix" attention with every layer on the sliding slice. Reference: transformers'
+``MistralForCausalLM``.
+"""
+
+from __future__ import annotations
+
+from llmexport.models.decoder_args import EVERY_LAYER
+from llmexport.models.plain_decoder import PlainDecoder
+
+
+class Mistral(PlainDecoder):
+    family = "Mistral"
+    mlx_port = True
+    config_class = "MistralConfig"
+    attention_biases = ()
+    sliding = EVERY_LAYER
