@@ -173,6 +173,10 @@ def _gemma4_mlx_name(name: str) -> list[tuple[str, int | None]]:
     return [("language_model.model." + rest, None)]
 
 
+def _gemma3_mlx_name(name: str) -> list[tuple[str, int | None]]:
+    return [("model.embed_tokens" if name == "lm_head" else name, None)]
+
+
 def _k2_mlx_name(name: str) -> list[tuple[str, int | None]]:
     if name == "lm_head":
         return [("model.embed_tokens", None)]
@@ -195,6 +199,13 @@ def mlx_checkpoints(tmp_path_factory):
             if name == "k2-sparse-mlp4-attn8":
                 hf = build_tiny_k2_horizon(root / "k2-hf", "sparse")
                 cache[name] = (_k2_mlx(hf, root / name), _k2_mlx_name)
+            elif name.startswith("gemma3-"):
+                from llmexport.tiny.gemma3 import build_tiny_gemma3
+
+                hf = build_tiny_gemma3(root / f"{name}-hf", name.removeprefix("gemma3-").split(":")[0])
+                mlx_convert.convert(str(hf), str(root / name.replace(":", "-")), quantize=True, q_group_size=64,
+                                    q_bits=4)
+                cache[name] = (root / name.replace(":", "-"), _gemma3_mlx_name)
             else:
                 shape, recipe = name.split(":")
                 hf = _gemma4_hf(root / f"{shape}-hf", shape)
@@ -245,6 +256,8 @@ CASES = {
                       "model.language_model.layers.7.mlp.down_proj": "6-bit"},
     # MoE + MoVA experts stacked; routers left in bf16 by MLX (kept as fp16 records)
     "k2-sparse-mlp4-attn8": {},
+    # mlx-lm's gemma3_text port: HF's names, a 4-bit tied embedding; down_proj (96 wide) left in bf16 by MLX
+    "gemma3-1b:q4": {},
 }
 
 

@@ -15,6 +15,7 @@ from llmexport.models.base import Architecture
 
 #: config.json ``model_type`` -> the family's class, as "module:Class"
 FAMILIES: dict[str, str] = {
+    "gemma3_text": "llmexport.models.gemma3:Gemma3",
     "gemma4": "llmexport.models.gemma4:Gemma4",
     "gemma4_text": "llmexport.models.gemma4:Gemma4",
     "k2_horizon": "llmexport.models.k2_horizon:K2Horizon",

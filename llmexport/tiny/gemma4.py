@@ -95,7 +95,7 @@ def text_config_dict(shape: TinyGemma4Shape) -> dict[str, Any]:
     return config
 
 
-def _randomize_vectors(model: torch.nn.Module, generator: torch.Generator) -> None:
+def randomize_vectors(model: torch.nn.Module, generator: torch.Generator) -> None:
     """Move every 1-D parameter/buffer (gammas, scalars) away from its init of 1 or 0."""
     with torch.no_grad():
         for name, tensor in list(model.named_parameters()) + list(model.named_buffers()):
@@ -161,15 +161,15 @@ def build_gemma4_checkpoint(
         for _, param in model.named_parameters():
             if param.dim() >= 2:
                 param.copy_(torch.randn(param.shape, generator=generator) * 0.05)
-    _randomize_vectors(model, generator)
+    randomize_vectors(model, generator)
     cast(nn.Module, model).to(dtype)  # in place (transformers types its own `to` too loosely to check)
     model.save_pretrained(out, safe_serialization=True)
     build_tiny_gemma_tokenizer(out, vocab_size=text_config.vocab_size)
-    _write_generation_config(out)
+    write_generation_config(out)
     return out
 
 
-def _write_generation_config(out: Path) -> None:
+def write_generation_config(out: Path) -> None:
     path = out / "generation_config.json"
     data = json.loads(path.read_text()) if path.exists() else {}
     data.update(bos_token_id=SPECIAL_TOKENS["bos"][1], eos_token_id=SPECIAL_TOKENS["eos"][1],
