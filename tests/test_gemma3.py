@@ -8,26 +8,16 @@ import shutil
 
 import pytest
 import torch
+from test_decoder_families import _logits, _rewrite_and_reference
 
 from llmexport.checkpoint import Checkpoint
-from llmexport.eager import bind_weights, prompt_inputs
+from llmexport.eager import bind_weights
 from llmexport.errors import InputError
 from llmexport.loading import open_architecture
 from llmexport.tiny.gemma3 import VARIANTS, build_gemma3_checkpoint, random_config
 
 from families import parametrize
 from helpers import assert_reference_onnx_matches_eager, custom_nodes, edit_checkpoint
-
-
-def _logits(arch, graph, ids):
-    with torch.no_grad():
-        return graph(*prompt_inputs(arch, ids, arch.embedding_table(), None))[0][0]
-
-
-def _rewrite_and_reference(path, ids):
-    arch = open_architecture(Checkpoint.open(path))
-    graph = bind_weights(arch.build_graph(), arch.linear_weight)
-    return arch, graph, _logits(arch, graph, ids), arch.reference_logits(arch.load_reference(None), ids)
 
 
 def _ids(n=21):

@@ -13,14 +13,13 @@ from __future__ import annotations
 
 import math
 
-import torch
 from torch import nn
 
 from llmexport.models.decoder_graph import Attention
 from llmexport.models.decoder_names import MLP
 from llmexport.models.gemma3_args import Gemma3Args, LayerSpec
 from llmexport.models.gemma4_graph import Mlp
-from llmexport.models.graph_parts import Norm, TensorLookup, const
+from llmexport.models.graph_parts import Norm, TensorLookup, const, head_outputs
 from llmexport.models.layer_types import layer_masks, layer_ropes, register_ropes
 from llmexport.models.tensor_names import NameTable
 from llmexport.ops import PlaceholderLinear
@@ -73,9 +72,4 @@ class Gemma3TextGraph(nn.Module):
         for layer, spec in zip(self.layers, a.layers):
             cos, sin = ropes[spec.kind]
             x = layer(x, cos, sin, masks[spec.kind] if masks else attention_mask)
-        x = x[:, logits_index.to(torch.int64):, :]
-        hidden = self.norm(x)
-        logits = self.lm_head(hidden)
-        if a.final_softcap:
-            logits = torch.tanh(logits / a.final_softcap) * a.final_softcap
-        return logits, hidden
+        return head_outputs(x, logits_index, self.norm, self.lm_head, a.final_softcap)

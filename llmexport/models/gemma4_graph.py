@@ -19,7 +19,7 @@ from llmexport.models.decoder_names import MLP
 from llmexport.models.gemma4_args import SLIDING, Gemma4TextArgs, LayerSpec
 from llmexport.models.gemma4_media import open_media_spans, unmark_media
 from llmexport.models.gemma4_names import EXPERT, MOE_NORMS
-from llmexport.models.graph_parts import Norm, TensorLookup
+from llmexport.models.graph_parts import Norm, TensorLookup, head_outputs
 from llmexport.models.graph_parts import const as _const
 from llmexport.models.layer_types import layer_masks, layer_ropes, register_ropes
 from llmexport.models.rope import rotate as _rotate
@@ -234,9 +234,4 @@ class Gemma4TextGraph(nn.Module):
             mask = masks[kind] if masks else attention_mask
             layer_ple = ples[i] if ples is not None else None
             x = layer(x, cos, sin, mask, layer_ple, kv_store)
-        x = x[:, logits_index.to(torch.int64):, :]
-        hidden = self.norm(x)
-        logits = self.lm_head(hidden)
-        if a.final_softcap:
-            logits = torch.tanh(logits / a.final_softcap) * a.final_softcap
-        return logits, hidden
+        return head_outputs(x, logits_index, self.norm, self.lm_head, a.final_softcap)

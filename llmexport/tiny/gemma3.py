@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from llmexport.tiny.gemma4 import randomize_vectors, write_generation_config
+from llmexport.tiny.gemma4 import randomize_gemma, write_generation_config
 from llmexport.tiny.tokenizer import SPECIAL_TOKENS, build_tiny_gemma_tokenizer
 
 TINY_VOCAB = 512
@@ -73,12 +73,8 @@ def build_gemma3_checkpoint(out_dir: Path | str, config_kwargs: dict[str, Any], 
     out.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(seed)
     model = Gemma3ForCausalLM(Gemma3TextConfig(**config_kwargs)).eval()
-    generator = torch.Generator().manual_seed(seed + 1)
+    generator = randomize_gemma(model, seed)
     with torch.no_grad():
-        for _, param in model.named_parameters():
-            if param.dim() >= 2:
-                param.copy_(torch.randn(param.shape, generator=generator) * 0.05)
-        randomize_vectors(model, generator)
         for name, param in model.named_parameters():  # biases near 0 (near 1 they swamp the residual)
             if name.endswith(".bias"):
                 param.copy_(torch.randn(param.shape, generator=generator) * 0.05)

@@ -107,6 +107,18 @@ def randomize_vectors(model: torch.nn.Module, generator: torch.Generator) -> Non
             tensor.copy_(noise.to(tensor.dtype))
 
 
+def randomize_gemma(model: torch.nn.Module, seed: int) -> torch.Generator:
+    """Matrices N(0, 0.05^2), then the 1-D weights as ``randomize_vectors``; returns the generator
+    (seeded ``seed + 1``) for further draws."""
+    generator = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for _, param in model.named_parameters():
+            if param.dim() >= 2:
+                param.copy_(torch.randn(param.shape, generator=generator) * 0.05)
+    randomize_vectors(model, generator)
+    return generator
+
+
 def build_tiny_gemma4(
     out_dir: Path | str,
     shape: str = "e2b",
@@ -156,12 +168,7 @@ def build_gemma4_checkpoint(
                               boa_token_id=ids["boa"], eoa_token_index=ids["eoa"], audio_token_id=ids["audio"],
                               video_token_id=ids["video"])
         model = Gemma4ForConditionalGeneration(config)
-    generator = torch.Generator().manual_seed(seed + 1)
-    with torch.no_grad():
-        for _, param in model.named_parameters():
-            if param.dim() >= 2:
-                param.copy_(torch.randn(param.shape, generator=generator) * 0.05)
-    randomize_vectors(model, generator)
+    randomize_gemma(model, seed)
     cast(nn.Module, model).to(dtype)  # in place (transformers types its own `to` too loosely to check)
     model.save_pretrained(out, safe_serialization=True)
     build_tiny_gemma_tokenizer(out, vocab_size=text_config.vocab_size)
