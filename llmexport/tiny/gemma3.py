@@ -19,10 +19,11 @@ from llmexport.tiny.tokenizer import SPECIAL_TOKENS, build_tiny_gemma_tokenizer
 
 TINY_VOCAB = 512
 _S, _F = "sliding_attention", "full_attention"
-# Gemma 3's turn format, without the bos the tokenizer adds itself and without its ``| trim`` of
-# the content: the runtime's trim strips only ASCII whitespace, Python's all (docs/chat-templates.md),
-# and a random model's replies can end in U+00A0
+# Gemma 3's turn format (its bos, roles, turn markers), without its ``| trim`` of the content: the
+# runtime's trim strips only ASCII whitespace, Python's all (docs/chat-templates.md), and a random
+# model's replies can end in U+00A0
 CHAT_TEMPLATE = (
+    "{{ bos_token }}"
     "{%- for message in messages -%}"
     "{%- set role = 'model' if message['role'] == 'assistant' else message['role'] -%}"
     "{{ '<start_of_turn>' + role + '\n' + message['content'] + '<end_of_turn>\n' }}"
