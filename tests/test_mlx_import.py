@@ -199,10 +199,10 @@ def mlx_checkpoints(tmp_path_factory):
             if name == "k2-sparse-mlp4-attn8":
                 hf = build_tiny_k2_horizon(root / "k2-hf", "sparse")
                 cache[name] = (_k2_mlx(hf, root / name), _k2_mlx_name)
-            elif name.startswith("gemma3-"):
-                from llmexport.tiny.gemma3 import build_tiny_gemma3
+            elif name.startswith(("gemma3-", "phi3-")):
+                from llmexport.tiny.registry import TINY_BUILDERS
 
-                hf = build_tiny_gemma3(root / f"{name}-hf", name.removeprefix("gemma3-").split(":")[0])
+                hf = TINY_BUILDERS["gemma3_text" if name.startswith("gemma3-") else "phi3"](root / f"{name}-hf", 0)
                 mlx_convert.convert(str(hf), str(root / name.replace(":", "-")), quantize=True, q_group_size=64,
                                     q_bits=4)
                 cache[name] = (root / name.replace(":", "-"), _gemma3_mlx_name)
@@ -258,6 +258,8 @@ CASES = {
     "k2-sparse-mlp4-attn8": {},
     # mlx-lm's gemma3_text port: HF's names, a 4-bit tied embedding; down_proj (96 wide) left in bf16 by MLX
     "gemma3-1b:q4": {},
+    # mlx-lm's phi3 port: HF's names with the fused qkv_proj / gate_up_proj, a 4-bit tied embedding
+    "phi3-phi4-mini:q4": {},
 }
 
 

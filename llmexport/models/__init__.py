@@ -20,6 +20,7 @@ FAMILIES: dict[str, str] = {
     "gemma4_text": "llmexport.models.gemma4:Gemma4",
     "k2_horizon": "llmexport.models.k2_horizon:K2Horizon",
     "llama": "llmexport.models.llama:Llama",
+    "phi3": "llmexport.models.phi3:Phi3",
     "qwen3": "llmexport.models.qwen3:Qwen3",
     "qwen3_moe": "llmexport.models.qwen3:Qwen3Moe",
 }

@@ -27,6 +27,12 @@ def _gemma3(out: Path, seed: int) -> Path:
     return build_tiny_gemma3(out, "1b", seed=seed)
 
 
+def _phi3(out: Path, seed: int) -> Path:
+    from llmexport.tiny.phi3 import build_tiny_phi3
+
+    return build_tiny_phi3(out, "phi4-mini", seed=seed)
+
+
 def _k2_horizon(out: Path, seed: int) -> Path:
     from llmexport.tiny.k2_horizon import build_tiny_k2_horizon
 
@@ -48,6 +54,7 @@ TINY_BUILDERS: dict[str, Builder] = {
     "gemma4_text": _gemma4(text_only=True),
     "k2_horizon": _k2_horizon,
     "llama": _decoder("llama3"),
+    "phi3": _phi3,
     "qwen3": _decoder("qwen3"),
     "qwen3_moe": _decoder("qwen3-moe"),
 }
