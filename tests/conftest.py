@@ -70,3 +70,20 @@ def tiny_decoder(tmp_path_factory):
     from llmexport.tiny.decoders import build_tiny_decoder
 
     return _cached_variants(tmp_path_factory, "decoder", build_tiny_decoder)
+
+
+@pytest.fixture(scope="session")
+def tiny_gemma3(tmp_path_factory):
+    """``tiny_gemma3(variant, seed=0)`` -> path of a cached tiny Gemma3 text checkpoint
+    (variants: llmexport.tiny.gemma3.VARIANTS)."""
+    from llmexport.tiny.gemma3 import build_tiny_gemma3
+
+    return _cached_variants(tmp_path_factory, "gemma3", build_tiny_gemma3)
+
+
+@pytest.fixture(scope="session")
+def tiny_phi3(tmp_path_factory):
+    """``tiny_phi3(variant, seed=0)`` -> path of a cached tiny Phi-3 checkpoint (llmexport.tiny.phi3.VARIANTS)."""
+    from llmexport.tiny.phi3 import build_tiny_phi3
+
+    return _cached_variants(tmp_path_factory, "phi3", build_tiny_phi3)

@@ -173,6 +173,10 @@ def _gemma4_mlx_name(name: str) -> list[tuple[str, int | None]]:
     return [("language_model.model." + rest, None)]
 
 
+def _gemma3_mlx_name(name: str) -> list[tuple[str, int | None]]:
+    return [("model.embed_tokens" if name == "lm_head" else name, None)]
+
+
 def _k2_mlx_name(name: str) -> list[tuple[str, int | None]]:
     if name == "lm_head":
         return [("model.embed_tokens", None)]
@@ -203,6 +207,13 @@ def mlx_checkpoints(tmp_path_factory):
                 mlx_convert.convert(str(hf), str(root / shape), quantize=True, q_group_size=64, q_bits=4)
                 tied = json.loads((hf / "config.json").read_text())["tie_word_embeddings"]
                 cache[name] = (root / shape, _k2_mlx_name if tied else lambda module: [(module, None)])
+            elif name.startswith(("gemma3-", "phi3-")):
+                from llmexport.tiny.registry import TINY_BUILDERS
+
+                hf = TINY_BUILDERS["gemma3_text" if name.startswith("gemma3-") else "phi3"](root / f"{name}-hf", 0)
+                mlx_convert.convert(str(hf), str(root / name.replace(":", "-")), quantize=True, q_group_size=64,
+                                    q_bits=4)
+                cache[name] = (root / name.replace(":", "-"), _gemma3_mlx_name)
             else:
                 hf = _gemma4_hf(root / f"{shape}-hf", shape)
                 kwargs = dict(q_bits=4) if recipe == "q4" else dict(quant_predicate=recipe)
@@ -255,6 +266,10 @@ CASES = {
     # plain decoders at mlx-lm's default 4 bits: Qwen2 (q/k/v biases, sliding layers), Mistral
     # (every layer sliding), SmolLM3 (NoPE and sliding layers, tied embedding)
     "qwen2:q4": {}, "mistral:q4": {}, "smollm3-sliding:q4": {},
+    # mlx-lm's gemma3_text port: HF's names, a 4-bit tied embedding; down_proj (96 wide) left in bf16 by MLX
+    "gemma3-1b:q4": {},
+    # mlx-lm's phi3 port: HF's names with the fused qkv_proj / gate_up_proj, a 4-bit tied embedding
+    "phi3-phi4-mini:q4": {},
 }
 
 

@@ -15,12 +15,14 @@ from llmexport.models.base import Architecture
 
 #: config.json ``model_type`` -> the family's class, as "module:Class"
 FAMILIES: dict[str, str] = {
+    "gemma3_text": "llmexport.models.gemma3:Gemma3",
     "gemma4": "llmexport.models.gemma4:Gemma4",
     "gemma4_text": "llmexport.models.gemma4:Gemma4",
     "k2_horizon": "llmexport.models.k2_horizon:K2Horizon",
     "llama": "llmexport.models.llama:Llama",
     "mistral": "llmexport.models.mistral:Mistral",
     "qwen2": "llmexport.models.qwen2:Qwen2",
+    "phi3": "llmexport.models.phi3:Phi3",
     "qwen3": "llmexport.models.qwen3:Qwen3",
     "qwen3_moe": "llmexport.models.qwen3:Qwen3Moe",
     "smollm3": "llmexport.models.smollm3:SmolLM3",

@@ -28,10 +28,12 @@ from llmexport.ops import FusedAttention, FusedMoE, GatedMlp, PlaceholderLinear
 class Attention(nn.Module):
     """GQA attention on [1, seq, hidden]: the projections ``attn.{q,k,v,o}`` of ``names`` (the
     family's name table bound to the layer), optional per-head q/k norms before RoPE (Qwen3,
-    K2-Horizon), MNN's Attention op. Subclasses replace ``init_values``/``values`` (K2-Horizon's MoVA)."""
+    K2-Horizon, Gemma3), MNN's Attention op with ``scale`` (default 1/sqrt(head_dim)). Subclasses
+    replace ``init_values``/``values`` (K2-Horizon's MoVA)."""
 
     def __init__(self, names: NameTable, index: int, hidden: int, heads: int, kv_heads: int, head_dim: int,
                  bias: Biases, qk_norms: tuple[nn.Module, nn.Module] | None = None, rope: bool = True,
+                 scale: float | None = None,
                  **value_options):
         super().__init__()
         self.rope = rope  # SmolLM3's NoPE layers attend without rotating q and k
@@ -43,7 +45,7 @@ class Attention(nn.Module):
         self.qk_norm = qk_norms is not None
         if qk_norms is not None:
             self.q_norm, self.k_norm = qk_norms
-        self.attn = FusedAttention(index, -1, head_dim ** -0.5)
+        self.attn = FusedAttention(index, -1, head_dim ** -0.5 if scale is None else scale)
 
     def init_values(self, names: NameTable, hidden: int, width: int, bias: bool, **options: Any) -> None:
         self.v_proj = PlaceholderLinear(names.name("attn.v"), hidden, width, bias)

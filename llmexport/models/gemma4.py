@@ -31,6 +31,7 @@ from llmexport.models.gemma4_names import (
     TEXT,
     TEXT_PREFIX,
 )
+from llmexport.models.layer_types import mix_config, mixed_graph_inputs
 from llmexport.models.tensor_checks import Shapes, count_limit, finite_lookup, require_stacked
 from llmexport.models.tensor_names import LinearList, prefix_rule, rename_rule
 from llmexport.spec import ArchitectureSummary, ExpertTemplate, GraphInputs, LinearRole, MlxLayout
@@ -194,14 +195,7 @@ class Gemma4(DecoderFamily):
 
     def graph_inputs(self, seq_len: int) -> GraphInputs:
         a = self.args
-        mask_shape = [2, 1, 1, seq_len, seq_len] if len(a.rope) > 1 else [1, 1, seq_len, seq_len]
-        args = [torch.randn(seq_len, 1, a.hidden_size + a.num_layers * a.ple_dim), torch.zeros(mask_shape),
-                torch.arange(seq_len, dtype=torch.int32).view(1, -1), torch.tensor([-1], dtype=torch.int32)]
-        names = ["input_ids", "attention_mask", "position_ids", "logits_index"]
-        axes = {"input_ids": {0: "seq_len"}, "attention_mask": {len(mask_shape) - 2: "seq_len",
-                                                                len(mask_shape) - 1: "kv_len"},
-                "position_ids": {1: "seq_len"}}
-        return GraphInputs(tuple(args), names, axes, ["logits", "hidden_states"])
+        return mixed_graph_inputs(seq_len, a.hidden_size + a.num_layers * a.ple_dim, len(a.rope) > 1)
 
     def expert_templates(self) -> list[ExpertTemplate]:
         a = self.args
@@ -226,18 +220,17 @@ class Gemma4(DecoderFamily):
     # --- runtime files ----------------------------------------------------------------------
     def llm_config(self) -> dict[str, Any]:
         a = self.args
+        mix = mix_config(a.rope, a.sliding_window)
         config: dict[str, Any] = {
             "model_type": "gemma4",
             "hidden_size": a.hidden_size,
             "layer_nums": a.num_layers,
-            "attention_type": "mix" if len(a.rope) > 1 else "full",
+            "attention_type": mix.pop("attention_type"),
             "attn_scale": 1.0,
             "max_position_embeddings": a.max_position_embeddings,
             "jinja": gemma4_jinja(self.checkpoint_chat_template()),
         }
-        if len(a.rope) > 1 and a.sliding_window:
-            config["sliding_window"] = a.sliding_window
-        return config
+        return config | mix
 
     def runtime_config(self) -> dict[str, Any]:
         # Gemma4 degenerates into repetition with fp16 activations.

@@ -17,10 +17,11 @@ from llmexport.models.config_values import flag_value as _flag
 from llmexport.models.config_values import float_value as _float
 from llmexport.models.config_values import int_value as _int
 from llmexport.models.gemma4_media import bidirectional_vision
+from llmexport.models.layer_types import FULL, SLIDING, read_layer_types, rope_specs
 from llmexport.models.rope import RopeSpec
 
 log = logging.getLogger(__name__)
-SLIDING, FULL = "sliding_attention", "full_attention"
+__all__ = ["FULL", "SLIDING", "Gemma4TextArgs", "LayerSpec", "MoESpec", "parse_text_args"]
 
 
 @dataclass(frozen=True)
@@ -99,10 +100,7 @@ def parse_text_args(config: dict[str, Any], prefix: str, where: str, max_layers:
     cfg = config
     n = _int(cfg, "num_hidden_layers", where, maximum=max_layers)
     hidden, heads = (_int(cfg, k, where) for k in ("hidden_size", "num_attention_heads"))
-    layer_types = cfg.get("layer_types")
-    if not isinstance(layer_types, list) or len(layer_types) != n or \
-            not all(isinstance(t, str) and t in (SLIDING, FULL) for t in layer_types):
-        raise InputError(f"{where}: 'layer_types' must list {n} of {SLIDING!r}/{FULL!r}")
+    layer_types = read_layer_types(cfg, n, where)
     if layer_types[-1] != FULL:  # HF Gemma4TextConfig.__post_init__ forces it (with a warning)
         log.warning("%s: the last layer is %s; transformers runs it as %s, and so does the export", where,
                     layer_types[-1], FULL)
@@ -125,7 +123,7 @@ def parse_text_args(config: dict[str, Any], prefix: str, where: str, max_layers:
             mlp_width=width * (2 if double_wide and sources[i] >= 0 else 1),
             stores_kv=i in stores,
         ))
-    rope = _rope_specs(cfg, layers, where)
+    rope = rope_specs(cfg, layers, where, ("default", "proportional"))
     moe = None
     if _flag(cfg, "enable_moe_block", where, False):
         moe = MoESpec(*(_int(cfg, k, where) for k in ("num_experts", "top_k_experts", "moe_intermediate_size")))
@@ -177,33 +175,3 @@ def _per_layer_overrides(raw: Any, layer_types: list[str], where: str) -> dict[i
         else:
             raise InputError(f"{where}: per_layer_config key {key!r} is not a layer index or layer type")
     return out
-
-
-def _rope_specs(cfg: dict[str, Any], layers: list[LayerSpec], where: str) -> dict[str, RopeSpec]:
-    params = cfg.get("rope_parameters")
-    if not isinstance(params, dict):
-        raise InputError(f"{where}: 'rope_parameters' must map layer types to RoPE settings")
-    specs = {}
-    for kind in sorted({layer.kind for layer in layers}):  # sorted: trace order must be deterministic
-        p = params.get(kind)
-        label = f"{where}: rope_parameters[{kind!r}]"
-        if not isinstance(p, dict):
-            raise InputError(f"{label} must be an object with 'rope_theta'")
-        head_dims = {layer.head_dim for layer in layers if layer.kind == kind}
-        if len(head_dims) != 1:
-            raise InputError(f"{where}: {kind} layers disagree on head_dim {sorted(head_dims)}")
-        head_dim = head_dims.pop()
-        rope_type = p.get("rope_type", "default")
-        fraction = _float(p, "partial_rotary_factor", label, 1.0)
-        if rope_type not in ("default", "proportional") or fraction > 1.0:
-            raise InputError(f"{label}: rope_type {rope_type!r} with partial_rotary_factor {fraction} is not "
-                             "supported (default, or proportional with a factor <= 1)")
-        pairs = head_dim // 2 if rope_type == "default" else int(fraction * head_dim // 2)
-        theta = _float(p, "rope_theta", label, None)
-        if theta is None:
-            raise InputError(f"{label}: 'rope_theta' is missing")
-        # HF's default RoPE (Gemma4TextRotaryEmbedding.compute_default_rope_parameters) ignores
-        # "factor"; the proportional one divides by it
-        factor = _float(p, "factor", label, 1.0) if rope_type == "proportional" else 1.0
-        specs[kind] = RopeSpec(theta, head_dim, pairs, factor)
-    return specs

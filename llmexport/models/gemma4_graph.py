@@ -16,12 +16,12 @@ import torch
 from torch import nn
 
 from llmexport.models.decoder_names import MLP
-from llmexport.models.gemma4_args import FULL, SLIDING, Gemma4TextArgs, LayerSpec
+from llmexport.models.gemma4_args import SLIDING, Gemma4TextArgs, LayerSpec
 from llmexport.models.gemma4_media import open_media_spans, unmark_media
 from llmexport.models.gemma4_names import EXPERT, MOE_NORMS
-from llmexport.models.graph_parts import Norm, TensorLookup
+from llmexport.models.graph_parts import Norm, TensorLookup, head_outputs
 from llmexport.models.graph_parts import const as _const
-from llmexport.models.rope import rope_cos_sin
+from llmexport.models.layer_types import layer_masks, layer_ropes, register_ropes
 from llmexport.models.rope import rotate as _rotate
 from llmexport.models.tensor_names import NameTable
 from llmexport.ops import (
@@ -194,8 +194,7 @@ class Gemma4TextGraph(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(args, names, layer, lookup) for layer in args.layers)
         self.norm = Norm(_const(lookup, names.name("norm.final")), args.eps)
         self.lm_head = PlaceholderLinear(names.name("lm_head"), args.hidden_size, args.vocab_size)
-        for kind, rope in args.rope.items():
-            self.register_buffer(f"inv_freq_{kind}", rope.inv_freq(), persistent=False)
+        register_ropes(self, args.rope)
         self.mixed = len(args.rope) > 1
         self.media_spans = media_spans
         if args.ple_dim:
@@ -203,9 +202,6 @@ class Gemma4TextGraph(nn.Module):
             self.per_layer_model_projection = PlaceholderLinear(names.name("ple.model_projection"), args.hidden_size,
                                                                 width)
             self.per_layer_projection_norm = Norm(_const(lookup, names.name("norm.ple_projection")), args.eps)
-
-    def _rope(self, position_ids, kind):
-        return rope_cos_sin(position_ids, getattr(self, f"inv_freq_{kind}"))
 
     def _per_layer_inputs(self, x, ple_rows):
         """HF ``project_per_layer_inputs``; ``ple_rows`` [seq, 1, layers * ple_dim] unscaled
@@ -226,9 +222,8 @@ class Gemma4TextGraph(nn.Module):
             embeds, ple_rows = input_ids, None
         x = embeds.reshape(1, -1, a.hidden_size) * math.sqrt(a.hidden_size)
         ple = self._per_layer_inputs(x, ple_rows) if ple_rows is not None else None
-        ropes = {kind: self._rope(position_ids, kind) for kind in a.rope}
-        # unbind (one Split op) rather than indexing: traced, each index costs a Gather and ~10 shape ops
-        masks = dict(zip((FULL, SLIDING), attention_mask.unbind(0))) if self.mixed else None
+        ropes = layer_ropes(self, position_ids, a.rope)
+        masks = layer_masks(attention_mask, self.mixed)
         if self.media_spans and masks:  # without sliding layers HF's mask stays causal
             masks[SLIDING] = open_media_spans(masks[SLIDING], marked)
         ples = ple.unbind(2) if ple is not None else None
@@ -239,9 +234,4 @@ class Gemma4TextGraph(nn.Module):
             mask = masks[kind] if masks else attention_mask
             layer_ple = ples[i] if ples is not None else None
             x = layer(x, cos, sin, mask, layer_ple, kv_store)
-        x = x[:, logits_index.to(torch.int64):, :]
-        hidden = self.norm(x)
-        logits = self.lm_head(hidden)
-        if a.final_softcap:
-            logits = torch.tanh(logits / a.final_softcap) * a.final_softcap
-        return logits, hidden
+        return head_outputs(x, logits_index, self.norm, self.lm_head, a.final_softcap)

@@ -95,7 +95,7 @@ def text_config_dict(shape: TinyGemma4Shape) -> dict[str, Any]:
     return config
 
 
-def _randomize_vectors(model: torch.nn.Module, generator: torch.Generator) -> None:
+def randomize_vectors(model: torch.nn.Module, generator: torch.Generator) -> None:
     """Move every 1-D parameter/buffer (gammas, scalars) away from its init of 1 or 0."""
     with torch.no_grad():
         for name, tensor in list(model.named_parameters()) + list(model.named_buffers()):
@@ -105,6 +105,18 @@ def _randomize_vectors(model: torch.nn.Module, generator: torch.Generator) -> No
                 continue
             noise = torch.rand(tensor.shape, generator=generator) * 0.8 + 0.6  # in [0.6, 1.4]
             tensor.copy_(noise.to(tensor.dtype))
+
+
+def randomize_gemma(model: torch.nn.Module, seed: int) -> torch.Generator:
+    """Matrices N(0, 0.05^2), then the 1-D weights as ``randomize_vectors``; returns the generator
+    (seeded ``seed + 1``) for further draws."""
+    generator = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for _, param in model.named_parameters():
+            if param.dim() >= 2:
+                param.copy_(torch.randn(param.shape, generator=generator) * 0.05)
+    randomize_vectors(model, generator)
+    return generator
 
 
 def build_tiny_gemma4(
@@ -156,20 +168,15 @@ def build_gemma4_checkpoint(
                               boa_token_id=ids["boa"], eoa_token_index=ids["eoa"], audio_token_id=ids["audio"],
                               video_token_id=ids["video"])
         model = Gemma4ForConditionalGeneration(config)
-    generator = torch.Generator().manual_seed(seed + 1)
-    with torch.no_grad():
-        for _, param in model.named_parameters():
-            if param.dim() >= 2:
-                param.copy_(torch.randn(param.shape, generator=generator) * 0.05)
-    _randomize_vectors(model, generator)
+    randomize_gemma(model, seed)
     cast(nn.Module, model).to(dtype)  # in place (transformers types its own `to` too loosely to check)
     model.save_pretrained(out, safe_serialization=True)
     build_tiny_gemma_tokenizer(out, vocab_size=text_config.vocab_size)
-    _write_generation_config(out)
+    write_generation_config(out)
     return out
 
 
-def _write_generation_config(out: Path) -> None:
+def write_generation_config(out: Path) -> None:
     path = out / "generation_config.json"
     data = json.loads(path.read_text()) if path.exists() else {}
     data.update(bos_token_id=SPECIAL_TOKENS["bos"][1], eos_token_id=SPECIAL_TOKENS["eos"][1],

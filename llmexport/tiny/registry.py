@@ -21,6 +21,18 @@ def _gemma4(text_only: bool) -> Builder:
     return build
 
 
+def _gemma3(out: Path, seed: int) -> Path:
+    from llmexport.tiny.gemma3 import build_tiny_gemma3
+
+    return build_tiny_gemma3(out, "1b", seed=seed)
+
+
+def _phi3(out: Path, seed: int) -> Path:
+    from llmexport.tiny.phi3 import build_tiny_phi3
+
+    return build_tiny_phi3(out, "phi4-mini", seed=seed)
+
+
 def _k2_horizon(out: Path, seed: int) -> Path:
     from llmexport.tiny.k2_horizon import build_tiny_k2_horizon
 
@@ -37,12 +49,14 @@ def _decoder(variant: str) -> Builder:
 
 
 TINY_BUILDERS: dict[str, Builder] = {
+    "gemma3_text": _gemma3,
     "gemma4": _gemma4(text_only=False),
     "gemma4_text": _gemma4(text_only=True),
     "k2_horizon": _k2_horizon,
     "llama": _decoder("llama3"),
     "mistral": _decoder("mistral"),
     "qwen2": _decoder("qwen2"),
+    "phi3": _phi3,
     "qwen3": _decoder("qwen3"),
     "qwen3_moe": _decoder("qwen3-moe"),
     "smollm3": _decoder("smollm3"),
