@@ -35,7 +35,8 @@ ALLOWED: dict[str, tuple[str, ...]] = {
     "llmexport.reference": ("llmexport.reference",),
     "llmexport.models": ("llmexport.models", "llmexport.spec", "llmexport.errors", "llmexport.checkpoint",
                          "llmexport.input_files", "llmexport.ops", "llmexport.media", "llmexport.reference"),
-    "llmexport.tiny": ("llmexport.tiny", "llmexport.reference", "llmexport.mnn.tokenizer_pipeline"),
+    "llmexport.tiny": ("llmexport.tiny", "llmexport.reference", "llmexport.mnn.tokenizer_pipeline",
+                       "llmexport.mnn.byte_level"),
     "llmexport.options": ("llmexport.options", "llmexport.errors", "llmexport.spec", "llmexport.quant",
                           "llmexport.mnn.limits", "llmexport.mnn.config"),
 }

@@ -26,8 +26,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from transformers import AutoTokenizer
 
+from llmexport.mnn.byte_level import byte_level_chars
 from llmexport.mnn.tokenizer import write_mnn_tokenizer
-from llmexport.mnn.tokenizer_pipeline import byte_level_chars
 from llmexport.mnn.tokenizer_stream import StreamModel, hf_piece_bytes, runtime_piece_bytes, streamed_text_difference
 from llmexport.tiny.byte_level_tokenizer import build_byte_level_tokenizer
 from llmexport.tiny.tokenizer import build_tiny_gemma_tokenizer, build_tiny_sentencepiece_tokenizer

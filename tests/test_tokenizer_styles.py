@@ -24,8 +24,9 @@ from hypothesis import strategies as st
 from test_tokenizer import CHATS, FIXED_TEXTS
 from transformers import AutoTokenizer
 
+from llmexport.mnn.byte_level import byte_level_chars
 from llmexport.mnn.tokenizer import write_mnn_tokenizer
-from llmexport.mnn.tokenizer_pipeline import NFC_NOTE, byte_level_chars
+from llmexport.mnn.tokenizer_pipeline import NFC_NOTE
 from llmexport.tiny.byte_level_tokenizer import EXTRA_CORPUS, STYLES, build_byte_level_tokenizer
 from llmexport.tiny.tokenizer import TRAINING_CORPUS
 

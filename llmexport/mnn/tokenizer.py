@@ -48,16 +48,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from llmexport.input_files import TOKENIZER_LIMIT, read_json, read_optional_json
-from llmexport.mnn.tokenizer_pipeline import (
-    Body,
-    Unsupported,
-    byte_level_chars,
-    decoder_has_byte_level,
-    encode_body,
-    string,
-    u8,
-    u32,
-)
+from llmexport.mnn.byte_level import byte_level_chars
+from llmexport.mnn.tokenizer_pipeline import Body, Unsupported, decoder_has_byte_level, encode_body, string, u8, u32
 from llmexport.mnn.tokenizer_whole_words import IgnoreMergesDifference
 
 __all__ = ["write_mnn_tokenizer", "mnn_tokenizer_bytes", "convert_tokenizer", "MnnTokenizerFile",

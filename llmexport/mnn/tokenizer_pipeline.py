@@ -31,10 +31,11 @@ import json
 import struct
 from dataclasses import dataclass, field
 
+from llmexport.mnn.byte_level import byte_level_chars
 from llmexport.mnn.tokenizer_regex import UnsupportedRegex, check_split_regex, escape_literal
 from llmexport.mnn.tokenizer_whole_words import APPROXIMATE_FLAG, IgnoreMergesDifference, measure_ignore_merges
 
-__all__ = ["Body", "Unsupported", "encode_body", "unreachable_words", "byte_level_chars", "decoder_has_byte_level",
+__all__ = ["Body", "Unsupported", "encode_body", "unreachable_words", "decoder_has_byte_level",
            "GPT2_PATTERN", "NFC_NOTE", "u8", "u32", "string"]
 
 _NORM_NONE, _NORM_PREPEND, _NORM_REPLACE, _NORM_SEQUENCE = 0, 2, 3, 4
@@ -66,20 +67,6 @@ def string(s: str | bytes) -> bytes:
     if len(data) > 0xFFFF:
         raise ValueError(f"string of {len(data)} bytes does not fit the u16 length field")
     return struct.pack("<H", len(data)) + data
-
-
-def byte_level_chars() -> list[str]:
-    """GPT-2's byte -> character table (printable bytes keep their character, the rest move to
-    U+0100 onwards), as HF's ByteLevel and MNN's ``create_bytes_char_map`` build it."""
-    keep = [*range(33, 127), *range(161, 173), *range(174, 256)]
-    table, extra = {}, 0
-    for b in range(256):
-        if b in keep:
-            table[b] = chr(b)
-        else:
-            table[b] = chr(256 + extra)
-            extra += 1
-    return [table[b] for b in range(256)]
 
 
 @dataclass

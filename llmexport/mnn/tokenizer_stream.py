@@ -54,8 +54,9 @@ from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
 
+from llmexport.mnn.byte_level import byte_level_chars
 from llmexport.mnn.runtime import common_prefix_length
-from llmexport.mnn.tokenizer_pipeline import byte_level_chars, decoder_has_byte_level
+from llmexport.mnn.tokenizer_pipeline import decoder_has_byte_level
 
 __all__ = ["StreamModel", "StreamDifference", "runtime_piece_bytes", "runtime_spelling", "hf_piece_bytes",
            "hf_strip_rule", "streamed_text_difference", "DIFFERENCE_KINDS"]

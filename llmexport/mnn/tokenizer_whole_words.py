@@ -58,7 +58,7 @@ class IgnoreMergesDifference:
 def piece_texts(tj: dict) -> list[str]:
     """The model vocabulary's pieces as text (byte pieces and pieces that are not whole
     characters left out)."""
-    from llmexport.mnn.tokenizer_pipeline import byte_level_chars
+    from llmexport.mnn.byte_level import byte_level_chars
 
     byte_level = not (tj.get("model") or {}).get("byte_fallback")
     char_bytes = {c: b for b, c in enumerate(byte_level_chars())}

@@ -111,7 +111,7 @@ def _pre_tokenizer(style: str):
 
 def _train(style: str, budget: int) -> tuple[dict[str, int], list[tuple[str, str]]]:
     """Byte alphabet (ids 0-255, in byte order) plus merges learned on the corpus."""
-    from llmexport.mnn.tokenizer_pipeline import byte_level_chars
+    from llmexport.mnn.byte_level import byte_level_chars
 
     trainer_tok = Tokenizer(BPE())
     if style == "qwen":
