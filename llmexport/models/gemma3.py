@@ -69,7 +69,7 @@ class Gemma3(DecoderFamily):
         layers = tuple(f"{layer.index}: {'sliding' if layer.kind == SLIDING else 'full'}" for layer in a.layers)
         details = {"heads": a.num_heads, "kv_heads": a.kv_heads, "head_dim": a.head_dim,
                    "sliding_window": a.sliding_window, "attention_scale": a.scale,
-                   "rope": {kind: (spec.theta, spec.factor) for kind, spec in a.rope.items()},
+                   "rope": {kind: [spec.theta, spec.factor] for kind, spec in a.rope.items()},  # JSON-ready
                    "final_softcap": a.final_softcap}
         return ArchitectureSummary(self.family, self.checkpoint.model_type, a.num_layers, a.hidden_size,
                                    a.vocab_size, a.tie_embeddings, layers, details)
