@@ -27,6 +27,7 @@ verification report list it with the reason, when
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, replace
 from typing import Any, Callable, Iterable
 
@@ -178,9 +179,10 @@ class Schemes:
             return TableChoice(16, 0, lazy.row_chunks, None, stored)
         return TableChoice(info.bits, info.group, lazy.quantized_chunks, transcode, stored)
 
-    def tables(self) -> dict[str, tuple[Any, TableChoice]]:
-        """The table the runtime reads per token (mnn/token_table.py: the embedding of untied
-        models, joined with the PLE rows where there are any) with how it is written."""
+    @functools.cached_property
+    def _tables(self) -> dict[str, tuple[Any, TableChoice]]:
+        """``tables()``, decided once: the plan, the pre-quantized summary, the media token tail and
+        the table writer all ask for it."""
         table = token_table(self.arch)
         if table is None:
             return {}
@@ -189,6 +191,11 @@ class Schemes:
             choice = TableChoice(choice.bits, choice.block, choice.chunks, None, tables_format(table.parts),
                                  "joined with the PLE rows into one table (docs/output-format.md)")
         return {"embedding": (table, choice)}
+
+    def tables(self) -> dict[str, tuple[Any, TableChoice]]:
+        """The table the runtime reads per token (mnn/token_table.py: the embedding of untied
+        models, joined with the PLE rows where there are any) with how it is written."""
+        return self._tables
 
     # --- report ----------------------------------------------------------------------------------
     def prequantized(self) -> PrequantizedSummary | None:

@@ -30,6 +30,8 @@ from llmexport.schemes import Schemes
 from llmexport.spec import LinearSpec
 
 log = logging.getLogger(__name__)
+#: tokens of the example input every graph is traced with (its sequence axis stays dynamic)
+TRACE_SEQ_LEN = 3
 
 
 @contextmanager

@@ -29,11 +29,10 @@ from llmexport.quant.rtn import NonFiniteError
 from llmexport.quant.scheme import QuantScheme
 from llmexport.results import ExportPlan
 from llmexport.spec import GraphInputs, LinearSpec
-from llmexport.targets.base import ExportJob, OutputTarget
+from llmexport.targets.base import TRACE_SEQ_LEN, ExportJob, OutputTarget
 from llmexport.weight_sources import WeightSources
 
 log = logging.getLogger(__name__)
-TRACE_SEQ_LEN = 3
 
 
 class MnnTarget(OutputTarget):

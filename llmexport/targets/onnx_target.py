@@ -8,9 +8,7 @@ from llmexport.models.base import Architecture
 from llmexport.quant.scheme import QuantScheme
 from llmexport.results import ExportPlan
 from llmexport.spec import LinearSpec
-from llmexport.targets.base import ExportJob, OutputTarget
-
-TRACE_SEQ_LEN = 3
+from llmexport.targets.base import TRACE_SEQ_LEN, ExportJob, OutputTarget
 
 
 class OnnxTarget(OutputTarget):
