@@ -89,7 +89,7 @@ def test_random_configs_match_hf(tmp_path, family, seed):
 
 
 @parametrize("onnx", "variant", ["llama3", "llama3-tied", "qwen2", "mistral", "qwen3-tied", "qwen3-moe-mixed",
-                                 "smollm3-sliding"], MODEL_TYPE.get)
+                                 "smollm3-sliding", "ministral", "qwen3-moe-sliding"], MODEL_TYPE.get)
 def test_reference_onnx_matches_eager(tiny_decoder, tmp_path, variant):  # between them, every feature
     arch = open_architecture(Checkpoint.open(tiny_decoder(variant)))
     graph = bind_weights(arch.build_graph(), arch.linear_weight)
@@ -126,10 +126,12 @@ def test_roles_and_recipes(tiny_decoder):
 
 
 #: the tiny variants with sliding layers: their layers' slices in the "mix" mask
-SLIDING = {"qwen2": [False, False, True, True], "mistral": [True] * 4, "smollm3-sliding": [True, False, True, False]}
+SLIDING = {"qwen2": [False, False, True, True], "mistral": [True] * 4, "smollm3-sliding": [True, False, True, False],
+           "ministral": [True, False, True, False], "qwen3-sliding": [False, True, True, True],
+           "qwen3-moe-sliding": [True] * 4}
 #: the tiny variants' layers without RoPE (SmolLM3)
 NO_ROPE = {"smollm3": [1, 3], "smollm3-sliding": [0, 2]}
-STOPS = {"llama": ("<|eot_id|>", "<|eom_id|>"), "mistral": ()}
+STOPS = {"llama": ("<|eot_id|>", "<|eom_id|>"), "mistral": (), "ministral": ()}
 
 
 @pytest.mark.parametrize("variant", sorted(VARIANTS))
@@ -177,7 +179,9 @@ def test_transformers_4_config_keys_read_the_same(tiny_decoder, tmp_path):
     ("qwen3", dict(reshape={"model.layers.0.self_attn.k_norm.weight": (64,)}), r"has shape \[64\]"),
     ("qwen3", dict(add={"model.layers.0.self_attn.q_proj.bias": torch.zeros(64)}), "not mapped by the Qwen3"),
     ("qwen3-moe", dict(drop=["model.layers.2.mlp.experts.5.up_proj.weight"]), "experts.5.up_proj.weight' missing"),
-    ("qwen3", dict(config={"use_sliding_window": True}), "use_sliding_window"),
+    ("llama3", dict(config={"use_sliding_window": True}), "use_sliding_window"),
+    ("ministral", dict(config={"layer_types": ["sliding_attention", "chunked_attention"] * 2}), "layer_type"),
+    ("qwen3-sliding", dict(config={"sliding_window": 0}), "'sliding_window' must be an integer >= 1"),
     ("qwen3", dict(config={"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e6, "factor": 4.0,
                                                "original_max_position_embeddings": 4096}}), "rope_type"),
     ("llama3", dict(config={"mlp_bias": True}), "mlp_bias"),
@@ -215,7 +219,8 @@ _KEYS = ["num_hidden_layers", "hidden_size", "num_attention_heads", "num_key_val
 
 @settings(max_examples=int(os.environ.get("FUZZ_EXAMPLES", 80)), deadline=None,
           derandomize=not os.environ.get("FUZZ_EXAMPLES"), suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(variant=st.sampled_from(["llama3", "qwen2", "mistral", "qwen3", "qwen3-moe-mixed", "smollm3-sliding"]),
+@given(variant=st.sampled_from(["llama3", "qwen2", "mistral", "qwen3", "qwen3-moe-mixed", "smollm3-sliding",
+                                "ministral", "qwen3-sliding"]),
        key=st.sampled_from(_KEYS), value=_JUNK, delete=st.booleans())
 def test_mutated_config_gives_typed_errors(tiny_decoder, tmp_path_factory, variant, key, value, delete):
     """Whatever a config value is, a typed one-line error or a working architecture comes out."""

@@ -50,6 +50,10 @@ def _token_id(path, text: str) -> int:
     return AutoTokenizer.from_pretrained(path).convert_tokens_to_ids(text)
 
 
+#: the tiny MoE variants' sparse layers, each one MoE subgraph in llm.mnn
+SPARSE_LAYERS = {"qwen3-moe": (0, 1, 2, 3), "qwen3-moe-mixed": (1, 3), "qwen3-moe-sliding": (1, 2, 3)}
+
+
 @pytest.mark.slow
 @parametrize("mnn", "variant", sorted(VARIANTS), MODEL_TYPE.get)
 def test_fp16_export_agrees_with_fp32_reference(tiny_decoder, tmp_path, variant):
@@ -66,8 +70,7 @@ def test_fp16_export_agrees_with_fp32_reference(tiny_decoder, tmp_path, variant)
     assert json.loads((out / "llm_config.json").read_text())["jinja"]["chat_template"] == style.chat_template
     subgraphs = {s["name"].rsplit("_", 1)[0] for s in mnn_to_json(out / "llm.mnn", tmp_path / "g.json")
                  .get("subgraphs", [])}
-    sparse = {f"/expert/{i}" for i in ((0, 1, 2, 3) if variant == "qwen3-moe" else (1, 3))} \
-        if variant.startswith("qwen3-moe") else set()
+    sparse = {f"/expert/{i}" for i in SPARSE_LAYERS.get(variant, ())}
     assert subgraphs == sparse
 
 
@@ -91,7 +94,7 @@ def test_mlp4_attn8_recipe_export(tiny_decoder, tmp_path, variant):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("family, seed", [("llama", 305), ("qwen3_moe", 306), ("qwen2", 307), ("mistral", 310),
-                                          ("smollm3", 305)])
+                                          ("smollm3", 305), ("ministral", 311), ("qwen3", 312)])
 def test_random_config_runs_in_mnn(tmp_path, family, seed):
     path = build_decoder_checkpoint(tmp_path / "model", family, random_config(family, seed), seed=seed)
     export(path, tmp_path / "out", ExportOptions(quant=QuantScheme(16, 64)))
@@ -99,7 +102,8 @@ def test_random_config_runs_in_mnn(tmp_path, family, seed):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("variant", ["qwen3", "qwen2", "mistral", "smollm3-sliding"])
+@pytest.mark.parametrize("variant", ["qwen3", "qwen2", "mistral", "smollm3-sliding", "ministral", "qwen3-sliding",
+                                     "qwen3-moe-sliding"])
 def test_cli_verify(tiny_decoder, tmp_path, variant):
     dst = tmp_path / "out"
     proc = subprocess.run([sys.executable, "-c", "from llmexport.cli import main; main()", "--path",

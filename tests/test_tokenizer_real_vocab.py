@@ -37,8 +37,6 @@ from real_vocab import real_vocab
 #: Vocabulary -> a phrase of the exporter's one-line refusal.
 REFUSED = {
     "llama-bpe": "ignore_merges=true: 588 vocabulary word(s)",  # and names --approximate_ignore_merges
-    "deepseek-llm": "non-ASCII patterns run on std::wregex",
-    "deepseek-coder": "non-ASCII patterns run on std::wregex",
     "falcon": "pre-tokenizer 'Punctuation'",
     "starcoder": "ByteLevel vocabulary lacks 14 byte character(s)",
 }

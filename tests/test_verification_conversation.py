@@ -182,6 +182,7 @@ FAMILIES = {
     "qwen3_moe": ("qwen3_moe", 4, RuntimeProfile.EXACT),
     "qwen2": ("qwen2", 16, RuntimeProfile.FAST),
     "mistral": ("mistral", 8, RuntimeProfile.EXACT),
+    "ministral": ("ministral", 4, RuntimeProfile.FAST),
     "smollm3": ("smollm3", 16, RuntimeProfile.FAST),
     "gemma3_text": ("gemma3_text", 8, RuntimeProfile.EXACT),
     "phi3": ("phi3", 16, RuntimeProfile.FAST),
@@ -236,7 +237,7 @@ def test_each_family_chats_like_hf(tmp_path, family):
     window = int(json.loads((out / "llm_config.json").read_text()).get("sliding_window", 0))
     assert check.sliding_window == window
     assert any(t.past_window for t in check.turns) == bool(window)  # the long turns run past any window
-    assert bool(window) == (family.startswith("gemma") or family in ("qwen2", "mistral"))
+    assert bool(window) == (family.startswith("gemma") or family in ("qwen2", "mistral", "ministral"))
     assert (check.turns[0].exact_kernels is not None) == (bounds.kernels_max_abs_err is not None)
     assert conversation_failures(check, bounds.max_abs_err, bounds.mean_abs_err, bounds.kernels_max_abs_err) == []
     assert not any("unexplained" in t.text_difference for t in check.turns)

@@ -286,7 +286,7 @@ def convert_tokenizer(
     trailer = u32(len(template)) + template + string(eos_text) + u8(flags) + string(bos_text)
 
     converted = MnnTokenizerFile(header + body.data + b"".join(added_block) + trailer, tuple(stop_ids),
-                                 frozenset(body.unsafe_chars), tuple(body.notes), tuple(body.pieces),
+                                 frozenset(body.unsafe_chars), tuple(dict.fromkeys(body.notes)), tuple(body.pieces),
                                  body.ignore_merges_difference)
     for note in converted.notes:
         log.warning("tokenizer: %s", note)

@@ -10,7 +10,8 @@ What the runtime does (tokenizer.cpp, unicode.cpp) that decides the rules here:
 * Digits pre-tokenizer: only ASCII digits, and nothing at all without ``individual_digits``; HF
   splits on every Unicode number, so it is written as the Split regex ``\\p{N}`` (``\\p{N}+``).
 * ByteLevel pre-tokenizer: optional GPT-2 regex, then every byte mapped to its GPT-2 character;
-  it has no ``add_prefix_space``. Split: a regex (see tokenizer_regex.py), ``invert`` and the
+  it has no ``add_prefix_space``. Split: a regex (ASCII: tokenizer_regex.py; with non-ASCII
+  characters, rewritten for std::wregex: tokenizer_wide_regex.py), ``invert`` and the
   behaviors Isolated, Removed, MergedWithPrevious; MergedWithPrevious also merges a match into a
   directly preceding match, which HF does not.
 * BPE: the word's characters (or, without ByteLevel, its characters and ``<0xNN>`` byte
@@ -32,8 +33,9 @@ import struct
 from dataclasses import dataclass, field
 
 from llmexport.mnn.byte_level import byte_level_chars
-from llmexport.mnn.tokenizer_regex import UnsupportedRegex, check_split_regex, escape_literal
+from llmexport.mnn.tokenizer_regex import UnsupportedRegex, check_split_regex, end_of_line_as_lookahead, escape_literal
 from llmexport.mnn.tokenizer_whole_words import APPROXIMATE_FLAG, IgnoreMergesDifference, measure_ignore_merges
+from llmexport.mnn.tokenizer_wide_regex import WREGEX_NOTE, rewrite_for_wregex
 
 __all__ = ["Body", "Unsupported", "encode_body", "unreachable_words", "decoder_has_byte_level",
            "GPT2_PATTERN", "NFC_NOTE", "u8", "u32", "string"]
@@ -122,17 +124,21 @@ def _split(node: dict, body: Body, literal_removed_by_normalizer: bool) -> bytes
         raise Unsupported(f"Split pre-tokenizer behavior {behavior!r} (supported: {', '.join(_SPLIT_BEHAVIOR)})")
     if regex:
         try:
-            body.unsafe_chars |= check_split_regex(pattern).unsafe_chars()
+            if pattern.isascii():
+                pattern = end_of_line_as_lookahead(pattern)
+                body.unsafe_chars |= check_split_regex(pattern).unsafe_chars()
+            else:
+                pattern = rewrite_for_wregex(pattern)
+                body.notes.append(WREGEX_NOTE)
         except UnsupportedRegex as exc:
             raise Unsupported(f"Split pre-tokenizer: {exc}") from None
     else:
         if not pattern or any(ord(c) < 0x08 for c in pattern):
             raise Unsupported(f"Split pre-tokenizer with pattern {pattern!r}")
-        if any(ord(c) >= 0x80 for c in pattern):
-            if any(c in ".^$*+?{}[]\\|()" for c in pattern):  # would go to std::wregex unescaped
-                raise Unsupported(f"Split pre-tokenizer with pattern {pattern!r} (non-ASCII with regex metacharacters)")
-        else:
-            pattern = escape_literal(pattern)
+        pattern = escape_literal(pattern)
+        if not pattern.isascii():
+            pattern = rewrite_for_wregex(pattern)  # a string of literals: no Unsupported case
+            body.notes.append(WREGEX_NOTE)
     if behavior == "MergedWithPrevious" and not literal_removed_by_normalizer:
         # The runtime also merges a match into a directly preceding match ("a  b" split on " ").
         raise Unsupported("Split pre-tokenizer MergedWithPrevious (the runtime merges adjacent matches, HF does not)")

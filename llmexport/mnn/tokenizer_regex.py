@@ -36,7 +36,11 @@ from typing import NoReturn
 
 from llmexport.mnn.tokenizer_unicode import CLASS_DIFFERENCE_RANGES
 
-__all__ = ["RegexCheck", "UnsupportedRegex", "check_split_regex", "escape_literal", "class_differences"]
+__all__ = ["RegexCheck", "UnsupportedRegex", "check_split_regex", "escape_literal", "class_differences",
+           "LINE_END", "end_of_line_as_lookahead"]
+
+#: Oniguruma's (Ruby syntax) ``$``: before a line feed or at the end of the text, not only at the end.
+LINE_END = "(?![^\\n])"
 
 _PROPERTIES = ("L", "N", "M", "P", "S")
 _PLAIN_ESCAPES = "rntfv"
@@ -91,6 +95,29 @@ def _case_fold_partners(letters: str, runs: tuple[str, ...] | None) -> frozenset
 def escape_literal(text: str) -> str:
     """A literal String pattern as a pattern MNN's matcher reads literally."""
     return "".join("\\" + c if c in ".^$*+?{}[]\\|()" else c for c in text)
+
+
+def end_of_line_as_lookahead(pattern: str) -> str:
+    """``pattern`` with each ``$`` outside a class written as ``LINE_END``, which both runtime
+    matchers read as HF does (the byte matcher reads ``$`` as a literal dollar sign)."""
+    out, i, in_class = [], 0, False
+    while i < len(pattern):
+        c = pattern[i]
+        if c == "\\":
+            out.append(pattern[i:i + 2])
+            i += 2
+            continue
+        if in_class:
+            in_class = c != "]"
+        elif c == "[":
+            in_class = True
+            if pattern.startswith("[^]", i) or pattern.startswith("[]", i):
+                raise UnsupportedRegex(f"regex {pattern!r}: ']' first in a class")
+        elif c == "$":
+            c = LINE_END
+        out.append(c)
+        i += 1
+    return "".join(out)
 
 
 def check_split_regex(pattern: str) -> RegexCheck:

@@ -20,6 +20,7 @@ FAMILIES: dict[str, str] = {
     "gemma4_text": "llmexport.models.gemma4:Gemma4",
     "k2_horizon": "llmexport.models.k2_horizon:K2Horizon",
     "llama": "llmexport.models.llama:Llama",
+    "ministral": "llmexport.models.ministral:Ministral",
     "mistral": "llmexport.models.mistral:Mistral",
     "qwen2": "llmexport.models.qwen2:Qwen2",
     "phi3": "llmexport.models.phi3:Phi3",

@@ -1,8 +1,10 @@
 """Qwen3 family: dense ``qwen3`` (``Qwen3ForCausalLM``) and sparse ``qwen3_moe`` (``Qwen3MoeForCausalLM``).
 
 Qwen3 is the Llama layout with a per-head RMSNorm of q and k over head_dim before RoPE
-(``self_attn.{q,k}_norm.weight`` [head_dim]) and default RoPE; full attention only (sliding
-windows are refused). Qwen3-MoE replaces the MLP of its sparse layers with a softmax router
+(``self_attn.{q,k}_norm.weight`` [head_dim]) and default RoPE; with ``use_sliding_window`` the
+layers from ``max_window_layers`` on slide (Qwen3Config's ``layer_types``, as Qwen2), while
+Qwen3-MoE slides every layer (Qwen3MoeAttention reads ``sliding_window``, which its config clears
+without ``use_sliding_window``). Qwen3-MoE replaces the MLP of its sparse layers with a softmax router
 (``mlp.gate``; top-k, optionally renormalised, ``norm_topk_prob``) over SwiGLU experts, which
 run on MNN's MoE op. Checkpoints keep one tensor per expert; transformers stacks them into
 ``experts.gate_up_proj`` / ``experts.down_proj``, which ``reference_slot`` maps onto.
@@ -12,6 +14,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from llmexport.models.decoder_args import BY_LAYER_TYPES, EVERY_LAYER
 from llmexport.models.decoder_names import LLAMA_LAYOUT
 from llmexport.models.plain_decoder import PlainDecoder
 from llmexport.models.tensor_names import match, weight_name
@@ -31,6 +34,7 @@ class Qwen3(PlainDecoder):
     family = "Qwen3"
     config_class = "Qwen3Config"
     qk_norm = True
+    sliding = BY_LAYER_TYPES
     end_of_turn = ("<|im_end|>",)
 
 
@@ -38,6 +42,7 @@ class Qwen3Moe(Qwen3):
     family = "Qwen3-MoE"
     config_class = "Qwen3MoeConfig"
     names = QWEN3_MOE_NAMES
+    sliding = EVERY_LAYER
 
     def reference_slot(self, tensor: str) -> tuple[str, tuple[Any, ...]]:
         """An expert's gate/up rows of transformers' stacked ``gate_up_proj`` [E, 2 * width, hidden]

@@ -1,8 +1,9 @@
-"""Tiny random Llama, Qwen2, Qwen3, Qwen3-MoE, Mistral and SmolLM3 checkpoints, built with transformers' own classes.
+"""Tiny random Llama, Qwen2, Qwen3, Qwen3-MoE, Mistral, Ministral and SmolLM3 checkpoints, built
+with transformers' own classes.
 
 Each holds what a real checkpoint does: ``config.json`` and ``model.safetensors`` as
 ``save_pretrained`` writes them (Qwen3-MoE experts one tensor per expert, the hub layout), the
-family's tokenizer style (llmexport.tiny.byte_level_tokenizer: Llama-3's for Llama and Mistral
+family's tokenizer style (llmexport.tiny.byte_level_tokenizer: Llama-3's for Llama, Mistral and Ministral
 (a byte-level BPE, as Mistral-Nemo's tekken), Qwen's ByteLevel BPE with NFC and the ChatML
 template for Qwen2/Qwen3/Qwen3-MoE and SmolLM3) and generation_config.json
 with the style's eos ids. bf16 weights (llmexport.tiny.weights), as these families ship.
@@ -54,6 +55,9 @@ FAMILIES: dict[str, Family] = {
     "mistral": Family("MistralForCausalLM", "MistralConfig", "llama3",
                       dict(_COMMON, rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0},
                            sliding_window=TINY_WINDOW)),
+    "ministral": Family("MinistralForCausalLM", "MinistralConfig", "llama3",
+                        dict(_COMMON, rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0},
+                             sliding_window=TINY_WINDOW)),
     # SmolLM3: a Llama-3 vocabulary with ChatML turns; the tiny one takes the Qwen (ChatML) style
     "smollm3": Family("SmolLM3ForCausalLM", "SmolLM3Config", "qwen",
                       dict(_COMMON, rope_parameters={"rope_type": "default", "rope_theta": 5_000_000.0},
@@ -75,7 +79,11 @@ VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
     "qwen2-tied": ("qwen2", dict(tie_word_embeddings=True)),
     # every layer sliding (Mistral 7B v0.1's config)
     "mistral": ("mistral", {}),
+    # sliding and full layers interleaved (layer_types listed)
+    "ministral": ("ministral", dict(layer_types=["sliding_attention", "full_attention"] * 2)),
     "qwen3": ("qwen3", {}),
+    # Qwen3 with sliding layers 1-3 (use_sliding_window, max_window_layers)
+    "qwen3-sliding": ("qwen3", dict(use_sliding_window=True, sliding_window=TINY_WINDOW, max_window_layers=1)),
     # NoPE on layers 1 and 3 (no_rope_layer_interval 2), attention biases
     "smollm3": ("smollm3", dict(attention_bias=True)),
     # NoPE layers 0 and 2 listed, and sliding (use_sliding_window makes the NoPE layers slide)
@@ -85,6 +93,8 @@ VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
     "qwen3-tied": ("qwen3", dict(tie_word_embeddings=True, attention_bias=True)),
     # every layer sparse, renormalised top-k (Qwen3-30B-A3B's settings)
     "qwen3-moe": ("qwen3_moe", {}),
+    # every layer sliding (use_sliding_window), with a dense layer 0
+    "qwen3-moe-sliding": ("qwen3_moe", dict(use_sliding_window=True, sliding_window=TINY_WINDOW, mlp_only_layers=[0])),
     # dense layer 0 (mlp_only_layers), sparse every second layer otherwise, no renormalisation
     "qwen3-moe-mixed": ("qwen3_moe", dict(mlp_only_layers=[0], decoder_sparse_step=2, norm_topk_prob=False,
                                           num_experts_per_tok=3)),
@@ -110,11 +120,14 @@ def random_config(family: str, seed: int) -> dict[str, Any]:
         rms_norm_eps=rng.choice([1e-6, 1e-5]))}
     if family == "llama" and rng.random() < 0.5:
         config["rope_parameters"] = {"rope_type": "default", "rope_theta": rng.choice([10_000.0, 500_000.0])}
-    if family == "qwen2":
+    if family in ("qwen2", "qwen3", "qwen3_moe"):
         config.update(use_sliding_window=rng.random() < 0.7, sliding_window=rng.choice([3, 6]),
                       max_window_layers=rng.randint(0, config["num_hidden_layers"]))
     if family == "mistral":
         config["sliding_window"] = rng.choice([None, 3, 6])
+    if family == "ministral":
+        config.update(sliding_window=rng.choice([3, 6]), layer_types=[
+            rng.choice(["sliding_attention", "full_attention"]) for _ in range(config["num_hidden_layers"])])
     if family == "smollm3":
         config.update(no_rope_layer_interval=rng.choice([2, 3, 4]), use_sliding_window=rng.random() < 0.5,
                       sliding_window=rng.choice([3, 6]))

@@ -54,6 +54,7 @@ TINY_BUILDERS: dict[str, Builder] = {
     "gemma4_text": _gemma4(text_only=True),
     "k2_horizon": _k2_horizon,
     "llama": _decoder("llama3"),
+    "ministral": _decoder("ministral"),
     "mistral": _decoder("mistral"),
     "qwen2": _decoder("qwen2"),
     "phi3": _phi3,
