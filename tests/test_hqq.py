@@ -53,6 +53,16 @@ def test_record_decodes_exactly(bits: int) -> None:
     assert read_bias is None if bias is None else torch.equal(read_bias, bias)
 
 
+def test_record_of_a_sliced_tensor_decodes_to_the_whole_tensor_result() -> None:
+    # The writer quantizes row slices of ~1M values; the record must still hold quantize_hqq(w).
+    w = torch.cat([realistic_matrices()["t3.5_512x512"]] * 2, 1).repeat(5, 1)  # 2.6M values: 3 slices
+    buf = io.BytesIO()
+    rec = WeightFileWriter(buf).write_linear(w, None, QuantScheme(4, 64, method=QuantMethod.HQQ),
+                                             quantizer=quantize_hqq)
+    weight, _ = read_linear(buf.getvalue(), rec.external(), rec.quan_parameter(), 2560, 1024)
+    assert torch.equal(weight, dequantize(quantize_hqq(w, 4, 64)))
+
+
 def test_alpha_is_fp16_exact_and_q_matches_stored_grid() -> None:
     w = realistic_matrices()["t4_512x256"]
     qt = quantize_hqq(w, 4, 64)

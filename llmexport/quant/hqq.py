@@ -28,13 +28,14 @@ Which of the package's entry points, and why: ``optimize_weights_proximal_v2`` w
 ``beta`` 10, ``kappa`` 1.01, 20 iterations, no scale grid search). Its ``optimize_weights_proximal``
 (an alias of ``optimize_weights_proximal_legacy``) takes neither argument, and
   * computes in fp16 on CUDA, where ``s_inv = 1/scale`` overflows for scales below 2^-16 and an
-    8-bit zero is resolved to 1/8 of a level; fp32 gives the same result on either device;
-  * stops when the *tensor's* mean error stops falling, so a block's zero would depend on which
-    other rows share the call (the writers cut every tensor into row slices, the GPU path does
-    not). Without the early stop each block's iterations depend on that block alone, and the
-    result on how rows are chunked not at all.
-On the LLM-like matrices of ``bench/quant.py --quick`` the two give identical zeros on 17 of 20
-(4 and 8 bits) and mean errors equal to 4 digits, this one's never the higher (docs/quantization.md).
+    8-bit zero is resolved to 1/8 of a level; in fp32 the arithmetic is the same on either device;
+  * stops when the mean error of *everything in the call* stops falling, so a block's zero would
+    depend on which other rows share the call (the writers cut every tensor into row slices).
+    Without the early stop each block's iterations depend on that block alone, and the result on
+    how rows are chunked not at all.
+On the LLM-like matrices of ``bench/quant.py --quick`` the two give identical zeros on 17 of 20 (4
+and 8 bits) and mean errors equal to 4 digits there; this one's is never the higher
+(docs/benchmarks.md, "HQQ").
 
 Symmetric quantization has no zero point to optimise, so ``sym=True`` is plain RTN.
 """
@@ -57,7 +58,7 @@ HQQ_ITERS = 20
 _CHUNK_ELEMENTS = 1 << 22
 # Weight values handed to the package per call on the CPU (whole blocks): its ~10 fp32 temporaries
 # per value then stay in cache over its 20 iterations, which made it 2x faster than 4M-value calls
-# (8 -> 16 MB/s of fp16 weights on one thread). On a GPU it takes a whole chunk of rows at once.
+# (7.6 -> 14-16 MB/s of fp16 weights on one thread). On a GPU it takes a whole chunk of rows at once.
 _SOLVER_ELEMENTS_CPU = 1 << 16
 
 
@@ -92,7 +93,7 @@ def _package_zero(
 
 
 def _hqq_rows(w: torch.Tensor, bits: int, block: int, scale_dtype: torch.dtype, opt_params: dict) -> QuantizedTensor:
-    """HQQ zero points for a few rows, all their blocks in one call of the package."""
+    """HQQ zero points for a few rows: RTN, the package's zeros, then the per-block choice."""
     rtn = quantize_rtn(w, bits, block, False, scale_dtype)
     assert rtn.zero is not None  # asymmetric RTN
     live = torch.nonzero(rtn.scale.reshape(-1) > 0).squeeze(-1)
