@@ -11,7 +11,9 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m pip install -q --upgrade pip
 	# The CPU build of torch first: a looser spec would pull a multi-GB CUDA build.
 	$(BIN)/python -m pip install -q torch==2.13.0
-	$(BIN)/python -m pip install -q -e '.[test]'
+	# DISABLE_CUDA=1: hqq's setup.py would otherwise try to build its CUDA kernels (unused here)
+	# with whatever `python` is first on PATH.
+	DISABLE_CUDA=1 $(BIN)/python -m pip install -q -e '.[test]'
 	touch $(STAMP)
 
 install: $(STAMP)

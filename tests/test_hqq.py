@@ -1,12 +1,17 @@
-"""HQQ zero-point quantizer: exact decoding through the MNN record, and lower error than RTN."""
+"""HQQ zero-point quantizer: the ``hqq`` package's solver, exact decoding through the MNN record,
+and never a block worse than RTN."""
 
 from __future__ import annotations
 
 import io
 
+import hqq.core.optimize
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
+import llmexport.quant.hqq as hqq_module
 from llmexport.mnn.weight_reader import read_linear
 from llmexport.mnn.weights import WeightFileWriter
 from llmexport.quant.hqq import quantize_hqq
@@ -46,6 +51,16 @@ def test_record_decodes_exactly(bits: int) -> None:
     weight, read_bias = read_linear(buf.getvalue(), rec.external(), rec.quan_parameter(), 64, 512)
     assert torch.equal(weight, dequantize(quantize_hqq(w, bits, 64)))
     assert read_bias is None if bias is None else torch.equal(read_bias, bias)
+
+
+def test_record_of_a_sliced_tensor_decodes_to_the_whole_tensor_result() -> None:
+    # The writer quantizes row slices of ~1M values; the record must still hold quantize_hqq(w).
+    w = torch.cat([realistic_matrices()["t3.5_512x512"]] * 2, 1).repeat(5, 1)  # 2.6M values: 3 slices
+    buf = io.BytesIO()
+    rec = WeightFileWriter(buf).write_linear(w, None, QuantScheme(4, 64, method=QuantMethod.HQQ),
+                                             quantizer=quantize_hqq)
+    weight, _ = read_linear(buf.getvalue(), rec.external(), rec.quan_parameter(), 2560, 1024)
+    assert torch.equal(weight, dequantize(quantize_hqq(w, 4, 64)))
 
 
 def test_alpha_is_fp16_exact_and_q_matches_stored_grid() -> None:
@@ -102,11 +117,83 @@ def test_sweep_levels_in_range(bits: int, block: int) -> None:
     assert err_hqq <= err_rtn
 
 
-def test_chunked_rows_equal_one_pass() -> None:
+def test_chunked_rows_equal_one_pass(monkeypatch: pytest.MonkeyPatch) -> None:
+    # The package runs without its tensor-wide early stop: each block's zero depends on that block
+    # alone, so not on which rows or blocks share a call (the writers quantize row slices).
     w = realistic_matrices()["t3_256x512"]
     whole = quantize_hqq(w, 4, 64)
     chunked = quantize_hqq(w, 4, 64, chunk_elements=512 * 24)  # 24 rows at a time, 11 chunks
     assert torch.equal(whole.q, chunked.q) and torch.equal(whole.zero, chunked.zero)
+    monkeypatch.setattr(hqq_module, "_SOLVER_ELEMENTS_CPU", 64 * 7)  # 7 blocks per call of the package
+    split = quantize_hqq(w, 4, 64)
+    assert torch.equal(whole.q, split.q) and torch.equal(whole.zero, split.zero)
+
+
+def test_zeros_come_from_the_package(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every call goes to hqq's proximal solver, with its defaults but fp32 and no early stop, one
+    row per block; a block that takes HQQ stores the package's zero, converted and rounded to fp16."""
+    calls = []
+    package = hqq.core.optimize.optimize_weights_proximal_v2
+
+    def spy(tensor, scale, zero, min_max, **kwargs):
+        out = package(tensor, scale, zero, min_max, **kwargs)
+        calls.append((tensor.clone(), scale.clone(), zero.clone(), min_max, kwargs, out[2].clone()))
+        return out
+
+    monkeypatch.setattr(hqq_module, "optimize_weights_proximal_v2", spy)
+    w = realistic_matrices()["t4_512x256"][:64]
+    qt = quantize_hqq(w, 4, 64)
+    assert len(calls) == 1
+    tensor, s_inv, z_h, min_max, kwargs, z_opt = calls[0]
+    assert tensor.shape == (64 * 4, 64) and torch.equal(tensor, w.reshape(-1, 64))
+    assert min_max == [0, 15] and kwargs["axis"] == 1 and kwargs["dtype"] == torch.float32
+    params = kwargs["opt_params"]
+    assert (params["lp_norm"], params["beta"], params["kappa"], params["iters"]) == (0.7, 10.0, 1.01, 20)
+    assert params["early_stop"] is False and params["scale_gridsearch"] is False
+    # HQQ's start is RTN: s_inv = 1/scale, z_h = 8 - zero/scale (= -min * s_inv)
+    rtn = quantize_rtn(w, 4, 64)
+    torch.testing.assert_close(s_inv.reshape(-1), 1 / rtn.scale.reshape(-1))
+    torch.testing.assert_close(z_h.reshape(-1), 8 - rtn.zero.reshape(-1) / rtn.scale.reshape(-1))
+    expect = ((8 - z_opt.reshape(-1)) * rtn.scale.reshape(-1)).to(torch.float16).float()
+    took = qt.zero.reshape(-1) != rtn.zero.reshape(-1)
+    assert float(took.float().mean()) > 0.5
+    assert torch.equal(qt.zero.reshape(-1)[took], expect[took])
+
+
+def _outlier_matrix(seed: int, rows: int, width: int, dof: float, outliers: int, magnitude: float) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    w = torch.distributions.StudentT(dof).sample((rows, width)) * magnitude
+    w[:, torch.randperm(width, generator=gen)[:outliers]] *= 20
+    return w
+
+
+@settings(max_examples=25, deadline=None, derandomize=True)
+@given(seed=st.integers(0, 2**16), bits=st.sampled_from([2, 3, 4, 8]), block=st.sampled_from([16, 32, 64]),
+       nblocks=st.integers(1, 4), rows=st.integers(1, 24), dof=st.floats(2.0, 30.0),
+       outliers=st.integers(0, 3), magnitude=st.sampled_from([1e-4, 2e-2, 1.0]))
+def test_properties(seed: int, bits: int, block: int, nblocks: int, rows: int, dof: float, outliers: int,
+                    magnitude: float) -> None:
+    """On random heavy-tailed weights of any scale: the scales are RTN's; scale and zero are fp16
+    values and each level the nearest to its weight on that stored grid (what MNN decodes); no
+    block's mean absolute error is above RTN's; the row chunking changes nothing."""
+    torch.manual_seed(seed)
+    width = block * nblocks
+    w = _outlier_matrix(seed, rows, width, dof, outliers, magnitude)
+    qt = quantize_hqq(w, bits, block)
+    rtn = quantize_rtn(w, bits, block)
+    assert qt.zero is not None and torch.equal(qt.scale, rtn.scale)
+    assert torch.equal(qt.zero.to(torch.float16).float(), qt.zero)
+    half = 1 << (bits - 1)
+    wb = w.reshape(rows, nblocks, block)
+    live = qt.scale > 0
+    step = torch.where(live, qt.scale, torch.ones_like(qt.scale))
+    levels = torch.round((wb - qt.zero[..., None]) / step[..., None]).clamp(-half, half - 1)
+    assert torch.equal(qt.q.float()[live], levels[live])
+    err = (dequantize(qt).reshape(wb.shape) - wb).abs().mean(-1)
+    err_rtn = (dequantize(rtn).reshape(wb.shape) - wb).abs().mean(-1)
+    assert bool((err <= err_rtn).all())
+    one_row = quantize_hqq(w, bits, block, chunk_elements=1)
+    assert torch.equal(one_row.q, qt.q) and torch.equal(one_row.zero, qt.zero)
 
 
 def test_constant_and_zero_blocks_stay_finite() -> None:
@@ -148,3 +235,6 @@ def test_rejects_bad_input() -> None:
         quantize_hqq(torch.tensor([[float("nan")] * 64]), 4, 64)
     with pytest.raises(ValueError):
         quantize_hqq(torch.randn(4, 64), 4, 64, lp_norm=1.5)
+    for bad in (dict(iters=1), dict(iters=-1), dict(kappa=1.0), dict(beta=0.0)):  # the package asserts these
+        with pytest.raises(ValueError):
+            quantize_hqq(torch.randn(4, 64), 4, 64, **bad)
