@@ -61,6 +61,9 @@ class ExportCommand:
     trust_remote_code: bool
     quiet: bool
     approximate_ignore_merges: bool = False
+    calib_data: str | None = None
+    calib_samples: int = 16
+    calib_seq_len: int = 128
 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
@@ -112,6 +115,13 @@ class ExportCommand:
 @click.option("--approximate_ignore_merges", is_flag=True,
               help="Export a tokenizer with ignore_merges words MNN's runtime cannot reach (Llama-3) instead of "
                    "refusing it; the measured difference is logged and recorded in verify.json.")
+@click.option("--calib_data", type=click.Path(dir_okay=False, path_type=str), default=None, metavar="FILE",
+              help="Round the quantized text linears with GPTQ on the model's activations over this text "
+                   "(plain text, or JSONL with a \"text\" field); nothing is downloaded.")
+@click.option("--calib_samples", type=int, default=16, show_default=True,
+              help="Calibration windows cut from --calib_data.")
+@click.option("--calib_seq_len", type=int, default=128, show_default=True,
+              help="Tokens per calibration window.")
 @click.version_option(__version__, "--version", prog_name="llmexport")
 def main(**flags: Any) -> None:
     """Export a HuggingFace LLM checkpoint to MNN (or ONNX), optionally verified."""
@@ -212,7 +222,7 @@ def export_options(command: ExportCommand) -> ExportOptions:
 
     from llmexport.errors import UsageError
     from llmexport.mnn.config import RuntimeProfile
-    from llmexport.options import ChatThinking, ExportFormat, ExportOptions
+    from llmexport.options import Calibration, ChatThinking, ExportFormat, ExportOptions
     from llmexport.quant.recipes import RECIPES, load_quant_config, recipe
     from llmexport.quant.scheme import QuantMethod, QuantScheme
 
@@ -231,7 +241,9 @@ def export_options(command: ExportCommand) -> ExportOptions:
                             runtime_profile=RuntimeProfile(command.runtime_profile),
                             chat_thinking=ChatThinking(command.chat_thinking), keep_failed=command.keep_failed,
                             max_memory=command.max_memory,
-                            approximate_ignore_merges=command.approximate_ignore_merges)
+                            approximate_ignore_merges=command.approximate_ignore_merges,
+                            calibration=None if command.calib_data is None else Calibration(
+                                Path(command.calib_data), command.calib_samples, command.calib_seq_len))
     quant_config = command.quant_config
     if quant_config is None:
         return options

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from enum import Enum
+from pathlib import Path
 
 from llmexport.errors import UsageError
 from llmexport.mnn.config import RuntimeProfile
@@ -34,6 +35,26 @@ class ChatThinking(str, Enum):
 
 
 @dataclass(frozen=True)
+class Calibration:
+    """GPTQ calibration (``--calib_data``): ``samples`` windows of ``seq_len`` tokens cut from the
+    text of ``data`` (plain text, or JSONL with a "text" field per line; llmexport.calibration_data)."""
+
+    data: Path
+    samples: int = 16
+    seq_len: int = 128
+
+    def validate(self) -> "Calibration":
+        if self.samples < 1:
+            raise UsageError(f"--calib_samples: must be >= 1, got {self.samples}")
+        if self.seq_len < 8:
+            raise UsageError(f"--calib_seq_len: must be >= 8 tokens, got {self.seq_len}")
+        return self
+
+    def manifest(self) -> dict:
+        return {"data": str(self.data), "samples": self.samples, "seq_len": self.seq_len}
+
+
+@dataclass(frozen=True)
 class ExportOptions:
     """Everything that decides what an export writes.
 
@@ -55,6 +76,9 @@ class ExportOptions:
     ``verify.json`` holding the failures) instead of discarding it. ``max_memory`` (GiB) replaces
     the machine's available memory in the check that refuses an export (or its verification)
     whose estimated peak would not fit (llmexport.memory_plan).
+
+    ``calibration`` (``--calib_data``) rounds the quantized text linears with GPTQ on the
+    checkpoint's own activations over that text (llmexport.calibration); None: the scheme's method alone.
 
     ``approximate_ignore_merges`` exports a tokenizer whose ``ignore_merges`` words MNN's runtime
     cannot reach (Llama-3) instead of refusing it; the measured difference is logged and recorded
@@ -80,6 +104,7 @@ class ExportOptions:
     keep_failed: bool = False
     max_memory: float | None = None
     approximate_ignore_merges: bool = False
+    calibration: Calibration | None = None
 
     #: fields that change how the export talks or runs, never what it writes (left out of manifest.json)
     PRESENTATION = ("quiet", "keep_failed", "max_memory")
@@ -108,6 +133,12 @@ class ExportOptions:
             raise UsageError("--keep_failed: keeps an export whose --verify disagreed; it needs --verify")
         if self.max_memory is not None and not self.max_memory > 0:
             raise UsageError(f"--max_memory: must be a positive number of GiB, got {self.max_memory}")
+        if self.calibration is not None:
+            self.calibration.validate()
+            if self.quant.is_fp16:
+                raise UsageError("--calib_data: calibration chooses quantized levels; --quant_bit 16 has none")
+            if self.export is not ExportFormat.MNN:
+                raise UsageError("--calib_data: only the MNN export stores quantized levels")
         if not isinstance(self.chat_thinking, ChatThinking):
             raise UsageError(f"--chat_thinking: {self.chat_thinking!r} is not one of "
                              f"{', '.join(t.value for t in ChatThinking)}")
@@ -120,6 +151,10 @@ class ExportOptions:
         fields = {k: v for k, v in asdict(self).items() if k not in self.PRESENTATION}
         if not self.approximate_ignore_merges:  # manifests written before the flag existed stay the same
             del fields["approximate_ignore_merges"]
+        if self.calibration is None:
+            del fields["calibration"]
+        else:
+            fields["calibration"] = self.calibration.manifest()
         return fields
 
     def with_plan(self, plan: QuantPlan) -> "ExportOptions":

@@ -32,6 +32,7 @@ from dataclasses import dataclass, replace
 from typing import Any, Callable, Iterable
 
 from llmexport.checkpoint import LazyTensor
+from llmexport.errors import UsageError
 from llmexport.importers.mlx import MlxLazy, MlxWeights, stored_format, tables_format
 from llmexport.mnn.limits import BLOCKS, FP16_BITS, LINEAR_BITS, QUANTIZED_TABLE_BITS
 from llmexport.mnn.token_table import JoinedColumns, token_table
@@ -102,6 +103,9 @@ class Schemes:
         weights = arch.checkpoint.weights
         self.mlx = weights if isinstance(weights, MlxWeights) else None
         self.choices: dict[str, Choice] = {}
+        if self.mlx is not None and options.calibration is not None and not options.requantize:
+            raise UsageError("--calib_data: this MLX checkpoint keeps its stored integers; calibration rounds "
+                             "the weights afresh, so it needs --requantize")
         if self.mlx is not None:
             self.choices = {spec.name: self._choose(self.mlx, spec) for spec in arch.linears()}
 

@@ -126,6 +126,38 @@ class QuantInfo:
 
 
 @dataclass(frozen=True)
+class Precomputed:
+    """A linear whose levels and alpha were chosen before the writer reached it (GPTQ calibration,
+    llmexport.calibration): the writer stores ``result`` as it is, row slice by row slice."""
+
+    result: QuantizedTensor
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.result.shape
+
+    def dim(self) -> int:
+        return 2
+
+    def numel(self) -> int:
+        oc, ic = self.shape
+        return oc * ic
+
+    def __getitem__(self, rows: slice) -> "Precomputed":
+        r = self.result
+        return Precomputed(QuantizedTensor(r.q[rows], r.scale[rows], None if r.zero is None else r.zero[rows],
+                                           r.bits, r.block))
+
+    def levels(self, bits: int, block: int, sym: bool) -> QuantizedTensor:
+        """The stored result, as a quantizer returns it (ValueError when the scheme differs)."""
+        r = self.result
+        if (bits, block, sym) != (r.bits, r.block, r.sym):
+            raise ValueError(f"precomputed {r.bits}-bit block {r.block} {'sym' if r.sym else 'asym'} levels "
+                             f"cannot be written as {bits}-bit block {block} {'sym' if sym else 'asym'}")
+        return r
+
+
+@dataclass(frozen=True)
 class Prequantized:
     """A weight quantized by its source: ``w = scales * levels + biases`` per group of ``group``
     inputs. ``levels`` uint8 ``[..., out, in]`` in ``0 .. 2^bits - 1``; ``scales`` and ``biases``

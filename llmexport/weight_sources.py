@@ -1,5 +1,6 @@
-"""Where each exported linear's weights come from: the family's checkpoint tensors, or, for a
-linear an MLX-quantized checkpoint keeps as stored (llmexport.schemes), MLX's own integers."""
+"""Where each exported linear's weights come from: the family's checkpoint tensors; for a linear
+an MLX-quantized checkpoint keeps as stored (llmexport.schemes), MLX's own integers; for a linear
+GPTQ calibration rounded (llmexport.calibration), its precomputed levels."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ from typing import Any
 
 import torch
 
+from llmexport.calibration import CalibratedLinears
 from llmexport.models.base import Architecture
 from llmexport.schemes import Schemes
 
@@ -14,11 +16,14 @@ from llmexport.schemes import Schemes
 class WeightSources:
     """The weights of an export's text linears, as its schemes need them."""
 
-    def __init__(self, arch: Architecture, schemes: Schemes):
-        self.arch, self.schemes = arch, schemes
+    def __init__(self, arch: Architecture, schemes: Schemes, calibrated: CalibratedLinears | None = None):
+        self.arch, self.schemes, self.calibrated = arch, schemes, calibrated
 
     def weight(self, name: str) -> tuple[Any, torch.Tensor | None]:
-        """A transcoded linear's ``Prequantized`` integers (and bias), else the family's weights."""
+        """A calibrated linear's ``Precomputed`` levels, a transcoded one's ``Prequantized``
+        integers (each with its bias), else the family's weights."""
+        if self.calibrated is not None and name in self.calibrated:
+            return self.calibrated.weight(name), self.arch.linear_weight(name)[1]
         mlx = self.schemes.mlx
         if mlx is None or not self.schemes.stored(name):
             return self.arch.linear_weight(name)

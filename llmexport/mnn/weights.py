@@ -40,7 +40,7 @@ from llmexport.quant.rtn import NonFiniteError
 from llmexport.quant.scheme import FP16_BITS, QuantMethod, QuantScheme
 from llmexport.quant.transcode import transcode
 from llmexport.quant.workers import map_ordered
-from llmexport.spec import Prequantized, QuantizedTensor, Quantizer
+from llmexport.spec import Precomputed, Prequantized, QuantizedTensor, Quantizer
 
 log = logging.getLogger(__name__)
 
@@ -183,6 +183,10 @@ def _row_slices(oc: int, ic: int) -> Iterator[slice]:
     return (slice(i, min(i + step, oc)) for i in range(0, oc, step))
 
 
+def _precomputed_levels(weight: Precomputed, bits: int, block: int, sym: bool) -> QuantizedTensor:
+    return weight.levels(bits, block, sym)
+
+
 def _quantized_slice(weight, rows: slice, scheme: QuantScheme, block: int, quantize: Quantizer) -> tuple[bytes, bytes]:
     """Packed levels and alpha bytes of rows ``rows`` (run on a quantization worker)."""
     qt = quantize(weight[rows], scheme.bits, block, scheme.sym)
@@ -219,10 +223,13 @@ class WeightFileWriter:
         """Write one ``[oc, ic]`` linear (and its bias) and describe where it went.
 
         ``weight`` is a tensor, or a ``Prequantized`` source: written with its own integers under
-        ``QuantMethod.STORED``, dequantized and quantized afresh under any other scheme.
+        ``QuantMethod.STORED``, dequantized and quantized afresh under any other scheme; or a
+        ``Precomputed`` result (calibration), written as it is.
         """
         scheme.validate()
-        if scheme.method is QuantMethod.STORED:
+        if isinstance(weight, Precomputed):
+            quantizer = _precomputed_levels
+        elif scheme.method is QuantMethod.STORED:
             if not isinstance(weight, Prequantized):
                 raise ValueError("a STORED scheme needs the source's integers (Prequantized), got a float tensor")
             quantizer = transcode

@@ -15,6 +15,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterator
 
+from llmexport.calibration import calibrate
+from llmexport.calibration_data import read_texts
 from llmexport.checkpoint import Checkpoint
 from llmexport.errors import InputError
 from llmexport.memory_plan import mnn_export_peak_bytes
@@ -44,6 +46,8 @@ class MnnTarget(OutputTarget):
 
         checkpoint.tokenizer_file()
         checkpoint.check_tokenizer_side_files()
+        if options.calibration is not None:
+            read_texts(options.calibration.data)  # a bad calibration file fails before anything is written
         try:
             return mnn_tokenizer_bytes(checkpoint.path, end_of_turn=arch.end_of_turn_tokens(),
                                        approximate_ignore_merges=options.approximate_ignore_merges)
@@ -63,9 +67,14 @@ class MnnTarget(OutputTarget):
         arch, options, out = job.arch, job.options, job.out
         work = out / ".work"
         work.mkdir()
-        sources = WeightSources(arch, job.schemes)
         family_llm, family_runtime = dict(arch.llm_config()), dict(arch.runtime_config())  # reads files: fail early
-        graphs = _GraphWriter(job, work, quantizers(options.use_gpu))
+        quantize = quantizers(options.use_gpu)
+        calibrated = None
+        if options.calibration is not None:
+            with job.stage("calibration"):
+                calibrated = calibrate(arch, options.calibration, job.schemes.linear, quantize, work / "calibration")
+        sources = WeightSources(arch, job.schemes, calibrated)
+        graphs = _GraphWriter(job, work, quantize)
         rebuilt = graphs.write("llm", job.graph, arch.graph_inputs(TRACE_SEQ_LEN), arch.linears(), sources.weight,
                                job.schemes.linear, arch.linear_source, _convert_expert_templates(arch, work))
         files: dict[str, Any] = {}

@@ -1,0 +1,162 @@
+"""GPTQ calibration (``--calib_data``): the text linears rounded on the model's own activations.
+
+HF's reference model runs once over the calibration tokens (llmexport.calibration_data: windows
+spread over the user's text, joined into one sequence) with its weights streamed from the
+checkpoint (llmexport.streamed_reference: one decoder block in memory at a time). Each block runs
+twice: first with its checkpoint weights, while forward pre-hooks sum ``H = X^T X`` of the inputs
+of its linears; then each linear is rounded by GPTQ with its ``H`` on the export's scheme
+(llmexport.quant.gptq, the scheme's method choosing the block grids), the block's weights are
+replaced by what the records will decode to, and the block runs again to hand the next block its
+input. Later blocks therefore calibrate on the activations of the already-quantized earlier ones,
+as GPTQ does, and memory holds one block, its Hessians and the hidden states, whatever the depth.
+
+The results are saved to ``folder`` and written by the exporter as they are (``Precomputed``).
+Left to the scheme's own method (and listed in ``CalibratedLinears.skipped`` with the reason):
+fp16 linears, the lm_head, routed experts and other linears that are not one ``nn.Linear`` of
+the reference holding exactly the export's weight (stacked, fused or rescaled parameters), and
+the towers' linears.
+"""
+
+from __future__ import annotations
+
+import logging
+import types
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Mapping, cast
+
+import torch
+from torch import nn
+
+from llmexport.calibration_data import calibration_windows, read_texts
+from llmexport.checkpoint import CheckpointTensors
+from llmexport.models.base import Architecture
+from llmexport.options import Calibration
+from llmexport.quant.gptq import calibration_loss, quantize_gptq
+from llmexport.quant.rtn import dequantize
+from llmexport.quant.scheme import QuantMethod, QuantScheme
+from llmexport.spec import LinearRole, LinearSpec, Precomputed, Quantizer
+from llmexport.streamed_reference import ReferenceLayout, mapped_blocks, streamed_reference
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class CalibratedLinears:
+    """What calibration produced: a saved result per linear, and why others were left alone."""
+
+    files: dict[str, Path] = field(default_factory=dict)
+    skipped: dict[str, str] = field(default_factory=dict)
+    loss_ratio: dict[str, float] = field(default_factory=dict)  # GPTQ's loss / the base method's
+    tokens: int = 0
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.files
+
+    def weight(self, name: str) -> Precomputed:
+        return Precomputed(torch.load(self.files[name], weights_only=False))
+
+    def summary(self) -> str:
+        ratios = sorted(self.loss_ratio.values())
+        median = ratios[len(ratios) // 2] if ratios else float("nan")
+        return (f"{len(self.files)} linear(s) GPTQ-rounded on {self.tokens} tokens (median calibration loss "
+                f"{median:.2f}x the scheme's own), {len(self.skipped)} left to the scheme's method")
+
+
+def calibrate(arch: Architecture, calibration: Calibration, scheme_of: Callable[[LinearSpec], QuantScheme],
+              quantizers: Mapping[QuantMethod, Quantizer], folder: Path) -> CalibratedLinears:
+    """GPTQ results for ``arch``'s text linears (module docstring), saved under ``folder``."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(arch.checkpoint.path)
+    ids = calibration_windows(tokenizer, read_texts(calibration.data), calibration).reshape(-1)
+    folder.mkdir(parents=True, exist_ok=True)
+    out = CalibratedLinears(tokens=int(ids.numel()))
+    model = streamed_reference(arch, CheckpointTensors(arch.checkpoint.weights))
+    targets = _targets(arch, model, scheme_of, quantizers, out)
+    layout = ReferenceLayout.of(model)
+    for block_name in layout.blocks:
+        inside = {ref: spec for ref, spec in targets.items() if ref.startswith(block_name + ".")}
+        if inside:
+            _calibrate_block(arch, model.get_submodule(block_name), block_name, inside, scheme_of, quantizers,
+                             folder, out)
+    with mapped_blocks(), torch.no_grad():
+        arch.reference_logits(model, ids, first=int(ids.numel()) - 1)
+    for spec, reason in out.skipped.items():
+        log.debug("calibration: %s left to the scheme's method (%s)", spec, reason)
+    log.info("calibration: %s", out.summary())
+    return out
+
+
+def _targets(arch: Architecture, model: nn.Module, scheme_of: Callable[[LinearSpec], QuantScheme],
+             quantizers: Mapping[QuantMethod, Quantizer], out: CalibratedLinears) -> dict[str, LinearSpec]:
+    """Reference module name -> the linear it calibrates (the rest go to ``out.skipped``)."""
+    linears = {name for name, module in model.named_modules() if isinstance(module, nn.Linear)}
+    targets: dict[str, LinearSpec] = {}
+    for spec in arch.linears():
+        scheme = scheme_of(spec)
+        source = arch.linear_source(spec.name)
+        reference, index = arch.reference_slot(source.weight)
+        module = reference.removesuffix(".weight")
+        if scheme.is_fp16 or scheme.method not in quantizers:
+            out.skipped[spec.name] = "not quantized by a calibratable method"
+        elif spec.role is LinearRole.LM_HEAD:
+            out.skipped[spec.name] = "lm_head"
+        elif source.expert is not None or index != () or module not in linears or module in targets:
+            out.skipped[spec.name] = "not one nn.Linear of the reference"
+        else:
+            targets[module] = spec
+    return targets
+
+
+def _calibrate_block(arch: Architecture, block: nn.Module, block_name: str, targets: dict[str, LinearSpec],
+                     scheme_of: Callable[[LinearSpec], QuantScheme], quantizers: Mapping[QuantMethod, Quantizer],
+                     folder: Path, out: CalibratedLinears) -> None:
+    """Make ``block`` run twice per call: once collecting its linears' Hessians, then, after GPTQ
+    has replaced their weights, for its output."""
+    linears = {name: cast(nn.Linear, block.get_submodule(name[len(block_name) + 1:])) for name in targets}
+    original = block.forward
+
+    def forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+        hessians: dict[str, torch.Tensor] = {}
+        hooks = [linear.register_forward_pre_hook(_accumulate(hessians, name)) for name, linear in linears.items()]
+        try:
+            original(*args, **kwargs)
+        finally:
+            for hook in hooks:
+                hook.remove()
+        for name, spec in targets.items():
+            _round(arch, linears[name], spec, hessians.pop(name), scheme_of(spec), quantizers, folder, out)
+        return original(*args, **kwargs)
+
+    block.forward = types.MethodType(forward, block)
+
+
+def _accumulate(hessians: dict[str, torch.Tensor], name: str) -> Callable[..., None]:
+    """A forward pre-hook adding ``X^T X`` of a linear's input (fp64) to ``hessians[name]``."""
+    def hook(module: nn.Module, inputs: tuple[torch.Tensor, ...]) -> None:
+        x = inputs[0].detach().reshape(-1, inputs[0].shape[-1]).double()
+        hessians[name] = x.T @ x + hessians[name] if name in hessians else x.T @ x
+
+    return hook
+
+
+def _round(arch: Architecture, linear: nn.Linear, spec: LinearSpec, hessian: torch.Tensor, scheme: QuantScheme,
+           quantizers: Mapping[QuantMethod, Quantizer], folder: Path, out: CalibratedLinears) -> None:
+    """GPTQ one linear, save the result, and give the reference what the record decodes to."""
+    weight = arch.linear_weight(spec.name)[0]
+    if not isinstance(weight, torch.Tensor) or not torch.equal(weight.float(), linear.weight):
+        out.skipped[spec.name] = "the export's weight is not the reference's parameter"
+        return
+    weight = weight.float()
+    base = quantizers[scheme.method]
+    block = scheme.block_for(weight.shape[1])
+    result = quantize_gptq(weight, hessian, scheme.bits, block, scheme.sym, base)
+    reference = base(weight, scheme.bits, block, scheme.sym)
+    base_loss = calibration_loss(weight, reference, hessian)
+    out.loss_ratio[spec.name] = calibration_loss(weight, result, hessian) / base_loss if base_loss > 0 else 1.0
+    path = folder / f"{len(out.files):05d}.pt"
+    torch.save(result, path)
+    out.files[spec.name] = path
+    with torch.no_grad():
+        linear.weight.copy_(dequantize(result))
