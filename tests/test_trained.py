@@ -152,3 +152,28 @@ def test_unknown_recipe_is_refused():
     with pytest.raises(ValueError, match="unknown family"):
         trained.TrainRecipe("x", "gpt")
 
+
+
+@pytest.mark.slow
+def test_quality_of_an_fp16_export_in_mnn(corpus, tmp_path):
+    """End to end on a small trained model: exported at 16 bits, MNN's runtime (a fresh instance per
+    window, token by token) scores held-out windows as HF fp32 does."""
+    import numpy as np
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    import llmexport
+    from llmexport.mnn.runtime import run_windows
+    from llmexport.quality import compare, windows
+    from llmexport.quant.scheme import QuantScheme
+
+    checkpoint = trained.train(replace(RECIPES["llama"], steps=10), corpus, tmp_path / "ckpt").path
+    wins = windows(trained.encode(checkpoint, corpus.heldout), 12, 2, trained.bos_id(checkpoint))
+    model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
+    with torch.no_grad():
+        ref = np.concatenate([model(torch.tensor([w])).logits[0, :-1].numpy() for w in wins])
+    llmexport.export(checkpoint, tmp_path / "mnn", llmexport.ExportOptions(quant=QuantScheme(bits=16), quiet=True))
+    mnn = np.concatenate(run_windows(tmp_path / "mnn", wins))
+    stats = compare(ref, mnn, np.concatenate([w[1:] for w in wins]))
+    assert stats.positions == 22 and stats.top1 == 1.0
+    assert stats.kld_mean < 1e-5 and abs(stats.delta_ppl) < 1e-3 * stats.ppl_ref
