@@ -35,6 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from llmexport.mnn.config import LLM_WEIGHT, PROFILE_KEYS, RuntimeProfile  # noqa: E402
 from llmexport.mnn.runtime import run_windows  # noqa: E402
 from llmexport.quality import QualityStats, compare, windows  # noqa: E402
+from llmexport.tiny.corpus import CorpusError  # noqa: E402
 from llmexport.tiny.trained import RECIPES, bos_id, default_corpus, encode, trained_checkpoint  # noqa: E402
 
 SCHEMES: dict[str, list[str]] = {
@@ -121,7 +122,10 @@ def main(argv: list[str] | None = None) -> None:
     unknown = sorted(set(args.schemes) - set(SCHEMES)) + sorted(set(args.models.split(",")) - set(RECIPES))
     if unknown:
         raise SystemExit(f"unknown scheme or model: {', '.join(unknown)}")
-    corpus = default_corpus(args.text)
+    try:
+        corpus = default_corpus(args.text)
+    except CorpusError as exc:
+        raise SystemExit(f"error: {exc}") from None
     work = Path(tempfile.mkdtemp(prefix="llmexport-bench-quality-"))
     try:
         rows = [row for name in args.models.split(",") for row in score_model(name, args, corpus, work)]

@@ -118,10 +118,12 @@ def cache_root() -> Path:
 
 
 def recipe_key(recipe: TrainRecipe, corpus: Corpus) -> str:
-    """The cache key: the recipe, the training text, the trainer version and torch's version."""
+    """The cache key: the recipe, the texts (training; held out, which training.json scores), the
+    trainer version and torch's version."""
     digest = hashlib.sha256(json.dumps({"recipe": asdict(recipe), "trainer": TRAINER_VERSION,
                                         "torch": torch.__version__.split("+")[0]}, sort_keys=True).encode())
-    digest.update(hashlib.sha256(corpus.train.encode()).digest())
+    for text in (corpus.train, corpus.heldout):
+        digest.update(hashlib.sha256(text.encode()).digest())
     return f"{recipe.name}-{digest.hexdigest()[:12]}"
 
 
