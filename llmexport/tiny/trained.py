@@ -119,9 +119,12 @@ def cache_root() -> Path:
 
 def recipe_key(recipe: TrainRecipe, corpus: Corpus) -> str:
     """The cache key: the recipe, the texts (training; held out, which training.json scores), the
-    trainer version and torch's version."""
-    digest = hashlib.sha256(json.dumps({"recipe": asdict(recipe), "trainer": TRAINER_VERSION,
-                                        "torch": torch.__version__.split("+")[0]}, sort_keys=True).encode())
+    trainer version and the versions of torch and transformers (kernels, initialisation)."""
+    import transformers
+
+    versions = {"trainer": TRAINER_VERSION, "torch": torch.__version__.split("+")[0],
+                "transformers": transformers.__version__}
+    digest = hashlib.sha256(json.dumps({"recipe": asdict(recipe), **versions}, sort_keys=True).encode())
     for text in (corpus.train, corpus.heldout):
         digest.update(hashlib.sha256(text.encode()).digest())
     return f"{recipe.name}-{digest.hexdigest()[:12]}"
