@@ -2,7 +2,8 @@
 
 The runtime can crash at interpreter exit, so every request runs in a child process that ends
 with ``os._exit``; results come back as .npy files in a temporary folder. A single-prompt check
-uses a fresh instance per pass, so it sees nothing of earlier requests; ``run_chat`` checks a
+uses a fresh instance per pass, so it sees nothing of earlier requests (as does each window of
+``run_windows``, the quality benchmark's scoring); ``run_chat`` checks a
 conversation in one instance (several turns on one KV cache, then ``reset()`` and a new
 conversation). Exports made before the token table (mnn/token_table.py) failed exactly there.
 """
@@ -95,6 +96,18 @@ def run_module(model: Path, inputs: list[dict[str, np.ndarray]], outputs: list[s
         _run_child(request, str(model), timeout)
         return [{name: np.load(Path(tmp) / f"out{r}_{i}.npy") for i, name in enumerate(outputs)}
                 for r in range(len(inputs))]
+
+
+def run_windows(export_dir: Path, windows: Sequence[Sequence[int]], config: dict[str, Any] | None = None,
+                timeout: float = 1800) -> list[np.ndarray]:
+    """Each window's logits ``[len(window) - 1, vocab]`` (position ``i`` predicting token ``i + 1``),
+    every window in a fresh instance: its first token, then the others fed one at a time (one
+    child process for all windows)."""
+    with tempfile.TemporaryDirectory(prefix="llmexport-mnn-") as tmp:
+        request = {"mode": "score", "config": str(export_dir / "config.json"), "out": tmp,
+                   "set_config": config or {"thread_num": 2}, "windows": [[int(t) for t in w] for w in windows]}
+        _run_child(request, str(export_dir), timeout)
+        return [np.load(Path(tmp) / f"window{i}.npy") for i in range(len(windows))]
 
 
 @dataclass
@@ -219,6 +232,16 @@ def _media_child(request: dict[str, Any]) -> None:
     (Path(request["out"]) / "result.json").write_text(json.dumps({"ids": ids, "greedy": greedy}))
 
 
+def _score_child(request: dict[str, Any]) -> None:
+    out = Path(request["out"])
+    for i, window in enumerate(request["windows"]):
+        model = _instance(request)
+        logits = [_logits(model.forward([token])) for token in window[:-1]]
+        np.save(out / f"window{i}.npy", np.stack(logits))
+        del model  # one instance at a time
+    (out / "result.json").write_text("{}")
+
+
 def _decoded(model, token: int) -> bytes:
     # The binding builds a str from the runtime's bytes; a token that ends inside a UTF-8
     # sequence raises, and the exception still carries the bytes.
@@ -306,7 +329,8 @@ def _module_child(request: dict[str, Any]) -> None:
     (out / "result.json").write_text("{}")
 
 
-_MODES = {"text": _child, "media": _media_child, "module": _module_child, "chat": _chat_child}
+_MODES = {"text": _child, "media": _media_child, "module": _module_child, "chat": _chat_child,
+          "score": _score_child}
 
 if __name__ == "__main__":
     try:

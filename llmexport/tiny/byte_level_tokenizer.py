@@ -109,8 +109,9 @@ def _pre_tokenizer(style: str):
     ])
 
 
-def _train(style: str, budget: int) -> tuple[dict[str, int], list[tuple[str, str]]]:
-    """Byte alphabet (ids 0-255, in byte order) plus merges learned on the corpus."""
+def _train(style: str, budget: int, corpus: str | None = None) -> tuple[dict[str, int], list[tuple[str, str]]]:
+    """Byte alphabet (ids 0-255, in byte order) plus merges learned on the corpus (``corpus``:
+    another text, paragraphs separated by empty lines)."""
     from llmexport.mnn.byte_level import byte_level_chars
 
     trainer_tok = Tokenizer(BPE())
@@ -119,7 +120,7 @@ def _train(style: str, budget: int) -> tuple[dict[str, int], list[tuple[str, str
     trainer_tok.pre_tokenizer = _pre_tokenizer(style)
     trainer = BpeTrainer(vocab_size=budget, min_frequency=2, show_progress=False, special_tokens=[],
                          initial_alphabet=byte_level_chars())
-    trainer_tok.train_from_iterator((TRAINING_CORPUS + EXTRA_CORPUS).split("\n\n"), trainer=trainer)
+    trainer_tok.train_from_iterator((corpus or TRAINING_CORPUS + EXTRA_CORPUS).split("\n\n"), trainer=trainer)
     data = json.loads(trainer_tok.to_str())
     vocab = {c: b for b, c in enumerate(byte_level_chars())}
     for piece, _ in sorted(data["model"]["vocab"].items(), key=lambda kv: kv[1]):
@@ -128,9 +129,9 @@ def _train(style: str, budget: int) -> tuple[dict[str, int], list[tuple[str, str
     return vocab, merges
 
 
-def _build(style: TokenizerStyle, vocab_size: int) -> Tokenizer:
+def _build(style: TokenizerStyle, vocab_size: int, corpus: str | None = None) -> Tokenizer:
     added = style.specials + style.plain_added
-    vocab, merges = _train(style.name, vocab_size - len(added))
+    vocab, merges = _train(style.name, vocab_size - len(added), corpus)
     if style.name == "gpt2":  # GPT-2 keeps <|endoftext|> in the model vocabulary (its last id)
         vocab["<|endoftext|>"] = len(vocab)
     tok = Tokenizer(BPE(vocab=vocab, merges=merges, byte_fallback=False, ignore_merges=style.name == "llama3"))
@@ -151,16 +152,18 @@ def _build(style: TokenizerStyle, vocab_size: int) -> Tokenizer:
     return tok
 
 
-def build_byte_level_tokenizer(out_dir: Path, style: str, vocab_size: int = 512) -> TokenizerStyle:
+def build_byte_level_tokenizer(out_dir: Path, style: str, vocab_size: int = 512,
+                               corpus: str | None = None) -> TokenizerStyle:
     """Train a tokenizer of ``style`` (see ``STYLES``) with at most ``vocab_size`` ids and write
     ``tokenizer.json``, ``tokenizer_config.json`` (and ``chat_template.jinja``) into ``out_dir``.
-    ``generation_config.json`` is the model's, not written here (``STYLES[style].generation_eos``)."""
+    ``generation_config.json`` is the model's, not written here (``STYLES[style].generation_eos``).
+    ``corpus``: the text to learn the merges on (default: the small embedded one)."""
     if style not in STYLES:
         raise ValueError(f"unknown tokenizer style {style!r}; choose from {sorted(STYLES)}")
     spec = STYLES[style]
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    tok = _build(spec, vocab_size)
+    tok = _build(spec, vocab_size, corpus)
     tok.save(str(out_dir / "tokenizer.json"))
     config = {
         "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": spec.bos, "eos_token": spec.eos,
@@ -175,10 +178,11 @@ def build_byte_level_tokenizer(out_dir: Path, style: str, vocab_size: int = 512)
     return spec
 
 
-def write_checkpoint_tokenizer(out_dir: Path, style: str, vocab_size: int) -> dict[str, int | list[int] | None]:
+def write_checkpoint_tokenizer(out_dir: Path, style: str, vocab_size: int,
+                               corpus: str | None = None) -> dict[str, int | list[int] | None]:
     """A checkpoint's tokenizer files of ``style``; returns the token ids its config.json and
     generation_config.json carry (bos/eos/pad_token_id; eos: the style's generation eos ids)."""
-    spec = build_byte_level_tokenizer(out_dir, style, vocab_size)
+    spec = build_byte_level_tokenizer(out_dir, style, vocab_size, corpus)
     tok = Tokenizer.from_file(str(Path(out_dir) / "tokenizer.json"))
     eos = [tok.token_to_id(t) for t in spec.generation_eos]
     if None in eos:

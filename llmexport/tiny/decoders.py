@@ -140,14 +140,15 @@ def random_config(family: str, seed: int) -> dict[str, Any]:
 
 
 def build_decoder_checkpoint(out_dir: Path | str, family: str, config_kwargs: dict[str, Any], *, seed: int = 0,
-                             dtype: torch.dtype = torch.bfloat16) -> Path:
-    """Write a random-weight checkpoint of ``family`` (a key of ``FAMILIES``) to ``out_dir``."""
+                             dtype: torch.dtype = torch.bfloat16, tokenizer_corpus: str | None = None) -> Path:
+    """Write a random-weight checkpoint of ``family`` (a key of ``FAMILIES``) to ``out_dir``
+    (``tokenizer_corpus``: the text its tokenizer learns on; default the embedded one)."""
     import transformers
 
     spec = FAMILIES[family]
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    token_ids = write_checkpoint_tokenizer(out, spec.tokenizer, config_kwargs["vocab_size"])
+    token_ids = write_checkpoint_tokenizer(out, spec.tokenizer, config_kwargs["vocab_size"], tokenizer_corpus)
     config = getattr(transformers, spec.config_class)(**config_kwargs, **token_ids)
     torch.manual_seed(seed)
     model = getattr(transformers, spec.model_class)(config).eval()
@@ -162,3 +163,11 @@ def build_tiny_decoder(out_dir: Path | str, variant: str, *, seed: int = 0,
     """Write one of ``VARIANTS`` as a tiny random checkpoint to ``out_dir``."""
     family, config = variant_config(variant)
     return build_decoder_checkpoint(out_dir, family, config, seed=seed, dtype=dtype)
+
+
+def trained_config(vocab_size: int) -> tuple[str, dict[str, Any]]:
+    """A Llama-3.2-like decoder of 5.2M parameters (tied embeddings, default RoPE), for models
+    trained on real text (llmexport.tiny.trained): (family, config keyword arguments)."""
+    family, config = variant_config("llama3-tied")
+    return family, dict(config, vocab_size=vocab_size, hidden_size=256, intermediate_size=768, num_hidden_layers=6,
+                        num_attention_heads=4, num_key_value_heads=2, head_dim=64, attention_bias=False)

@@ -148,9 +148,11 @@ def build_gemma4_checkpoint(
     text_only: bool = False,
     vision_config: dict[str, Any] | None = None,
     audio_config: dict[str, Any] | None = None,
+    tokenizer_corpus: str | None = None,
 ) -> Path:
     """Write a random-weight Gemma4 checkpoint for arbitrary text-config keyword arguments
-    (and optional vision/audio tower configs, multimodal layout only)."""
+    (and optional vision/audio tower configs, multimodal layout only; ``tokenizer_corpus``: the
+    text its tokenizer learns on, default the embedded one)."""
     from transformers import Gemma4Config, Gemma4ForCausalLM, Gemma4ForConditionalGeneration, Gemma4TextConfig
 
     out = Path(out_dir)
@@ -171,7 +173,7 @@ def build_gemma4_checkpoint(
     randomize_gemma(model, seed)
     cast(nn.Module, model).to(dtype)  # in place (transformers types its own `to` too loosely to check)
     model.save_pretrained(out, safe_serialization=True)
-    build_tiny_gemma_tokenizer(out, vocab_size=text_config.vocab_size)
+    build_tiny_gemma_tokenizer(out, vocab_size=text_config.vocab_size, corpus=tokenizer_corpus)
     write_generation_config(out)
     return out
 
@@ -182,3 +184,15 @@ def write_generation_config(out: Path) -> None:
     data.update(bos_token_id=SPECIAL_TOKENS["bos"][1], eos_token_id=SPECIAL_TOKENS["eos"][1],
                 pad_token_id=SPECIAL_TOKENS["pad"][1], do_sample=False)
     path.write_text(json.dumps(data, indent=2))
+
+
+def trained_text_config(vocab_size: int) -> dict[str, Any]:
+    """An E2B-like shape of 6M parameters, for models trained on real text
+    (llmexport.tiny.trained): E2B's layer pattern (four sliding layers per full one), its last layers
+    sharing KV, one KV head, double-wide MLPs on the shared layers, per-layer embeddings, a
+    global head_dim twice the sliding one, final logit softcapping; a sliding window shorter than
+    the training and scoring windows."""
+    return dict(text_config_dict(SHAPES["e2b"]), vocab_size=vocab_size, vocab_size_per_layer_input=vocab_size,
+                hidden_size=256, intermediate_size=384, num_attention_heads=4, num_key_value_heads=1,
+                head_dim=64, global_head_dim=128, hidden_size_per_layer_input=32, sliding_window=64,
+                layer_types=[_S, _S, _S, _F, _S, _S, _S, _F], num_kv_shared_layers=3)

@@ -114,12 +114,14 @@ model: hello, how can I help you today?
 """
 
 
-def _train_merges(budget: int, words: bool = False) -> tuple[list[str], list[tuple[str, str]]]:
+def _train_merges(budget: int, words: bool = False,
+                  corpus: str | None = None) -> tuple[list[str], list[tuple[str, str]]]:
     """Learn an alphabet plus merges on the corpus, at most `budget` pieces in total.
 
     The whole alphabet of the corpus is kept (limiting it makes the trainer break ties between
     equally frequent characters in hash order, which is not reproducible). `words`: learn on
-    "▁word" units, as SentencePiece does, instead of on whole lines.
+    "▁word" units, as SentencePiece does, instead of on whole lines. `corpus`: another text to
+    learn on (paragraphs separated by empty lines; default the embedded corpus).
     """
     trainer_tok = Tokenizer(BPE())
     if words:
@@ -132,7 +134,7 @@ def _train_merges(budget: int, words: bool = False) -> tuple[list[str], list[tup
         show_progress=False,
         special_tokens=[],
     )
-    trainer_tok.train_from_iterator(TRAINING_CORPUS.split("\n\n"), trainer=trainer)
+    trainer_tok.train_from_iterator((corpus or TRAINING_CORPUS).split("\n\n"), trainer=trainer)
     data = json.loads(trainer_tok.to_str())
     vocab: dict[str, int] = data["model"]["vocab"]
     pieces = [tok for tok, _ in sorted(vocab.items(), key=lambda kv: kv[1])]
@@ -140,11 +142,11 @@ def _train_merges(budget: int, words: bool = False) -> tuple[list[str], list[tup
     return pieces, merges
 
 
-def _build_tokenizer(vocab_size: int) -> Tokenizer:
+def _build_tokenizer(vocab_size: int, corpus: str | None = None) -> Tokenizer:
     vocab: dict[str, int] = {text: idx for text, idx in SPECIAL_TOKENS.values()}
     for b in range(256):
         vocab[f"<0x{b:02X}>"] = BYTE_TOKEN_OFFSET + b
-    pieces, merges = _train_merges(vocab_size - _FIRST_LEARNED_ID)
+    pieces, merges = _train_merges(vocab_size - _FIRST_LEARNED_ID, corpus=corpus)
     for piece in pieces:
         if piece not in vocab:
             vocab[piece] = len(vocab)
@@ -172,16 +174,17 @@ def _build_tokenizer(vocab_size: int) -> Tokenizer:
     return tok
 
 
-def build_tiny_gemma_tokenizer(out_dir: Path, vocab_size: int = 512) -> None:
+def build_tiny_gemma_tokenizer(out_dir: Path, vocab_size: int = 512, corpus: str | None = None) -> None:
     """Train the tiny Gemma-style tokenizer and write it as a HF tokenizer folder.
 
     Writes `tokenizer.json`, `tokenizer_config.json` and `chat_template.jinja` into `out_dir`
     (created if needed); `transformers.AutoTokenizer.from_pretrained(out_dir)` loads it offline
-    and adds `<bos>` in front of encoded text.
+    and adds `<bos>` in front of encoded text. `corpus`: the text to learn the pieces on
+    (default: the small embedded one).
     """
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    tok = _build_tokenizer(vocab_size)
+    tok = _build_tokenizer(vocab_size, corpus)
     tok.save(str(out_dir / "tokenizer.json"))
 
     name = {k: v[0] for k, v in SPECIAL_TOKENS.items()}
