@@ -1,7 +1,7 @@
 """What each quantization scheme costs in quality, on small models trained on real English text.
 
     python bench/quality.py [--models gemma4-e2b,llama] [--windows 16] [--quick] [--text FILE]
-                            [--schemes fp16,q8,q4,q4-hqq,mlp4-attn8] [--json OUT.json]
+                            [--schemes fp16,q8,q4,q4-hqq,mlp4-attn8,q4-gptq,q4-hqq-gptq] [--json OUT.json]
 
 For each trained model (llmexport/tiny/trained.py: trained once, then cached) the held-out text
 (Austen's *Persuasion*, or the last tenth of ``--text``) is cut into windows of the training
@@ -13,7 +13,7 @@ the memory mode into config.json (llmexport/mnn/config.py PROFILE_KEYS), which i
 runtime here instead. Reported per (model, scheme, profile), with llama.cpp's definitions
 (llmexport/quality.py): PPL of HF fp32 and of MNN, KLD(HF fp32 || MNN) mean and 99th percentile,
 top-1 agreement, the weight files' size and bits per weight (8 x those bytes / the model's
-parameter count).
+parameter count). The ``-gptq`` schemes calibrate (``--calib_data``) on the training text.
 """
 
 from __future__ import annotations
@@ -38,12 +38,18 @@ from llmexport.quality import QualityStats, compare, windows  # noqa: E402
 from llmexport.tiny.corpus import CorpusError  # noqa: E402
 from llmexport.tiny.trained import RECIPES, bos_id, default_corpus, encode, trained_checkpoint  # noqa: E402
 
+#: GPTQ calibration on 32 windows of 128 tokens of the *training* text (CALIBRATION_TEXT is the
+#: file's place in the flags; the held-out text that is scored is never calibrated on)
+CALIBRATION_TEXT = "{calibration text}"
+CALIBRATION = ["--calib_data", CALIBRATION_TEXT, "--calib_samples", "32", "--calib_seq_len", "128"]
 SCHEMES: dict[str, list[str]] = {
     "fp16": ["--quant_bit", "16"],
     "q8": ["--quant_bit", "8"],
     "q4": ["--quant_bit", "4"],
     "q4-hqq": ["--quant_bit", "4", "--hqq"],
     "mlp4-attn8": ["--quant_config", "mlp4-attn8"],
+    "q4-gptq": ["--quant_bit", "4", *CALIBRATION],
+    "q4-hqq-gptq": ["--quant_bit", "4", "--hqq", *CALIBRATION],
 }
 MIB = 2**20
 
@@ -80,9 +86,12 @@ def score_model(name: str, args: argparse.Namespace, corpus, work: Path) -> list
     targets = np.concatenate([np.array(w[1:]) for w in wins])
     ref, params = reference_logits(checkpoint, wins)
     rows = []
+    calibration_text = work / "calibration.txt"
+    calibration_text.write_text(corpus.train, encoding="utf-8")
     for scheme in args.schemes:
         dst = work / f"{name}-{scheme}"
-        seconds = export(checkpoint, dst, SCHEMES[scheme])
+        flags = [str(calibration_text) if flag == CALIBRATION_TEXT else flag for flag in SCHEMES[scheme]]
+        seconds = export(checkpoint, dst, flags)
         size = weight_bytes(dst)
         for profile in RuntimeProfile:
             start = time.perf_counter()

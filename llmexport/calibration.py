@@ -10,9 +10,10 @@ replaced by what the records will decode to, and the block runs again to hand th
 input. Later blocks therefore calibrate on the activations of the already-quantized earlier ones,
 as GPTQ does, and memory holds one block, its Hessians and the hidden states, whatever the depth.
 
+The lm_head (tied or not) rounds on the final hidden states of every position.
 The results are saved to ``folder`` and written by the exporter as they are (``Precomputed``).
 Left to the scheme's own method (and listed in ``CalibratedLinears.skipped`` with the reason):
-fp16 linears, the lm_head, routed experts and other linears that are not one ``nn.Linear`` of
+fp16 linears, routed experts and other linears that are not one ``nn.Linear`` of
 the reference holding exactly the export's weight (stacked, fused or rescaled parameters), and
 the towers' linears.
 """
@@ -73,36 +74,40 @@ def calibrate(arch: Architecture, calibration: Calibration, scheme_of: Callable[
     folder.mkdir(parents=True, exist_ok=True)
     out = CalibratedLinears(tokens=int(ids.numel()))
     model = streamed_reference(arch, CheckpointTensors(arch.checkpoint.weights))
-    targets = _targets(arch, model, scheme_of, quantizers, out)
+    head = cast(Any, model).get_output_embeddings()
+    head_name = next(name for name, module in model.named_modules() if module is head)
+    targets = _targets(arch, model, head_name, scheme_of, quantizers, out)
     layout = ReferenceLayout.of(model)
     for block_name in layout.blocks:
-        inside = {ref: spec for ref, spec in targets.items() if ref.startswith(block_name + ".")}
-        if inside:
+        inside = {ref: spec for ref, spec in targets.items() if ref == block_name or ref.startswith(block_name + ".")}
+        if block_name == head_name and inside:
+            _calibrate_head(arch, head, inside[head_name], scheme_of, quantizers, folder, out)
+        elif inside:
             _calibrate_block(arch, model.get_submodule(block_name), block_name, inside, scheme_of, quantizers,
                              folder, out)
-    with mapped_blocks(), torch.no_grad():
-        arch.reference_logits(model, ids, first=int(ids.numel()) - 1)
+    with mapped_blocks(), torch.no_grad():  # every position reaches the head (which returns no logits here)
+        arch.reference_logits(model, ids, first=0)
     for spec, reason in out.skipped.items():
         log.debug("calibration: %s left to the scheme's method (%s)", spec, reason)
     log.info("calibration: %s", out.summary())
     return out
 
 
-def _targets(arch: Architecture, model: nn.Module, scheme_of: Callable[[LinearSpec], QuantScheme],
+def _targets(arch: Architecture, model: nn.Module, head_name: str, scheme_of: Callable[[LinearSpec], QuantScheme],
              quantizers: Mapping[QuantMethod, Quantizer], out: CalibratedLinears) -> dict[str, LinearSpec]:
-    """Reference module name -> the linear it calibrates (the rest go to ``out.skipped``)."""
+    """Reference module name -> the linear it calibrates (the rest go to ``out.skipped``); the
+    lm_head is the reference's output embedding, tied or not."""
     linears = {name for name, module in model.named_modules() if isinstance(module, nn.Linear)}
     targets: dict[str, LinearSpec] = {}
     for spec in arch.linears():
         scheme = scheme_of(spec)
         source = arch.linear_source(spec.name)
         reference, index = arch.reference_slot(source.weight)
-        module = reference.removesuffix(".weight")
+        head = spec.role is LinearRole.LM_HEAD
+        module = head_name if head else reference.removesuffix(".weight")
         if scheme.is_fp16 or scheme.method not in quantizers:
             out.skipped[spec.name] = "not quantized by a calibratable method"
-        elif spec.role is LinearRole.LM_HEAD:
-            out.skipped[spec.name] = "lm_head"
-        elif source.expert is not None or index != () or module not in linears or module in targets:
+        elif not head and (source.expert is not None or index != ()) or module not in linears or module in targets:
             out.skipped[spec.name] = "not one nn.Linear of the reference"
         else:
             targets[module] = spec
@@ -130,6 +135,19 @@ def _calibrate_block(arch: Architecture, block: nn.Module, block_name: str, targ
         return original(*args, **kwargs)
 
     block.forward = types.MethodType(forward, block)
+
+
+def _calibrate_head(arch: Architecture, head: nn.Module, spec: LinearSpec,
+                    scheme_of: Callable[[LinearSpec], QuantScheme], quantizers: Mapping[QuantMethod, Quantizer],
+                    folder: Path, out: CalibratedLinears) -> None:
+    """The lm_head rounds on its input and returns a placeholder: it is the last block, and the
+    logits of every calibration position would not fit beside a real vocabulary."""
+    def forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        flat = x.detach().reshape(-1, x.shape[-1]).double()
+        _round(arch, cast(nn.Linear, self), spec, flat.T @ flat, scheme_of(spec), quantizers, folder, out)
+        return x.new_zeros(*x.shape[:-1], 1)
+
+    head.forward = types.MethodType(forward, head)
 
 
 def _accumulate(hessians: dict[str, torch.Tensor], name: str) -> Callable[..., None]:

@@ -23,9 +23,9 @@ from llmexport.options import Calibration
 MAX_BYTES = 256 << 20
 
 
-def read_texts(path: Path) -> list[str]:
-    """The calibration texts of ``path`` (module docstring)."""
-    where = f"--calib_data {path}"
+def read_texts(path: Path, flag: str = "--calib_data") -> list[str]:
+    """The texts of ``path`` (module docstring); errors name ``flag`` (``--verify_text`` reads the same formats)."""
+    where = f"{flag} {path}"
     if not path.is_file():
         raise InputError(f"{where}: no such file")
     size = path.stat().st_size

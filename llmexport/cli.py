@@ -64,6 +64,8 @@ class ExportCommand:
     calib_data: str | None = None
     calib_samples: int = 16
     calib_seq_len: int = 128
+    verify_text: str | None = None
+    verify_windows: int = 16
 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
@@ -122,6 +124,11 @@ class ExportCommand:
               help="Calibration windows cut from --calib_data.")
 @click.option("--calib_seq_len", type=int, default=128, show_default=True,
               help="Tokens per calibration window.")
+@click.option("--verify_text", type=click.Path(dir_okay=False, path_type=str), default=None, metavar="FILE",
+              help="With --verify: also score windows of this text (plain UTF-8 or JSONL) in MNN's runtime and HF "
+                   "fp32: perplexity, KLD and top-1 as llama.cpp defines them.")
+@click.option("--verify_windows", type=int, default=16, show_default=True,
+              help="Windows of 128 tokens scored from --verify_text.")
 @click.version_option(__version__, "--version", prog_name="llmexport")
 def main(**flags: Any) -> None:
     """Export a HuggingFace LLM checkpoint to MNN (or ONNX), optionally verified."""
@@ -222,7 +229,7 @@ def export_options(command: ExportCommand) -> ExportOptions:
 
     from llmexport.errors import UsageError
     from llmexport.mnn.config import RuntimeProfile
-    from llmexport.options import Calibration, ChatThinking, ExportFormat, ExportOptions
+    from llmexport.options import Calibration, ChatThinking, ExportFormat, ExportOptions, VerifyText
     from llmexport.quant.recipes import RECIPES, load_quant_config, recipe
     from llmexport.quant.scheme import QuantMethod, QuantScheme
 
@@ -243,7 +250,9 @@ def export_options(command: ExportCommand) -> ExportOptions:
                             max_memory=command.max_memory,
                             approximate_ignore_merges=command.approximate_ignore_merges,
                             calibration=None if command.calib_data is None else Calibration(
-                                Path(command.calib_data), command.calib_samples, command.calib_seq_len))
+                                Path(command.calib_data), command.calib_samples, command.calib_seq_len),
+                            verify_text=None if command.verify_text is None else VerifyText(
+                                Path(command.verify_text), command.verify_windows))
     quant_config = command.quant_config
     if quant_config is None:
         return options

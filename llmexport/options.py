@@ -55,6 +55,21 @@ class Calibration:
 
 
 @dataclass(frozen=True)
+class VerifyText:
+    """``--verify_text``: ``windows`` windows of ``length`` tokens of a text the user gives, scored
+    by ``--verify`` in MNN's runtime and HF fp32 (perplexity, KLD, top-1: llmexport.quality)."""
+
+    path: Path
+    windows: int = 16
+    length: int = 128
+
+    def validate(self) -> "VerifyText":
+        if self.windows < 1:
+            raise UsageError(f"--verify_windows: must be >= 1, got {self.windows}")
+        return self
+
+
+@dataclass(frozen=True)
 class ExportOptions:
     """Everything that decides what an export writes.
 
@@ -79,6 +94,9 @@ class ExportOptions:
 
     ``calibration`` (``--calib_data``) rounds the quantized text linears with GPTQ on the
     checkpoint's own activations over that text (llmexport.calibration); None: the scheme's method alone.
+
+    ``verify_text`` (``--verify_text``) adds perplexity, KLD and top-1 on the user's text to the
+    verification (not a pass/fail criterion).
 
     ``approximate_ignore_merges`` exports a tokenizer whose ``ignore_merges`` words MNN's runtime
     cannot reach (Llama-3) instead of refusing it; the measured difference is logged and recorded
@@ -105,9 +123,10 @@ class ExportOptions:
     max_memory: float | None = None
     approximate_ignore_merges: bool = False
     calibration: Calibration | None = None
+    verify_text: VerifyText | None = None
 
     #: fields that change how the export talks or runs, never what it writes (left out of manifest.json)
-    PRESENTATION = ("quiet", "keep_failed", "max_memory")
+    PRESENTATION = ("quiet", "keep_failed", "max_memory", "verify_text")
 
     def validate(self) -> "ExportOptions":
         for flag, scheme in (("--quant_bit/--quant_block", self.quant), ("--lm_quant_bit", self.lm_quant)):
@@ -133,6 +152,10 @@ class ExportOptions:
             raise UsageError("--keep_failed: keeps an export whose --verify disagreed; it needs --verify")
         if self.max_memory is not None and not self.max_memory > 0:
             raise UsageError(f"--max_memory: must be a positive number of GiB, got {self.max_memory}")
+        if self.verify_text is not None:
+            self.verify_text.validate()
+            if not self.verify:
+                raise UsageError("--verify_text: scores the export in MNN's runtime against HF; it needs --verify")
         if self.calibration is not None:
             self.calibration.validate()
             if self.quant.is_fp16:

@@ -82,7 +82,8 @@ def _verify(out: Path, path: Path, options: ExportOptions) -> tuple[VerifyReport
     try:
         return verify_export(out, path, raise_on_failure=not options.keep_failed,
                              trust_remote_code=options.trust_remote_code,
-                             approximate_ignore_merges=options.approximate_ignore_merges), None
+                             approximate_ignore_merges=options.approximate_ignore_merges,
+                             text=options.verify_text), None
     except Exception as exc:
         if not isinstance(exc, _VERIFY_CANNOT_RUN) and ResourceError.out_of_memory(exc, "") is None:
             raise

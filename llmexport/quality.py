@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any, Iterable, Mapping
 
 import numpy as np
 
@@ -75,13 +76,34 @@ class QualityStats:
         return {"positions": self.positions, "ppl_ref": self.ppl_ref, "ppl_test": self.ppl_test,
                 "delta_ppl": self.delta_ppl, "kld_mean": self.kld_mean, "kld_p99": self.kld_p99, "top1": self.top1}
 
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> QualityStats:
+        return cls(int(data["positions"]), data["ppl_ref"], data["ppl_test"], data["kld_mean"], data["kld_p99"],
+                   data["top1"])
+
+    def summary(self) -> str:
+        return (f"PPL {self.ppl_ref:.3f} -> {self.ppl_test:.3f} ({self.delta_ppl:+.3f}), KLD {self.kld_mean:.2e} "
+                f"(p99 {self.kld_p99:.2e}), top-1 {self.top1:.1%} over {self.positions} positions")
+
 
 def compare(ref_logits: np.ndarray, test_logits: np.ndarray, targets: np.ndarray) -> QualityStats:
     """All statistics of ``test_logits`` against ``ref_logits`` on positions predicting ``targets``."""
-    per_position = kld(ref_logits, test_logits)
-    return QualityStats(int(per_position.size), perplexity(token_nll(ref_logits, targets)),
-                        perplexity(token_nll(test_logits, targets)), float(per_position.mean()),
-                        float(np.percentile(per_position, 99)), top1_agreement(ref_logits, test_logits))
+    return compare_parts([(ref_logits, test_logits, targets)])
+
+
+def compare_parts(parts: Iterable[tuple[np.ndarray, np.ndarray, np.ndarray]]) -> QualityStats:
+    """``compare`` over parts (windows) taken one at a time: only per-position numbers are kept,
+    so the logits of one part are in memory at once."""
+    klds, nll_ref, nll_test, same = [], [], [], []
+    for ref_logits, test_logits, targets in parts:
+        klds.append(kld(ref_logits, test_logits))
+        nll_ref.append(token_nll(ref_logits, targets))
+        nll_test.append(token_nll(test_logits, targets))
+        same.append(np.asarray(ref_logits).argmax(axis=-1) == np.asarray(test_logits).argmax(axis=-1))
+    per_position = np.concatenate(klds)
+    return QualityStats(int(per_position.size), perplexity(np.concatenate(nll_ref)),
+                        perplexity(np.concatenate(nll_test)), float(per_position.mean()),
+                        float(np.percentile(per_position, 99)), float(np.concatenate(same).mean()))
 
 
 def windows(ids: list[int], length: int, count: int, bos: int | None) -> list[list[int]]:

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any, Mapping, Sequence, TypeVar
 
 from llmexport.mnn.config import RuntimeProfile
+from llmexport.quality import QualityStats
 from llmexport.quant.scheme import QuantMethod
 from llmexport.spec import ArchitectureSummary, LinearRole
 
@@ -543,6 +544,10 @@ class VerifyReport:
     conversation: ConversationCheck | None = None
     #: checks left out, each with why (the exact-kernels runs where they do not fit in memory)
     skipped: tuple[str, ...] = ()
+    #: the runtime against HF fp32 on the verification's steps, llama.cpp's numbers (KLD, top-1)
+    fp32_quality: QualityStats | None = None
+    #: ``--verify_text``: its file, and the runtime against HF fp32 on windows of it
+    text_quality: tuple[str, QualityStats] | None = None
 
     @property
     def passed(self) -> bool:
@@ -556,7 +561,10 @@ class VerifyReport:
                      {name: TowerReport.from_json(t) for name, t in data["towers"].items()}, data.get("prequantized"),
                      None if "exact_kernels" not in data else RunComparison.from_json(data["exact_kernels"]),
                      None if "conversation" not in data else ConversationCheck.from_json(data["conversation"]),
-                     tuple(data.get("skipped", ())))
+                     tuple(data.get("skipped", ())),
+                     None if "fp32_quality" not in data else QualityStats.from_json(data["fp32_quality"]),
+                     None if "text_quality" not in data else (data["text_quality"]["file"],
+                                                              QualityStats.from_json(data["text_quality"])))
         if report.passed != data["passed"]:
             raise ValueError(f"verification report: passed={data['passed']} with {len(report.failures)} failure(s)")
         return report
@@ -583,6 +591,10 @@ class VerifyReport:
             out["conversation"] = self.conversation.to_json()
         if self.skipped:
             out["skipped"] = list(self.skipped)
+        if self.fp32_quality is not None:
+            out["fp32_quality"] = self.fp32_quality.to_json()
+        if self.text_quality is not None:
+            out["text_quality"] = {"file": self.text_quality[0], **self.text_quality[1].to_json()}
         out.update(bounds=self.bounds.to_json(), failures=list(self.failures), passed=self.passed)
         return out
 

@@ -11,21 +11,25 @@ import dataclasses
 import json
 import logging
 from pathlib import Path
-from typing import Any, Mapping, cast
+from typing import Any, Iterator, Mapping, cast
 
+import numpy as np
 import torch
 from torch import nn
 
+from llmexport.calibration_data import read_texts
 from llmexport.checkpoint import Checkpoint, CheckpointTensors
-from llmexport.errors import UsageError, VerificationFailed
+from llmexport.errors import InputError, UsageError, VerificationFailed
 from llmexport.importers.mlx import compare_with_source
 from llmexport.loading import open_architecture
 from llmexport.memory_plan import exact_kernels_refusal
 from llmexport.mnn.config import EXACT_KERNELS, LLM_WEIGHT, RuntimeProfile, profile_of
 from llmexport.mnn.readback import StoredTensors
-from llmexport.mnn.runtime import run_runtime
+from llmexport.mnn.runtime import run_runtime, score_windows
 from llmexport.mnn.tokenizer_stream import StreamModel
 from llmexport.models.base import Architecture
+from llmexport.options import VerifyText
+from llmexport.quality import QualityStats, compare, compare_parts, windows
 from llmexport.results import Bounds, LogitStats, RunComparison, TokenizerCheck, TowerReport, VerifyReport
 from llmexport.streamed_reference import mapped_blocks, streamed_reference
 from llmexport.verification_conversation import (
@@ -92,7 +96,7 @@ def default_prompt(tokenizer, min_tokens: int) -> list[int]:
 
 def verify_export(export_dir: Path, model_path: Path, steps: int = 24, prompt_ids: list[int] | None = None,
                   raise_on_failure: bool = False, trust_remote_code: bool = False,
-                  approximate_ignore_merges: bool = False) -> VerifyReport:
+                  approximate_ignore_merges: bool = False, text: VerifyText | None = None) -> VerifyReport:
     """Verification report of ``export_dir`` against the checkpoint at ``model_path`` (also
     written to ``export_dir/verify.json``).
 
@@ -106,10 +110,11 @@ def verify_export(export_dir: Path, model_path: Path, steps: int = 24, prompt_id
     model is the checkpoint's own modeling code (``Architecture.reference_is_remote_code``).
     ``approximate_ignore_merges``: the export was made with that flag; its measured difference is
     recorded and samples the runtime encodes as HF does without the whole-word lookup do not fail.
+    ``text``: windows of a user's text also scored against HF fp32 (``VerifyReport.text_quality``).
     """
     with mapped_blocks():
         return _verify_export(export_dir, model_path, steps, prompt_ids, raise_on_failure, trust_remote_code,
-                              approximate_ignore_merges)
+                              approximate_ignore_merges, text)
 
 
 def _tokenizer_check(model_path: Path, tok_cases: dict[str, tuple[list[int], list[int]]],
@@ -132,7 +137,8 @@ def _tokenizer_check(model_path: Path, tok_cases: dict[str, tuple[list[int], lis
 
 
 def _verify_export(export_dir: Path, model_path: Path, steps: int, prompt_ids: list[int] | None,
-                   raise_on_failure: bool, trust_remote_code: bool, approximate_ignore_merges: bool) -> VerifyReport:
+                   raise_on_failure: bool, trust_remote_code: bool, approximate_ignore_merges: bool,
+                   text: VerifyText | None) -> VerifyReport:
     from transformers import AutoTokenizer
 
     arch = open_architecture(Checkpoint.open(model_path))
@@ -190,14 +196,36 @@ def _verify_export(export_dir: Path, model_path: Path, steps: int, prompt_ids: l
     conversation = chat.check(tokenizer, StreamModel.from_folder(model_path))
     failures = judge(bounds, shipped, tokenizer_check, exact, towers) + tuple(conversation_failures(
         conversation, bounds.max_abs_err, bounds.mean_abs_err, bounds.kernels_max_abs_err))
+    text_quality = None if text is None else (str(text.path), score_text(export_dir, arch, tokenizer, fp32, text))
     report = VerifyReport(len(prompt), steps, tokenizer_check, profile, shipped,
                           compare_logits(run.forced_logits, fp32_logits), bounds, failures, towers, prequantized,
-                          exact, conversation, tuple(skipped))
+                          exact, conversation, tuple(skipped),
+                          compare(fp32_logits, run.forced_logits, np.array(anchor[:len(fp32_logits)])), text_quality)
     (export_dir / "verify.json").write_text(json.dumps(report.to_json(), indent=2))
     log.info("verify: %s", summary_line(report))
     if raise_on_failure and not report.passed:
         raise VerificationFailed(f"{export_dir}: verification failed: {'; '.join(report.failures)}")
     return report
+
+
+def score_text(export_dir: Path, arch: Architecture, tokenizer: Any, fp32: nn.Module, text: VerifyText) -> QualityStats:
+    """The runtime against HF fp32 on windows of ``text`` (each window in a fresh runtime instance,
+    one window's logits in memory at a time): perplexity, KLD and top-1 as llama.cpp defines them."""
+    ids: list[int] = []
+    for part in read_texts(text.path, "--verify_text"):
+        ids.extend(tokenizer(part, add_special_tokens=False)["input_ids"])
+    wins = windows(ids, text.length, text.windows, tokenizer.bos_token_id)
+    if not wins:
+        raise InputError(f"--verify_text {text.path}: {len(ids)} tokens; a window needs {text.length}")
+
+    def parts() -> Iterator[tuple[np.ndarray, np.ndarray, np.ndarray]]:
+        for window, mnn in zip(wins, score_windows(export_dir, wins)):
+            ref = arch.reference_logits(fp32, torch.tensor(window), 0).numpy()[:-1]
+            yield ref, mnn, np.array(window[1:])
+
+    stats = compare_parts(parts())
+    log.info("verify: --verify_text %s: %s", text.path, stats.summary())
+    return stats
 
 
 def stored_tensors(export_dir: Path, arch: Architecture) -> StoredTensors:
@@ -247,8 +275,12 @@ def summary_line(report: VerifyReport) -> str:
     return (f"{'PASS' if report.passed else 'FAIL'} ({b.profile} profile): vs stored-weights HF: "
             f"top-1 {o.top1_agreement:.0%}, greedy {'match' if o.greedy_match else 'differs'}, "
             f"max |dlogit| {o.max_abs_err:.2e} (bound {b.max_abs_err}){exact}; vs fp32 HF: "
-            f"top-1 {f.top1_agreement:.0%}, max |dlogit| {f.max_abs_err:.2e}; "
+            f"top-1 {f.top1_agreement:.0%}, "
+            + (f"KLD {report.fp32_quality.kld_mean:.2e}, " if report.fp32_quality else "")
+            + f"max |dlogit| {f.max_abs_err:.2e}; "
             f"tokenizer {'agrees' if report.tokenizer.agree else 'DISAGREES'}"
             + "".join(f"; {prompt_summary(name, tower)}" for name, tower in report.towers.items())
             + (f"; {conversation_summary(report.conversation)}" if report.conversation else "")
+            + (f"; on {report.text_quality[0]} vs fp32 HF: {report.text_quality[1].summary()}"
+               if report.text_quality else "")
             + "".join(f"; SKIPPED {skipped}" for skipped in report.skipped))

@@ -154,7 +154,7 @@ def calibration_text(tmp_path_factory):
     return path
 
 
-@pytest.mark.parametrize("variant, bits", [("llama3", 4), ("qwen3-moe-mixed", 3)])
+@pytest.mark.parametrize("variant, bits", [("llama3", 4), ("llama3-tied", 8), ("qwen3-moe-mixed", 3)])
 def test_calibrated_export_stores_the_gptq_levels(tiny_decoder, tmp_path, calibration_text, variant, bits):
     path = tiny_decoder(variant)
     calibration = Calibration(calibration_text, samples=4, seq_len=64)
@@ -167,9 +167,10 @@ def test_calibrated_export_stores_the_gptq_levels(tiny_decoder, tmp_path, calibr
     changed = [s.name for s in arch.linears()
                if not torch.equal(stored.read(arch.linear_source(s.name).weight),
                                   rtn.read(arch.linear_source(s.name).weight))]
-    # experts (stacked in the reference), the lm_head and fp16 routers keep their records; the rest changed
-    calibratable = {s.name for s in arch.linears() if s.role not in (LinearRole.LM_HEAD, LinearRole.ROUTER)
+    # experts (stacked in the reference) and fp16 routers keep their records; the rest, lm_head too, changed
+    calibratable = {s.name for s in arch.linears() if s.role is LinearRole.LM_HEAD or s.role is not LinearRole.ROUTER
                     and arch.reference_slot(arch.linear_source(s.name).weight)[1] == ()}
+    assert "lm_head" in calibratable
     assert set(changed) == calibratable and len(calibratable) >= 4 * 4
     manifest = json.loads((out / "manifest.json").read_text())
     assert manifest["options"]["calibration"] == {"data": str(calibration_text), "samples": 4, "seq_len": 64}

@@ -306,3 +306,19 @@ def test_the_api_re_exports_the_results_and_the_pipeline_does_not_import_the_api
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert proc.stdout.strip() == "[]"
+
+
+def test_quality_sections_round_trip_and_print():
+    from dataclasses import replace
+
+    from llmexport.quality import QualityStats
+
+    steps = QualityStats(3, 40.0, 41.0, 2.5e-3, 9e-3, 2 / 3)
+    text = QualityStats(254, 12.5, 12.75, 1.25e-3, 4e-3, 0.9375)
+    report = replace(_fixed_report(True), fp32_quality=steps, text_quality=("held-out.txt", text))
+    assert VerifyReport.from_json(json.loads(json.dumps(report.to_json()))) == report
+    assert summary_line(report) == (
+        "PASS (fast profile): vs stored-weights HF: top-1 75%, greedy differs, max |dlogit| 1.25e+00 (bound 8.0); "
+        "exact kernels: top-1 100%, max |dlogit| 2.50e-04 (bound 0.2); vs fp32 HF: top-1 50%, KLD 2.50e-03, "
+        "max |dlogit| 2.00e+00; tokenizer agrees; visual ok; on held-out.txt vs fp32 HF: PPL 12.500 -> 12.750 "
+        "(+0.250), KLD 1.25e-03 (p99 4.00e-03), top-1 93.8% over 254 positions")

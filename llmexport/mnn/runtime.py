@@ -17,7 +17,7 @@ import sys
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Iterator, Sequence
 
 import numpy as np
 
@@ -103,11 +103,18 @@ def run_windows(export_dir: Path, windows: Sequence[Sequence[int]], config: dict
     """Each window's logits ``[len(window) - 1, vocab]`` (position ``i`` predicting token ``i + 1``),
     every window in a fresh instance: its first token, then the others fed one at a time (one
     child process for all windows)."""
+    return list(score_windows(export_dir, windows, config, timeout))
+
+
+def score_windows(export_dir: Path, windows: Sequence[Sequence[int]], config: dict[str, Any] | None = None,
+                  timeout: float = 1800) -> Iterator[np.ndarray]:
+    """``run_windows``, one window's logits at a time (the others stay on disk meanwhile)."""
     with tempfile.TemporaryDirectory(prefix="llmexport-mnn-") as tmp:
         request = {"mode": "score", "config": str(export_dir / "config.json"), "out": tmp,
                    "set_config": config or {"thread_num": 2}, "windows": [[int(t) for t in w] for w in windows]}
         _run_child(request, str(export_dir), timeout)
-        return [np.load(Path(tmp) / f"window{i}.npy") for i in range(len(windows))]
+        for i in range(len(windows)):
+            yield np.load(Path(tmp) / f"window{i}.npy")
 
 
 @dataclass

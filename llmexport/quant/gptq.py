@@ -12,10 +12,13 @@ the base method (RTN's fp16-rounded grid, or HQQ's) from the block's weights *as
 block's first column is reached, and every level is chosen against those stored values, so
 ``rtn.dequantize`` of the result is exactly what the runtime decodes. Columns keep their order
 (no act-order), so blocks stay contiguous. A linear whose GPTQ loss is not below the base method's
-keeps the base result: calibration never makes a linear worse on its own data.
+keeps the base result (decided per group of rows): calibration never makes a linear worse on its
+own data.
 """
 
 from __future__ import annotations
+
+from typing import cast
 
 import torch
 
@@ -48,42 +51,68 @@ def _inverse_factor(hessian: torch.Tensor, dead: torch.Tensor) -> torch.Tensor:
     raise ValueError("the calibration Hessian is not positive definite even with 100x dampening")
 
 
+#: columns rounded between two updates of the columns after them (the paper's lazy batches)
+LAZY_COLUMNS = 128
+#: weights rounded at once (rows at a time): bounds the working copies of a large lm_head
+ROW_ELEMENTS = 1 << 24
+
+
 def quantize_gptq(w: torch.Tensor, hessian: torch.Tensor, bits: int, block: int, sym: bool,
                   base: Quantizer) -> QuantizedTensor:
     """``w [oc, ic]`` rounded by GPTQ with ``hessian [ic, ic]`` on ``base``'s per-block grids;
-    ``base``'s own result where that is not better (module docstring)."""
+    ``base``'s own result where that is not better (module docstring).
+
+    Columns are rounded in batches of whole blocks (``LAZY_COLUMNS`` or one block, the larger):
+    within a batch each column's error updates the batch's later columns at once, and the
+    columns after the batch get the whole batch's errors in one matrix product. Rows are taken
+    ``ROW_ELEMENTS`` weights at a time, each group keeping the base result where GPTQ's loss on
+    it is not lower."""
     oc, ic = w.shape
     if hessian.shape != (ic, ic):
         raise ValueError(f"Hessian {tuple(hessian.shape)} does not match a weight with {ic} inputs")
+    u = _inverse_factor(hessian, torch.diagonal(hessian) == 0).float()
+    rows = max(1, ROW_ELEMENTS // ic)
+    parts = [_rows_gptq(w[r:r + rows], hessian, u, bits, block, sym, base) for r in range(0, oc, rows)]
+    return QuantizedTensor(torch.cat([p.q for p in parts]), torch.cat([p.scale for p in parts]),
+                           None if sym else torch.cat([cast(torch.Tensor, p.zero) for p in parts]), bits, block)
+
+
+def _rows_gptq(w: torch.Tensor, hessian: torch.Tensor, u: torch.Tensor, bits: int, block: int, sym: bool,
+               base: Quantizer) -> QuantizedTensor:
+    """GPTQ of some rows of a linear (rows are independent given ``H``), or the base result."""
+    oc, ic = w.shape
     reference = base(w, bits, block, sym)
-    dead = torch.diagonal(hessian) == 0
-    work = w.detach().double().clone()
-    work[:, dead] = w.double()[:, dead]
-    u = _inverse_factor(hessian, dead)
+    work = w.detach().float().clone()
     half = 1 << (bits - 1)
     nblocks = ic // block
     q = torch.empty((oc, nblocks, block), dtype=torch.int8)
     scale = torch.empty((oc, nblocks), dtype=torch.float32)
     zero = None if sym else torch.empty((oc, nblocks), dtype=torch.float32)
-    for b in range(nblocks):
-        start = b * block
-        grid = base(work[:, start:start + block].float(), bits, block, sym)
-        scale[:, b] = grid.scale[:, 0]
-        if zero is not None and grid.zero is not None:
-            zero[:, b] = grid.zero[:, 0]
-        s = grid.scale[:, 0].double()
-        z = grid.zero[:, 0].double() if grid.zero is not None else torch.zeros_like(s)
-        flat = s == 0
-        inverse = 1.0 / torch.where(flat, torch.ones_like(s), s)
-        for j in range(start, start + block):
-            column = work[:, j]
-            level = torch.round((column.float().double() - z) * inverse).clamp_(-half, half - 1)
-            level[flat] = 0
-            q[:, b, j - start] = level.to(torch.int8)
-            decoded = (level.float() * s.float() + (z.float() if grid.zero is not None else 0.0)).double()
-            err = (column - decoded) / u[j, j]
-            if j + 1 < ic:
-                work[:, j + 1:] -= err.unsqueeze(1) * u[j, j + 1:].unsqueeze(0)
+    batch = max(block, LAZY_COLUMNS - LAZY_COLUMNS % block)
+    for b1 in range(0, ic, batch):
+        b2 = min(ic, b1 + batch)
+        columns, errors = work[:, b1:b2], torch.empty((oc, b2 - b1), dtype=torch.float32)
+        for start in range(b1, b2, block):
+            local = start - b1
+            grid = base(columns[:, local:local + block].contiguous(), bits, block, sym)
+            b = start // block
+            scale[:, b] = s = grid.scale[:, 0]
+            z = grid.zero[:, 0] if grid.zero is not None else None
+            if zero is not None and z is not None:
+                zero[:, b] = z
+            flat = s == 0
+            inverse = 1.0 / torch.where(flat, torch.ones_like(s), s)
+            for i in range(local, local + block):
+                column = columns[:, i]
+                level = torch.round((column - (z if z is not None else 0.0)) * inverse).clamp_(-half, half - 1)
+                level[flat] = 0
+                q[:, b, i - local] = level.to(torch.int8)
+                decoded = level * s + z if z is not None else level * s
+                err = (column - decoded) / u[b1 + i, b1 + i]
+                columns[:, i + 1:] -= err.unsqueeze(1) * u[b1 + i, b1 + i + 1:b2].unsqueeze(0)
+                errors[:, i] = err
+        if b2 < ic:
+            work[:, b2:] -= errors @ u[b1:b2, b2:]
     result = QuantizedTensor(q=q, scale=scale, zero=zero, bits=bits, block=block)
     if calibration_loss(w, result, hessian) < calibration_loss(w, reference, hessian):
         return result

@@ -46,8 +46,10 @@ class MnnTarget(OutputTarget):
 
         checkpoint.tokenizer_file()
         checkpoint.check_tokenizer_side_files()
-        if options.calibration is not None:
-            read_texts(options.calibration.data)  # a bad calibration file fails before anything is written
+        if options.calibration is not None:  # bad text files fail before anything is written
+            read_texts(options.calibration.data)
+        if options.verify_text is not None:
+            read_texts(options.verify_text.path, "--verify_text")
         try:
             return mnn_tokenizer_bytes(checkpoint.path, end_of_turn=arch.end_of_turn_tokens(),
                                        approximate_ignore_merges=options.approximate_ignore_merges)
