@@ -50,6 +50,7 @@ from llmexport.errors import ResourceError
 from llmexport.mnn.config import RuntimeProfile
 from llmexport.models.base import Architecture
 from llmexport.options import ExportOptions
+from llmexport.quant.gptq import ROW_ELEMENTS
 from llmexport.quant.scheme import QuantMethod
 from llmexport.quant.workers import worker_count
 from llmexport.results import ExportPlan, MemoryPlan
@@ -66,6 +67,12 @@ SLICE_BYTES_PER_VALUE = {QuantMethod.RTN: 8, QuantMethod.STORED: 8, QuantMethod.
 TABLE_CHUNK = 64 * MIB  # fp32 rows of the token table in work (mnn/token_table.py)
 KEPT_HEAP = 512 * MIB  # glibc's M_TRIM_THRESHOLD as quant/workers.py sets it
 ONNX_BYTES_PER_WEIGHT = 18
+#: calibration: Hessians alive at once (a block's linears: q, k, v, o, gate, up, down and one more),
+#: copies of the calibration tokens' activations at the widest layer (the block's input, residual,
+#: attention, MLP intermediates, twice for the second run), GPTQ's copies of a row group
+HESSIANS_PER_BLOCK = 8
+CALIBRATION_ACTIVATIONS = 12
+GPTQ_COPIES = 4
 #: MNN's runtime child as verification runs it (520-token prompt, measured with bench/memory.py
 #: --runtime): on its exact kernels (``memory: normal``) every linear is dequantized to fp32 at load,
 #: beside the weight file it read: E4B-shaped 42 layers at 4 bits (4665M linear weights,
@@ -84,6 +91,8 @@ def memory_plan(arch: Architecture, options: ExportOptions, plan: ExportPlan, we
     """The plan's peaks; ``weight_file``: the bytes of its linear records (llm.mnn.weight);
     ``target``: the output target, which knows its own export's peak and whether it is verified."""
     export = target.export_peak_bytes(arch, plan)
+    if options.calibration is not None:  # the calibration runs first, and frees its reference before writing
+        export = max(export, calibration_peak_bytes(arch, options, plan))
     if not (options.verify and target.verifiable):
         return MemoryPlan(export)
     kept = min(export, _process_bytes(plan) + KEPT_HEAP)  # what the process still holds after the export
@@ -96,6 +105,20 @@ def memory_plan(arch: Architecture, options: ExportOptions, plan: ExportPlan, we
     exact = plan_runtime_bytes(plan, weight_file, exact=True) if fast else None
     return MemoryPlan(export, kept + max(reference.peak, reference.idle + shipped),
                       None if exact is None else kept + reference.idle + exact)
+
+
+def calibration_peak_bytes(arch: Architecture, options: ExportOptions, plan: ExportPlan) -> int:
+    """``--calib_data`` at its peak (llmexport/calibration.py): one streamed fp32 reference (its
+    residents and largest block), the Hessians of one block's linears in fp64, the activations of
+    every calibration token at the widest layer, and GPTQ's working copies of a row group."""
+    assert options.calibration is not None
+    reference = reference_footprint(arch, options.trust_remote_code)
+    widest = max((max(linear.in_features, linear.out_features) for linear in plan.linears
+                  if linear.role is not LinearRole.LM_HEAD), default=0)
+    inputs = max((linear.in_features for linear in plan.linears), default=0)
+    tokens = options.calibration.samples * options.calibration.seq_len
+    return (BASE + reference.resident + reference.largest_block + HESSIANS_PER_BLOCK * inputs * inputs * 8
+            + CALIBRATION_ACTIVATIONS * tokens * widest * 4 + GPTQ_COPIES * ROW_ELEMENTS * 4)
 
 
 class PlannedTarget(Protocol):

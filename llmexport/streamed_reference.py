@@ -185,10 +185,13 @@ class ReferenceFootprint(NamedTuple):
     """Bytes verification's two streamed references (the oracle and the fp32 model, both alive)
     hold: between calls (``idle``: both references' residents, while MNN's runtime runs beside
     them) and at the worst moment of a call (``peak``: also the largest block of one and the
-    logits of ``VERIFY_POSITIONS`` positions; hidden states, a few MB at these lengths, aside)."""
+    logits of ``VERIFY_POSITIONS`` positions; hidden states, a few MB at these lengths, aside).
+    ``resident`` and ``largest_block``: one reference's parts."""
 
     idle: int
     peak: int
+    resident: int = 0
+    largest_block: int = 0
 
 
 def reference_footprint(arch: Architecture, trust_remote_code: bool = False) -> ReferenceFootprint:
@@ -196,7 +199,8 @@ def reference_footprint(arch: Architecture, trust_remote_code: bool = False) -> 
     layout = ReferenceLayout.of(model)
     vocab = int(cast(Any, model).get_output_embeddings().weight.shape[0])
     idle = 2 * layout.resident_bytes()
-    return ReferenceFootprint(idle, idle + layout.largest_block_bytes() + _LOGIT_COPIES * VERIFY_POSITIONS * vocab * 4)
+    return ReferenceFootprint(idle, idle + layout.largest_block_bytes() + _LOGIT_COPIES * VERIFY_POSITIONS * vocab * 4,
+                              layout.resident_bytes(), layout.largest_block_bytes())
 
 
 def _load_buffers(model: nn.Module, tensors: ReferenceTensors) -> None:

@@ -158,3 +158,24 @@ def test_other_runtime_errors_stay_internal_errors(tiny_decoder, tmp_path, monke
     monkeypatch.setattr(mnn_target, "write_tables", write_tables)
     result = CliRunner().invoke(main, ["--path", str(tiny_decoder("llama3")), "--dst_path", str(tmp_path / "out")])
     assert result.exit_code == 1 and "internal error: RuntimeError: shape mismatch" in result.output
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="ru_maxrss is in KiB on Linux only")
+@pytest.mark.parametrize("variant", ["llama3", "qwen3-moe-mixed"])
+def test_the_estimate_bounds_a_calibrated_export(tiny_decoder, tmp_path, variant):
+    from llmexport.options import Calibration
+    from llmexport.tiny.byte_level_tokenizer import EXTRA_CORPUS
+    from llmexport.tiny.tokenizer import TRAINING_CORPUS
+
+    text = tmp_path / "calibration.txt"
+    text.write_text((TRAINING_CORPUS + EXTRA_CORPUS) * 4, encoding="utf-8")
+    path = tiny_decoder(variant)
+    flags = ["--path", str(path), "--dst_path", str(tmp_path / "out"), "--quiet", "--calib_data", str(text),
+             "--calib_samples", "16", "--calib_seq_len", "128"]
+    proc = subprocess.run([sys.executable, "-c", _MEASURE, *flags], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    measured = int(proc.stdout.split()[-1])
+    plain = llmexport.plan(path).memory.export_bytes
+    estimate = llmexport.plan(path, ExportOptions(calibration=Calibration(text, 16, 128))).memory.export_bytes
+    assert plain < estimate and measured <= estimate, \
+        f"measured {measured / MIB:.0f} MiB, estimated {estimate / MIB:.0f} MiB (without calibration {plain / MIB:.0f})"
