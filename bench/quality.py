@@ -1,7 +1,7 @@
 """What each quantization scheme costs in quality, on small models trained on real English text.
 
     python bench/quality.py [--models gemma4-e2b,llama] [--windows 16] [--quick] [--text FILE]
-                            [--schemes fp16,q8,q4,q4-hqq,mlp4-attn8,q4-gptq,q4-hqq-gptq] [--json OUT.json]
+                            [--schemes fp16,q8,q4,q4-hqq,mlp4-attn8,q4-gptq,...] [--json OUT.json]
 
 For each trained model (llmexport/tiny/trained.py: trained once, then cached) the held-out text
 (Austen's *Persuasion*, or the last tenth of ``--text``) is cut into windows of the training
@@ -50,6 +50,8 @@ SCHEMES: dict[str, list[str]] = {
     "mlp4-attn8": ["--quant_config", "mlp4-attn8"],
     "q4-gptq": ["--quant_bit", "4", *CALIBRATION],
     "q4-hqq-gptq": ["--quant_bit", "4", "--hqq", *CALIBRATION],
+    "q4-lm8": ["--quant_bit", "4", "--lm_quant_bit", "8"],
+    "q4-gptq-lm8": ["--quant_bit", "4", "--lm_quant_bit", "8", *CALIBRATION],
 }
 MIB = 2**20
 
