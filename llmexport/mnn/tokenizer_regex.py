@@ -37,7 +37,7 @@ from typing import NoReturn
 from llmexport.mnn.tokenizer_unicode import CLASS_DIFFERENCE_RANGES
 
 __all__ = ["RegexCheck", "UnsupportedRegex", "check_split_regex", "escape_literal", "class_differences",
-           "LINE_END", "end_of_line_as_lookahead"]
+           "LINE_END", "end_of_line_as_lookahead", "PatternScanner"]
 
 #: Oniguruma's (Ruby syntax) ``$``: before a line feed or at the end of the text, not only at the end.
 LINE_END = "(?![^\\n])"
@@ -131,17 +131,44 @@ def check_split_regex(pattern: str) -> RegexCheck:
     return parser.check
 
 
-class _Parser:
+class PatternScanner:
+    """A position in a pattern and the checks both parsers make (this module's, and
+    tokenizer_wide_regex.py's): ``why_refused`` ends every refusal."""
+
+    why_refused = "MNN 3.6.1's matcher reads it differently from HF"
+
     def __init__(self, pattern: str):
-        self.p, self.i, self.check = pattern, 0, RegexCheck()
+        self.p, self.i = pattern, 0
 
     def fail(self, why: str) -> NoReturn:
-        raise UnsupportedRegex(f"regex {self.p!r}: {why} (offset {self.i}); MNN 3.6.1's matcher reads it "
-                               "differently from HF")
+        raise UnsupportedRegex(f"regex {self.p!r}: {why} (offset {self.i}); {self.why_refused}")
 
     def peek(self, ahead: int = 0) -> str:
         j = self.i + ahead
         return self.p[j] if j < len(self.p) else ""
+
+    def open_class(self) -> None:
+        """Past a class's ``[`` and ``^``; a ``]`` first is refused (Oniguruma warns and reads it literally)."""
+        self.i += 1
+        if self.peek() == "^":
+            self.i += 1
+        if self.peek() == "]":
+            self.fail("']' first in a class")
+
+    def class_char(self) -> str | None:
+        """The next character inside a class, None at its ``]``; nested classes and intersections refused."""
+        c = self.peek()
+        if not c:
+            self.fail("unterminated class")
+        if c == "[" or (c == "&" and self.peek(1) == "&"):
+            self.fail("nested class, POSIX bracket or intersection")
+        return None if c == "]" else c
+
+
+class _Parser(PatternScanner):
+    def __init__(self, pattern: str):
+        super().__init__(pattern)
+        self.check = RegexCheck()
 
     def alternation(self, icase: bool, groups: bool) -> None:
         self.branch(icase, groups)
@@ -252,18 +279,9 @@ class _Parser:
             self.literal(c, icase)
 
     def char_class(self, icase: bool) -> None:
-        self.i += 1
         self.check.loose_folding |= icase
-        if self.peek() == "^":
-            self.i += 1
-        if self.peek() == "]":
-            self.fail("']' first in a class")
-        while self.peek() != "]":
-            c = self.peek()
-            if not c:
-                self.fail("unterminated class")
-            if c == "[" or (c == "&" and self.peek(1) == "&"):
-                self.fail("nested class, POSIX bracket or intersection")
+        self.open_class()
+        while (c := self.class_char()) is not None:
             if c == "\\":
                 self.escape(icase)
                 if self.peek() == "-" and self.peek(1) not in ("]", ""):

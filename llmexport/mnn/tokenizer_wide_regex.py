@@ -31,9 +31,8 @@ import functools
 import re
 import string
 from dataclasses import dataclass
-from typing import NoReturn
 
-from llmexport.mnn.tokenizer_regex import LINE_END, UnsupportedRegex
+from llmexport.mnn.tokenizer_regex import LINE_END, PatternScanner, UnsupportedRegex
 
 __all__ = ["rewrite_for_wregex", "atom_members", "uses_wregex", "ranges_of", "class_text", "WREGEX_NOTE"]
 
@@ -145,17 +144,8 @@ def rewrite_for_wregex(pattern: str) -> str:
     return piece.text
 
 
-class _Parser:
-    def __init__(self, pattern: str):
-        self.p, self.i = pattern, 0
-
-    def fail(self, why: str) -> NoReturn:
-        raise UnsupportedRegex(f"regex {self.p!r}: {why} (offset {self.i}); no exact rewrite for MNN 3.6.1's "
-                               "std::wregex path")
-
-    def peek(self, ahead: int = 0) -> str:
-        j = self.i + ahead
-        return self.p[j] if j < len(self.p) else ""
+class _Parser(PatternScanner):
+    why_refused = "no exact rewrite for MNN 3.6.1's std::wregex path"
 
     def alternation(self) -> _Piece:
         branches = [self.branch()]
@@ -261,17 +251,8 @@ class _Parser:
             self.i += 4
 
     def skip_class(self) -> None:
-        self.i += 1
-        if self.peek() == "^":
-            self.i += 1
-        if self.peek() == "]":
-            self.fail("']' first in a class")
-        while self.peek() != "]":
-            c = self.peek()
-            if not c:
-                self.fail("unterminated class")
-            if c == "[" or (c == "&" and self.peek(1) == "&"):
-                self.fail("nested class, POSIX bracket or intersection")
+        self.open_class()
+        while (c := self.class_char()) is not None:
             if c == "\\":
                 self.skip_escape()
             else:
