@@ -13,7 +13,8 @@ as GPTQ does, and memory holds one block, its Hessians and the hidden states, wh
 The lm_head (tied or not) rounds on the final hidden states of every position.
 The results are saved to ``folder`` and written by the exporter as they are (``Precomputed``).
 Left to the scheme's own method (and listed in ``CalibratedLinears.skipped`` with the reason):
-fp16 linears, routed experts and other linears that are not one ``nn.Linear`` of
+fp16 linears, linears outside the decoder blocks (Gemma4's PLE projection), experts no calibration
+token was routed to, routed experts that transformers stacks and other linears that are not one ``nn.Linear`` of
 the reference holding exactly the export's weight (stacked, fused or rescaled parameters), and
 the towers' linears.
 """
@@ -65,19 +66,24 @@ class CalibratedLinears:
 
 
 def calibrate(arch: Architecture, calibration: Calibration, scheme_of: Callable[[LinearSpec], QuantScheme],
-              quantizers: Mapping[QuantMethod, Quantizer], folder: Path) -> CalibratedLinears:
-    """GPTQ results for ``arch``'s text linears (module docstring), saved under ``folder``."""
+              quantizers: Mapping[QuantMethod, Quantizer], folder: Path,
+              trust_remote_code: bool = False) -> CalibratedLinears:
+    """GPTQ results for ``arch``'s text linears (module docstring), saved under ``folder``
+    (``trust_remote_code``: the family's reference is the checkpoint's own code, K2-Horizon)."""
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(arch.checkpoint.path)
     ids = calibration_windows(tokenizer, read_texts(calibration.data), calibration).reshape(-1)
     folder.mkdir(parents=True, exist_ok=True)
     out = CalibratedLinears(tokens=int(ids.numel()))
-    model = streamed_reference(arch, CheckpointTensors(arch.checkpoint.weights))
+    model = streamed_reference(arch, CheckpointTensors(arch.checkpoint.weights), trust_remote_code)
     head = cast(Any, model).get_output_embeddings()
     head_name = next(name for name, module in model.named_modules() if module is head)
     targets = _targets(arch, model, head_name, scheme_of, quantizers, out)
     layout = ReferenceLayout.of(model)
+    for module_name, spec in targets.items():
+        if layout.block_of(module_name) is None:  # resident (Gemma4's PLE projection): runs once, stays fp
+            out.skipped[spec.name] = "outside the decoder blocks"
     for block_name in layout.blocks:
         inside = {ref: spec for ref, spec in targets.items() if ref == block_name or ref.startswith(block_name + ".")}
         if block_name == head_name and inside:
@@ -131,7 +137,10 @@ def _calibrate_block(arch: Architecture, block: nn.Module, block_name: str, targ
             for hook in hooks:
                 hook.remove()
         for name, spec in targets.items():
-            _round(arch, linears[name], spec, hessians.pop(name), scheme_of(spec), quantizers, folder, out)
+            if name in hessians:
+                _round(arch, linears[name], spec, hessians.pop(name), scheme_of(spec), quantizers, folder, out)
+            else:  # a routed expert no calibration token chose
+                out.skipped[spec.name] = "not reached by the calibration tokens"
         return original(*args, **kwargs)
 
     block.forward = types.MethodType(forward, block)

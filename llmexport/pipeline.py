@@ -35,9 +35,11 @@ def _load(path: Path, options: ExportOptions, target: OutputTarget) -> tuple[Che
     checkpoint = Checkpoint.open(path)
     arch = open_architecture(checkpoint)
     prepared = target.prepare(checkpoint, arch, options)
-    if options.verify and arch.reference_is_remote_code and not options.trust_remote_code:
-        raise UsageError(f"--verify: the {arch.describe().family} reference model is the checkpoint's own code "
-                         f"({', '.join(sorted(p.name for p in path.glob('*.py'))) or 'auto_map'}); pass "
+    runs_reference = [flag for flag, on in (("--verify", options.verify),
+                                            ("--calib_data", options.calibration is not None)) if on]
+    if runs_reference and arch.reference_is_remote_code and not options.trust_remote_code:
+        raise UsageError(f"{runs_reference[0]}: the {arch.describe().family} reference model is the checkpoint's own "
+                         f"code ({', '.join(sorted(p.name for p in path.glob('*.py'))) or 'auto_map'}); pass "
                          "--trust_remote_code to allow running it")
     return checkpoint, arch, prepared
 

@@ -13,6 +13,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from llmexport.api import export
+from llmexport.calibration import calibrate
 from llmexport.calibration_data import calibration_windows, read_texts
 from llmexport.checkpoint import Checkpoint
 from llmexport.cli import main
@@ -21,10 +22,13 @@ from llmexport.loading import open_architecture
 from llmexport.options import Calibration, ExportOptions
 from llmexport.quant.gptq import calibration_loss, quantize_gptq
 from llmexport.quant.hqq import quantize_hqq
+from llmexport.quant.methods import quantizers
 from llmexport.quant.rtn import dequantize, quantize_rtn
 from llmexport.quant.scheme import QuantScheme
+from llmexport.schemes import Schemes
 from llmexport.spec import LinearRole
 from llmexport.tiny.byte_level_tokenizer import EXTRA_CORPUS
+from llmexport.tiny.registry import TINY_BUILDERS
 from llmexport.tiny.tokenizer import TRAINING_CORPUS
 from llmexport.verification import stored_tensors, verify_export
 
@@ -207,3 +211,25 @@ def test_cli_refuses_calibration_it_cannot_use(tiny_decoder, tmp_path, calibrati
     result = CliRunner().invoke(main, ["--path", path, "--dst_path", str(dst), "--calib_data", str(empty)])
     assert result.exit_code == 3 and f"--calib_data {empty}: empty" in result.output
     assert not dst.exists()
+
+
+KNOWN_SKIPS = {"not quantized by a calibratable method", "not one nn.Linear of the reference",
+               "the export's weight is not the reference's parameter", "outside the decoder blocks",
+               "not reached by the calibration tokens"}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model_type", sorted(TINY_BUILDERS))
+def test_every_family_calibrates(tmp_path, calibration_text, model_type):
+    """Each registered family: most text linears GPTQ-rounded, none worse than its scheme's own
+    method on the calibration data, the rest left alone for a known reason."""
+    path = TINY_BUILDERS[model_type](tmp_path / "model", 0)
+    arch = open_architecture(Checkpoint.open(path))
+    options = ExportOptions(quant=QuantScheme(4, 32))
+    result = calibrate(arch, Calibration(calibration_text, 2, 32), Schemes(arch, options).linear,
+                       quantizers(False), tmp_path / "calibration", trust_remote_code=True)
+    assert set(result.skipped.values()) <= KNOWN_SKIPS, result.skipped
+    attention = [name for name in result.files if name.endswith(("q_proj", "qkv_proj", "o_proj"))]
+    assert len(attention) >= arch.describe().layers, (model_type, result.skipped)
+    assert all(ratio <= 1.0 for ratio in result.loss_ratio.values())
+    assert set(result.files) | set(result.skipped) == {s.name for s in arch.linears()}

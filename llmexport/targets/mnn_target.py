@@ -74,7 +74,8 @@ class MnnTarget(OutputTarget):
         calibrated = None
         if options.calibration is not None:
             with job.stage("calibration"):
-                calibrated = calibrate(arch, options.calibration, job.schemes.linear, quantize, work / "calibration")
+                calibrated = calibrate(arch, options.calibration, job.schemes.linear, quantize, work / "calibration",
+                                       options.trust_remote_code)
         sources = WeightSources(arch, job.schemes, calibrated)
         graphs = _GraphWriter(job, work, quantize)
         rebuilt = graphs.write("llm", job.graph, arch.graph_inputs(TRACE_SEQ_LEN), arch.linears(), sources.weight,
