@@ -93,8 +93,8 @@ def calibrate(arch: Architecture, calibration: Calibration, scheme_of: Callable[
                              folder, out)
     with mapped_blocks(), torch.no_grad():  # every position reaches the head (which returns no logits here)
         arch.reference_logits(model, ids, first=0)
-    for spec, reason in out.skipped.items():
-        log.debug("calibration: %s left to the scheme's method (%s)", spec, reason)
+    for name, reason in out.skipped.items():
+        log.debug("calibration: %s left to the scheme's method (%s)", name, reason)
     log.info("calibration: %s", out.summary())
     return out
 

@@ -36,7 +36,9 @@ ALLOWED: dict[str, tuple[str, ...]] = {
     "llmexport.models": ("llmexport.models", "llmexport.spec", "llmexport.errors", "llmexport.checkpoint",
                          "llmexport.input_files", "llmexport.ops", "llmexport.media", "llmexport.reference"),
     "llmexport.tiny": ("llmexport.tiny", "llmexport.reference", "llmexport.mnn.tokenizer_pipeline",
-                       "llmexport.mnn.byte_level"),
+                       "llmexport.mnn.byte_level", "llmexport.quality"),
+    # llama.cpp's quality numbers: numpy only (the trainer scores its held-out text with them)
+    "llmexport.quality": (),
     "llmexport.options": ("llmexport.options", "llmexport.errors", "llmexport.spec", "llmexport.quant",
                           "llmexport.mnn.limits", "llmexport.mnn.config"),
 }
