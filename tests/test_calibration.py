@@ -43,7 +43,7 @@ def _correlated_inputs(ic: int, rank: int, seed: int) -> torch.Tensor:
 
 # --- the rounding ---------------------------------------------------------------------------------
 
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=int(os.environ.get("FUZZ_EXAMPLES", 40)), deadline=None)
 @given(bits=st.sampled_from([2, 3, 4, 8]), sym=st.booleans(), base=st.sampled_from(sorted(BASES)),
        block=st.sampled_from([16, 32, 64]), rank=st.integers(4, 96), seed=st.integers(0, 10_000))
 def test_gptq_levels_sit_on_the_base_grids_and_never_lose_to_the_base(bits, sym, base, block, rank, seed):

@@ -5,6 +5,7 @@ std::wregex path and proven against HF's Oniguruma over every code point, in Pyt
 from __future__ import annotations
 
 import json
+import os
 import random
 import re
 
@@ -85,7 +86,8 @@ def wide_patterns(draw, depth: int = 2) -> str:
     return "|".join(branches)
 
 
-@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
+@settings(max_examples=int(os.environ.get("FUZZ_EXAMPLES", 300)), deadline=None,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
 @given(pattern=wide_patterns(), texts=st.lists(st.text(_TEXT_POOL, max_size=12), min_size=1, max_size=8))
 def test_rewrite_splits_like_oniguruma(pattern, texts):
     """Random patterns of classes, literals, groups, lookaheads, ``$`` and greedy or lazy
