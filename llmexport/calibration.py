@@ -34,7 +34,7 @@ from llmexport.calibration_data import calibration_windows, read_texts
 from llmexport.checkpoint import CheckpointTensors
 from llmexport.models.base import Architecture
 from llmexport.options import Calibration
-from llmexport.quant.gptq import calibration_loss, quantize_gptq
+from llmexport.quant.gptq import ROW_ELEMENTS, calibration_loss, quantize_gptq
 from llmexport.quant.rtn import dequantize
 from llmexport.quant.scheme import QuantMethod, QuantScheme
 from llmexport.spec import LinearRole, LinearSpec, Precomputed, Quantizer
@@ -170,20 +170,26 @@ def _accumulate(hessians: dict[str, torch.Tensor], name: str) -> Callable[..., N
 
 def _round(arch: Architecture, linear: nn.Linear, spec: LinearSpec, hessian: torch.Tensor, scheme: QuantScheme,
            quantizers: Mapping[QuantMethod, Quantizer], folder: Path, out: CalibratedLinears) -> None:
-    """GPTQ one linear, save the result, and give the reference what the record decodes to."""
+    """GPTQ one linear, save the result, and give the reference what the record decodes to (row
+    group by row group: a real lm_head in fp32 is gigabytes)."""
     weight = arch.linear_weight(spec.name)[0]
-    if not isinstance(weight, torch.Tensor) or not torch.equal(weight.float(), linear.weight):
+    if not isinstance(weight, torch.Tensor) or weight.shape != linear.weight.shape:
         out.skipped[spec.name] = "the export's weight is not the reference's parameter"
         return
     weight = weight.float()
+    if not torch.equal(weight, linear.weight):
+        out.skipped[spec.name] = "the export's weight is not the reference's parameter"
+        return
     base = quantizers[scheme.method]
     block = scheme.block_for(weight.shape[1])
     result = quantize_gptq(weight, hessian, scheme.bits, block, scheme.sym, base)
-    reference = base(weight, scheme.bits, block, scheme.sym)
-    base_loss = calibration_loss(weight, reference, hessian)
+    base_loss = calibration_loss(weight, base(weight, scheme.bits, block, scheme.sym), hessian)
     out.loss_ratio[spec.name] = calibration_loss(weight, result, hessian) / base_loss if base_loss > 0 else 1.0
     path = folder / f"{len(out.files):05d}.pt"
     torch.save(result, path)
     out.files[spec.name] = path
+    step = max(1, ROW_ELEMENTS // weight.shape[1])
     with torch.no_grad():
-        linear.weight.copy_(dequantize(result))
+        for start in range(0, weight.shape[0], step):
+            rows = slice(start, start + step)
+            linear.weight[rows] = dequantize(result.rows(rows))

@@ -73,6 +73,10 @@ ONNX_BYTES_PER_WEIGHT = 18
 HESSIANS_PER_BLOCK = 8
 CALIBRATION_ACTIVATIONS = 12
 GPTQ_COPIES = 4
+#: per weight of the largest linear, beside its fp32 parameter in the reference block: the export's
+#: weight as read (bf16) and in fp32 to compare and round, GPTQ's levels, the base method's for the
+#: loss ratio, and their concatenation (int8 each)
+CALIBRATION_BYTES_PER_WEIGHT = 10
 #: MNN's runtime child as verification runs it (520-token prompt, measured with bench/memory.py
 #: --runtime): on its exact kernels (``memory: normal``) every linear is dequantized to fp32 at load,
 #: beside the weight file it read: E4B-shaped 42 layers at 4 bits (4665M linear weights,
@@ -110,15 +114,18 @@ def memory_plan(arch: Architecture, options: ExportOptions, plan: ExportPlan, we
 def calibration_peak_bytes(arch: Architecture, options: ExportOptions, plan: ExportPlan) -> int:
     """``--calib_data`` at its peak (llmexport/calibration.py): one streamed fp32 reference (its
     residents and largest block), the Hessians of one block's linears in fp64, the activations of
-    every calibration token at the widest layer, and GPTQ's working copies of a row group."""
+    every calibration token at the widest layer, GPTQ's working copies of a row group, and the
+    copies and levels of the largest linear being rounded."""
     assert options.calibration is not None
     reference = reference_footprint(arch, options.trust_remote_code)
     widest = max((max(linear.in_features, linear.out_features) for linear in plan.linears
                   if linear.role is not LinearRole.LM_HEAD), default=0)
     inputs = max((linear.in_features for linear in plan.linears), default=0)
     tokens = options.calibration.samples * options.calibration.seq_len
+    largest = max((linear.out_features * linear.in_features for linear in plan.linears), default=0)
     return (BASE + reference.resident + reference.largest_block + HESSIANS_PER_BLOCK * inputs * inputs * 8
-            + CALIBRATION_ACTIVATIONS * tokens * widest * 4 + GPTQ_COPIES * ROW_ELEMENTS * 4)
+            + CALIBRATION_ACTIVATIONS * tokens * widest * 4 + GPTQ_COPIES * ROW_ELEMENTS * 4
+            + CALIBRATION_BYTES_PER_WEIGHT * largest)
 
 
 class PlannedTarget(Protocol):

@@ -103,6 +103,11 @@ class QuantizedTensor:
         oc, nblocks, block = self.q.shape
         return oc, nblocks * block
 
+    def rows(self, rows: slice) -> "QuantizedTensor":
+        """The records of output rows ``rows``."""
+        return QuantizedTensor(self.q[rows], self.scale[rows], None if self.zero is None else self.zero[rows],
+                               self.bits, self.block)
+
     def stored(self) -> torch.Tensor:
         """Unsigned on-disk levels ``q + 2^(bits-1)`` as uint8, same shape as ``q``."""
         if self.bits == 8:  # q + 128 overflows int8; flipping the sign bit is the same mapping
@@ -144,9 +149,7 @@ class Precomputed:
         return oc * ic
 
     def __getitem__(self, rows: slice) -> "Precomputed":
-        r = self.result
-        return Precomputed(QuantizedTensor(r.q[rows], r.scale[rows], None if r.zero is None else r.zero[rows],
-                                           r.bits, r.block))
+        return Precomputed(self.result.rows(rows))
 
     def levels(self, bits: int, block: int, sym: bool) -> QuantizedTensor:
         """The stored result, as a quantizer returns it (ValueError when the scheme differs)."""

@@ -27,12 +27,23 @@ from llmexport.spec import QuantizedTensor, Quantizer
 
 #: dampening added to H's diagonal, as a fraction of its mean (the paper's 1%)
 DAMPING = 0.01
+#: weights rounded (and scored) at once, whole rows at a time: bounds the working copies of a
+#: large lm_head
+ROW_ELEMENTS = 1 << 24
 
 
 def calibration_loss(w: torch.Tensor, qt: QuantizedTensor, hessian: torch.Tensor) -> float:
-    """``tr((W - Q) H (W - Q)^T)``: the summed squared output error over the calibration inputs."""
-    err = (w.float() - dequantize(qt)).double()
-    return float(((err @ hessian.double()) * err).sum())
+    """``tr((W - Q) H (W - Q)^T)``: the summed squared output error over the calibration inputs
+    (fp64, ``ROW_ELEMENTS`` weights at a time: a 262,144-row lm_head whole would take gigabytes)."""
+    h = hessian.double()
+    oc, ic = w.shape
+    step = max(1, ROW_ELEMENTS // ic)
+    total = 0.0
+    for start in range(0, oc, step):
+        rows = slice(start, start + step)
+        err = (w[rows].float() - dequantize(qt.rows(rows))).double()
+        total += float(((err @ h) * err).sum())
+    return total
 
 
 def _inverse_factor(hessian: torch.Tensor, dead: torch.Tensor) -> torch.Tensor:
@@ -53,8 +64,6 @@ def _inverse_factor(hessian: torch.Tensor, dead: torch.Tensor) -> torch.Tensor:
 
 #: columns rounded between two updates of the columns after them (the paper's lazy batches)
 LAZY_COLUMNS = 128
-#: weights rounded at once (rows at a time): bounds the working copies of a large lm_head
-ROW_ELEMENTS = 1 << 24
 
 
 def quantize_gptq(w: torch.Tensor, hessian: torch.Tensor, bits: int, block: int, sym: bool,
