@@ -67,7 +67,8 @@ SLICE_BYTES_PER_VALUE = {QuantMethod.RTN: 8, QuantMethod.STORED: 8, QuantMethod.
 TABLE_CHUNK = 64 * MIB  # fp32 rows of the token table in work (mnn/token_table.py)
 KEPT_HEAP = 512 * MIB  # glibc's M_TRIM_THRESHOLD as quant/workers.py sets it
 ONNX_BYTES_PER_WEIGHT = 18
-#: calibration: Hessians alive at once (a block's linears: q, k, v, o, gate, up, down and one more),
+#: calibration: Hessians alive at once (a block's linears: q, k, v, o, gate, up, down and one more; all
+#: but the widest-input one, down_proj, about hidden x hidden),
 #: copies of the calibration tokens' activations at the widest layer (the block's input, residual,
 #: attention, MLP intermediates, twice for the second run), GPTQ's copies of a row group
 HESSIANS_PER_BLOCK = 8
@@ -113,17 +114,20 @@ def memory_plan(arch: Architecture, options: ExportOptions, plan: ExportPlan, we
 
 def calibration_peak_bytes(arch: Architecture, options: ExportOptions, plan: ExportPlan) -> int:
     """``--calib_data`` at its peak (llmexport/calibration.py): one streamed fp32 reference (its
-    residents and largest block), the Hessians of one block's linears in fp64, the activations of
+    residents and largest block), the Hessians of one block's linears in fp64 (the widest input's,
+    the others at the hidden width), the activations of
     every calibration token at the widest layer, GPTQ's working copies of a row group, and the
     copies and levels of the largest linear being rounded."""
     assert options.calibration is not None
     reference = reference_footprint(arch, options.trust_remote_code)
     widest = max((max(linear.in_features, linear.out_features) for linear in plan.linears
                   if linear.role is not LinearRole.LM_HEAD), default=0)
-    inputs = max((linear.in_features for linear in plan.linears), default=0)
+    widest_input = max((linear.in_features for linear in plan.linears), default=0)
+    hidden = plan.architecture.hidden_size
     tokens = options.calibration.samples * options.calibration.seq_len
     largest = max((linear.out_features * linear.in_features for linear in plan.linears), default=0)
-    return (BASE + reference.resident + reference.largest_block + HESSIANS_PER_BLOCK * inputs * inputs * 8
+    hessians = (widest_input ** 2 + (HESSIANS_PER_BLOCK - 1) * hidden ** 2) * 8
+    return (BASE + reference.resident + reference.largest_block + hessians
             + CALIBRATION_ACTIVATIONS * tokens * widest * 4 + GPTQ_COPIES * ROW_ELEMENTS * 4
             + CALIBRATION_BYTES_PER_WEIGHT * largest)
 
