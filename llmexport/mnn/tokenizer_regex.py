@@ -155,6 +155,24 @@ class PatternScanner:
         if self.peek() == "]":
             self.fail("']' first in a class")
 
+    def repeats(self) -> tuple[int, int | None] | None:
+        """A quantifier's (min, max) read past (max None: unbounded), or None where there is none."""
+        c = self.peek()
+        if c in ("+", "*", "?"):
+            self.i += 1
+            return {"+": (1, None), "*": (0, None), "?": (0, 1)}[c]
+        if c != "{":
+            return None
+        m = _QUANTIFIER.match(self.p, self.i)
+        if not m:
+            self.fail("'{' that is not a {n}, {n,} or {n,m} quantifier")
+        low = int(m[1])
+        high = low if m[2] is None else (int(m[3]) if m[3] else None)
+        if high is not None and high < low:
+            self.fail("quantifier {n,m} with m < n")
+        self.i = m.end()
+        return low, high
+
     def class_char(self) -> str | None:
         """The next character inside a class, None at its ``]``; nested classes and intersections refused."""
         c = self.peek()
@@ -238,21 +256,8 @@ class _Parser(PatternScanner):
         return kind
 
     def quantifier(self) -> tuple[int, int | None] | None:
-        c = self.peek()
-        if c in ("+", "*", "?"):
-            self.i += 1
-            repeats = {"+": (1, None), "*": (0, None), "?": (0, 1)}[c]
-        elif c == "{":
-            m = _QUANTIFIER.match(self.p, self.i)
-            if not m:
-                self.fail("'{' that is not a {n}, {n,} or {n,m} quantifier")
-            low = int(m[1])
-            high = low if m[2] is None else (int(m[3]) if m[3] else None)
-            if high is not None and high < low:
-                self.fail("quantifier {n,m} with m < n")
-            self.i = m.end()
-            repeats = (low, high)
-        else:
+        repeats = self.repeats()
+        if repeats is None:
             return None
         if self.peek() in ("?", "+"):
             self.fail("lazy or possessive quantifier (the matcher is always greedy)")

@@ -46,7 +46,6 @@ _SURROGATES = range(0xD800, 0xE000)
 _MAX = 0x10FFFF
 _CLASS_SPECIAL = "\\]^-["
 _SINGLE_CHAR_ESCAPES = set("sSdDwWhHrntfvae") | {"p", "P", "x", "u"}
-_QUANTIFIER = re.compile(r"\{(\d+)(,(\d*))?\}")
 
 
 def uses_wregex(pattern: str) -> bool:
@@ -210,25 +209,14 @@ class _Parser(PatternScanner):
 
     def quantifier(self) -> tuple[int, str]:
         start = self.i
-        c = self.peek()
-        if c in ("+", "*", "?"):
-            self.i += 1
-            low = 1 if c == "+" else 0
-        elif c == "{":
-            m = _QUANTIFIER.match(self.p, self.i)
-            if not m:
-                self.fail("'{' that is not a {n}, {n,} or {n,m} quantifier")
-            low = int(m[1])
-            if m[2] and m[3] and int(m[3]) < low:
-                self.fail("quantifier {n,m} with m < n")
-            self.i = m.end()
-        else:
+        repeats = self.repeats()
+        if repeats is None:
             return 1, ""
         if self.peek() == "?":
             self.i += 1  # lazy: the same in both engines
         if self.peek() in ("+", "*", "{"):
             self.fail("possessive or stacked quantifiers")
-        return low, self.p[start:self.i]
+        return repeats[0], self.p[start:self.i]
 
     def skip_escape(self) -> None:
         start, c = self.i, self.peek(1)
