@@ -34,7 +34,7 @@ from llmexport.calibration_data import calibration_windows, read_texts
 from llmexport.checkpoint import CheckpointTensors
 from llmexport.models.base import Architecture
 from llmexport.options import Calibration
-from llmexport.quant.gptq import ROW_ELEMENTS, calibration_loss, quantize_gptq
+from llmexport.quant.gptq import ROW_ELEMENTS, gptq
 from llmexport.quant.rtn import dequantize
 from llmexport.quant.scheme import QuantMethod, QuantScheme
 from llmexport.spec import LinearRole, LinearSpec, Precomputed, Quantizer
@@ -172,19 +172,16 @@ def _round(arch: Architecture, linear: nn.Linear, spec: LinearSpec, hessian: tor
            quantizers: Mapping[QuantMethod, Quantizer], folder: Path, out: CalibratedLinears) -> None:
     """GPTQ one linear, save the result, and give the reference what the record decodes to (row
     group by row group: a real lm_head in fp32 is gigabytes)."""
-    weight = arch.linear_weight(spec.name)[0]
-    if not isinstance(weight, torch.Tensor) or weight.shape != linear.weight.shape:
-        out.skipped[spec.name] = "the export's weight is not the reference's parameter"
-        return
-    weight = weight.float()
-    if not torch.equal(weight, linear.weight):
+    source = arch.linear_weight(spec.name)[0]
+    weight = source.float() if isinstance(source, torch.Tensor) and source.shape == linear.weight.shape else None
+    if weight is None or not torch.equal(weight, linear.weight):
         out.skipped[spec.name] = "the export's weight is not the reference's parameter"
         return
     base = quantizers[scheme.method]
     block = scheme.block_for(weight.shape[1])
-    result = quantize_gptq(weight, hessian, scheme.bits, block, scheme.sym, base)
-    base_loss = calibration_loss(weight, base(weight, scheme.bits, block, scheme.sym), hessian)
-    out.loss_ratio[spec.name] = calibration_loss(weight, result, hessian) / base_loss if base_loss > 0 else 1.0
+    rounded = gptq(weight, hessian, scheme.bits, block, scheme.sym, base)
+    result = rounded.levels
+    out.loss_ratio[spec.name] = rounded.loss / rounded.base_loss if rounded.base_loss > 0 else 1.0
     path = folder / f"{len(out.files):05d}.pt"
     torch.save(result, path)
     out.files[spec.name] = path

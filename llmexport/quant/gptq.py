@@ -18,6 +18,7 @@ own data.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import cast
 
 import torch
@@ -66,10 +67,24 @@ def _inverse_factor(hessian: torch.Tensor, dead: torch.Tensor) -> torch.Tensor:
 LAZY_COLUMNS = 128
 
 
+@dataclass(frozen=True)
+class GptqResult:
+    """GPTQ's levels, their calibration loss and the base method's on the same weights."""
+
+    levels: QuantizedTensor
+    loss: float
+    base_loss: float
+
+
 def quantize_gptq(w: torch.Tensor, hessian: torch.Tensor, bits: int, block: int, sym: bool,
                   base: Quantizer) -> QuantizedTensor:
     """``w [oc, ic]`` rounded by GPTQ with ``hessian [ic, ic]`` on ``base``'s per-block grids;
-    ``base``'s own result where that is not better (module docstring).
+    ``base``'s own result where that is not better (module docstring; ``gptq`` for the losses)."""
+    return gptq(w, hessian, bits, block, sym, base).levels
+
+
+def gptq(w: torch.Tensor, hessian: torch.Tensor, bits: int, block: int, sym: bool, base: Quantizer) -> GptqResult:
+    """``quantize_gptq``'s levels with the calibration losses the choice was made on.
 
     Columns are rounded in batches of whole blocks (``LAZY_COLUMNS`` or one block, the larger):
     within a batch each column's error updates the batch's later columns at once, and the
@@ -82,12 +97,15 @@ def quantize_gptq(w: torch.Tensor, hessian: torch.Tensor, bits: int, block: int,
     u = _inverse_factor(hessian, torch.diagonal(hessian) == 0).float()
     rows = max(1, ROW_ELEMENTS // ic)
     parts = [_rows_gptq(w[r:r + rows], hessian, u, bits, block, sym, base) for r in range(0, oc, rows)]
-    return QuantizedTensor(torch.cat([p.q for p in parts]), torch.cat([p.scale for p in parts]),
-                           None if sym else torch.cat([cast(torch.Tensor, p.zero) for p in parts]), bits, block)
+    levels = [p.levels for p in parts]
+    return GptqResult(QuantizedTensor(torch.cat([q.q for q in levels]), torch.cat([q.scale for q in levels]),
+                                      None if sym else torch.cat([cast(torch.Tensor, q.zero) for q in levels]),
+                                      bits, block),
+                      sum(p.loss for p in parts), sum(p.base_loss for p in parts))
 
 
 def _rows_gptq(w: torch.Tensor, hessian: torch.Tensor, u: torch.Tensor, bits: int, block: int, sym: bool,
-               base: Quantizer) -> QuantizedTensor:
+               base: Quantizer) -> GptqResult:
     """GPTQ of some rows of a linear (rows are independent given ``H``), or the base result."""
     oc, ic = w.shape
     reference = base(w, bits, block, sym)
@@ -123,6 +141,5 @@ def _rows_gptq(w: torch.Tensor, hessian: torch.Tensor, u: torch.Tensor, bits: in
         if b2 < ic:
             work[:, b2:] -= errors @ u[b1:b2, b2:]
     result = QuantizedTensor(q=q, scale=scale, zero=zero, bits=bits, block=block)
-    if calibration_loss(w, result, hessian) < calibration_loss(w, reference, hessian):
-        return result
-    return reference
+    loss, base_loss = calibration_loss(w, result, hessian), calibration_loss(w, reference, hessian)
+    return GptqResult(result, loss, base_loss) if loss < base_loss else GptqResult(reference, base_loss, base_loss)
