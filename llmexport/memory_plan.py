@@ -75,8 +75,8 @@ HESSIANS_PER_BLOCK = 8
 CALIBRATION_ACTIVATIONS = 12
 GPTQ_COPIES = 4
 #: per weight of the largest linear, beside its fp32 parameter in the reference block: the export's
-#: weight as read (bf16) and in fp32 to compare and round, GPTQ's levels, the base method's for the
-#: loss ratio, and their concatenation (int8 each)
+#: weight as read (bf16) and in fp32 to compare and round, GPTQ's levels per row group, their
+#: concatenation and the saved copy (int8 each)
 CALIBRATION_BYTES_PER_WEIGHT = 10
 #: MNN's runtime child as verification runs it (520-token prompt, measured with bench/memory.py
 #: --runtime): on its exact kernels (``memory: normal``) every linear is dequantized to fp32 at load,
