@@ -121,7 +121,7 @@ Quantizer = Callable[[torch.Tensor, int, int, bool], QuantizedTensor]
 
 @dataclass(frozen=True)
 class QuantInfo:
-    """Bits and group size of one tensor quantized by its source (MLX's affine format)."""
+    """Bits and group size of one tensor quantized by its source (MLX, GPTQ, AWQ)."""
 
     bits: int
     group: int
@@ -210,7 +210,7 @@ class Prequantized:
 # --- what readers and writers see of checkpoints and exports --------------------------------------
 class WeightStore(Protocol):
     """Named tensors of a checkpoint, left on disk until read: what ``SafetensorsIndex`` offers and
-    an importer (``llmexport.importers.mlx``) offers in HF names over another format."""
+    an importer (``llmexport.importers``) offers in HF names over another format."""
 
     #: the folder the tensors are read from (None for stores built in memory)
     folder: Path | None
@@ -226,6 +226,32 @@ class WeightStore(Protocol):
     def lazy(self, name: str) -> "LazyTensor": ...
 
     def tensor(self, name: str) -> torch.Tensor: ...
+
+
+class PrequantizedStore(WeightStore, Protocol):
+    """A ``WeightStore`` over a checkpoint another tool quantized (``llmexport.importers``): values
+    come back dequantized (fp32); these methods tell which tensors were stored as integers, in which
+    format, and hand those integers over."""
+
+    #: the source format, for plans and reports ("mlx-affine", "gptq", "gptq_v2", "awq-gemm")
+    format: str
+
+    def quantization(self, name: str) -> tuple[QuantInfo | None, ...]:
+        """The stored format of each source tensor joined into ``name`` (None: stored as floats)."""
+        ...
+
+    def unfit(self, name: str) -> str | None:
+        """Why the stored integers of ``name`` cannot be one MNN record at any bits and block
+        (GPTQ's act-order); None when they can."""
+        ...
+
+    def stored(self, name: str, expert: int | None = None) -> Prequantized | torch.Tensor:
+        """A tensor (or one expert of a stacked one) as stored: integers, or floats."""
+        ...
+
+    def prequantized(self, name: str, expert: int | None = None) -> Prequantized:
+        """The integers of a 2-D weight (or of one expert of a stacked 3-D one)."""
+        ...
 
 
 class ReferenceTensors(Protocol):
