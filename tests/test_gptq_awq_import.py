@@ -226,6 +226,10 @@ def test_format_errors_name_the_key():
         packed_format(dict(AWQ, zero_point=False), "config.json")
     with pytest.raises(InputError, match="group_size 0"):
         packed_format(dict(GPTQ, group_size=0), "config.json")
+    with pytest.raises(InputError, match="quantization_config.dynamic"):
+        packed_format(dict(GPTQ, dynamic={"+:.*down_proj": {"bits": 8}}), "config.json")
+    with pytest.raises(InputError, match="pack_dtype 'int16'"):
+        packed_format(dict(GPTQ, pack_dtype="int16"), "config.json")
 
 
 # --- end to end: export, records read back, --verify ---------------------------------------------------

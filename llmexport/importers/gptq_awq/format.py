@@ -101,6 +101,8 @@ def _gptq(block: dict[str, Any], where: str) -> PackedFormat:
     if version not in GPTQ_ZERO_OFFSET:
         raise InputError(f"{where}: quantization_config.checkpoint_format {version!r} is not supported "
                          f"(supported: {', '.join(GPTQ_ZERO_OFFSET)})")
+    if block.get("dynamic"):
+        raise InputError(f"{where}: quantization_config.dynamic: per-module GPTQ overrides are not supported")
     pack_dtype = block.get("pack_dtype", "int32")
     if str(pack_dtype).removeprefix("torch.") != "int32":
         raise InputError(f"{where}: quantization_config.pack_dtype {pack_dtype!r} is not supported (int32 only)")
