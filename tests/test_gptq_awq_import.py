@@ -244,24 +244,43 @@ def _check_records(out: Path, reference: dict[str, torch.Tensor], transcoded: se
     return worst
 
 
+@pytest.fixture(scope="module")
+def tiny_gemma4_text(tmp_path_factory):
+    from llmexport.tiny.gemma4 import build_tiny_gemma4
+
+    return build_tiny_gemma4(tmp_path_factory.mktemp("hf") / "gemma4", "31b", dtype=torch.float16, text_only=True)
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("method,kwargs,kept", [
-    ("gptq", dict(bits=4, group=32), 28), ("awq", dict(group=32), 28),
-    ("gptq", dict(bits=3, group=-1, sym=True, v1=False), 28),
-    ("gptq", dict(act_order=True), 0),  # requantized (4-bit block 64 RTN) from the dequantized weights
+@pytest.mark.parametrize("model,method,kwargs,kept", [
+    ("llama", "gptq", dict(bits=4, group=32), 28), ("llama", "awq", dict(group=32), 28),
+    ("llama", "gptq", dict(bits=3, group=-1, sym=True, v1=False), 28),
+    ("llama", "gptq", dict(act_order=True), 0),  # requantized (4-bit block 64 RTN) from the dequantized weights
+    ("gemma4", "gptq", dict(bits=4, group=32), 40),  # Gemma4 text: sliding/full layers, a tied fp16 lm_head
 ])
-def test_gptq_awq_checkpoint_exports_and_verifies(tiny_llama, tmp_path, method, kwargs, kept):
+def test_gptq_awq_checkpoint_exports_and_verifies(tiny_llama, tiny_gemma4_text, tmp_path, model, method, kwargs,
+                                                  kept):
     from llmexport.verification import summary_line, verify_export
 
-    path, reference = _checkpoint(tiny_llama, tmp_path, method, **kwargs)
+    hf = tiny_llama if model == "llama" else tiny_gemma4_text
+    path, reference = _checkpoint(hf, tmp_path, method, **kwargs)
     result = export(path, tmp_path / "out", ExportOptions())
     pre = result.plan.prequantized
     transcoded = {linear.name for linear in result.plan.linears if linear.method is QuantMethod.STORED}
-    assert len(transcoded) == pre.transcoded == kept and len(pre.requantized) == 28 - kept
+    assert len(transcoded) == pre.transcoded == kept and len(pre.requantized) == len(reference) - kept
     assert _check_records(result.dst, reference, transcoded) == 0.0
     assert json.loads((result.dst / "manifest.json").read_text())["prequantized"]["transcoded"] == kept
     report = verify_export(result.dst, path, steps=24)
-    print(f"\n{method} {kwargs}: {summary_line(report)}")
+    print(f"\n{model} {method} {kwargs}: {summary_line(report)}")
     assert report.passed and report.prequantized["linears_exact"] == kept + 1  # + the fp16 lm_head
     assert report.prequantized["fp32_alpha_records"] == kept
     assert set(report.prequantized["linears_changed"]) == {e.name for e in pre.requantized}
+
+
+@pytest.mark.slow
+def test_cli_verify_passes_on_a_gptq_checkpoint(tiny_llama, tmp_path):
+    path, _ = _checkpoint(tiny_llama, tmp_path, "gptq")
+    result = CliRunner().invoke(main, ["--path", str(path), "--dst_path", str(tmp_path / "out"), "--verify"])
+    assert result.exit_code == 0, result.output[-2000:]
+    report = json.loads((tmp_path / "out" / "verify.json").read_text())
+    assert report["passed"] and report["prequantized"]["linears_exact"] == 29

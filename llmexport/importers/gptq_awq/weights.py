@@ -143,6 +143,8 @@ class PackedWeights:
                     "qzeros": (-(-in_features // group), out_features * bits // 32)}
         if (packed[0] if fmt.method == "gptq" else packed[1]) * 32 % bits or out_features * bits % 32:
             raise InputError(f"{self.where}: {stem}.qweight {list(packed)} does not hold whole {bits}-bit rows")
+        if not raw.dtype(stem + ".scales").is_floating_point:
+            raise InputError(f"{self.where}: {stem}.scales must be floating point, got {raw.dtype(stem + '.scales')}")
         for leaf, shape in expected.items():
             if tuple(raw.shape(f"{stem}.{leaf}")) != shape:
                 raise InputError(f"{self.where}: {stem}.{leaf} is {list(raw.shape(f'{stem}.{leaf}'))}, expected "
