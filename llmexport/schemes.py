@@ -50,9 +50,6 @@ from llmexport.quant.transcode import transcode
 from llmexport.results import ChangedLinear, PrequantizedSummary, PrequantizedTable
 from llmexport.spec import LinearRole, LinearSpec, PrequantizedStore, QuantInfo
 
-ALPHA_NOTE = ("transcoded records keep the checkpoint's integers; their alpha [zero, scale] is stored in fp32 "
-              "(zero = bias + 2^(bits-1) * scale needs more mantissa than fp16 has, and bf16 scales can "
-              "exceed fp16's range)")
 #: the option that sets each tower's bits
 TOWER_BITS: dict[str, Callable[[ExportOptions], int]] = {
     "visual": lambda o: o.visual_quant_bit,
@@ -227,7 +224,7 @@ class Schemes:
         tables = {name: PrequantizedTable(t.stored, t.bits, t.block, t.reason is None, t.reason)
                   for name, (_, t) in self.tables().items() if t.stored is not None}  # GPTQ/AWQ: float tables
         return PrequantizedSummary(
-            format=self.imported.format, default="as stored", alpha=ALPHA_NOTE,
+            format=self.imported.format, default="as stored", alpha=self.imported.alpha_note,
             transcoded=sum(c.scheme.method is QuantMethod.STORED for c in self.choices.values()),
             kept_float=tuple(n for n, c in self.choices.items() if c.reason is None and c.scheme.is_fp16),
             requantized=tuple(e for e in off if e.stored != "unquantized"),

@@ -235,6 +235,8 @@ class PrequantizedStore(WeightStore, Protocol):
 
     #: the source format, for plans and reports ("mlx-affine", "gptq", "gptq_v2", "awq-gemm")
     format: str
+    #: how the records that keep its integers store their alpha, and why (plans and manifests)
+    alpha_note: str
 
     def quantization(self, name: str) -> tuple[QuantInfo | None, ...]:
         """The stored format of each source tensor joined into ``name`` (None: stored as floats)."""

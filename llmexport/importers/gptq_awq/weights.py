@@ -108,6 +108,9 @@ class PackedWeights:
     """The checkpoint's tensors under their HF names (the ``PrequantizedStore`` interface): packed
     linears come back as fp32 ``P.weight``, every other tensor as stored."""
 
+    alpha_note = ("transcoded records keep the checkpoint's integers; their alpha [zero, scale] is stored in fp32 "
+                  "(zero = scale * (2^(bits-1) - zero point) needs up to 20 significant bits, fp16 has 11)")
+
     def __init__(self, raw: WeightStore, fmt: PackedFormat, where: str):
         self.where, self.fmt, self.format = where, fmt, fmt.label
         self.folder = raw.folder

@@ -123,6 +123,9 @@ class MlxWeights:
     come back in fp32, dequantized; ``prequantized`` hands over the stored integers."""
 
     format = "mlx-affine"
+    alpha_note = ("transcoded records keep MLX's integers; their alpha [zero, scale] is stored in fp32 "
+                  "(zero = bias + 2^(bits-1) * scale needs more mantissa than fp16 has, and bf16 scales can "
+                  "exceed fp16's range)")
 
     def __init__(self, raw: WeightStore, layout: MlxLayout, quant: MlxQuantConfig, where: str):
         self.where = where
