@@ -99,15 +99,16 @@ def group_indices(in_features: int, group: int, act_order: bool, seed: int = 0) 
 
 
 def quantize_checkpoint(hf: Path, out: Path, method: str, bits: int = 4, group: int = 32, sym: bool = False,
-                        act_order: bool = False, v1: bool = True) -> dict[str, torch.Tensor]:
-    """``hf``'s decoder linears (``*_proj``) packed as GPTQ or AWQ into ``out``; the other tensors
-    kept (fp16). Returns the dequantized value of every packed weight, by HF name."""
+                        act_order: bool = False, v1: bool = True, lm_head: bool = False) -> dict[str, torch.Tensor]:
+    """``hf``'s decoder linears (``*_proj``, and ``lm_head`` when asked, as GPTQModel's ``lm_head``
+    option does) packed as GPTQ or AWQ into ``out``; the other tensors kept (fp16). Returns the
+    dequantized value of every packed weight, by HF name."""
     from safetensors.torch import load_file, save_file
 
     tensors, packed, reference = load_file(hf / "model.safetensors"), {}, {}
     for name, tensor in tensors.items():
         stem = name.removesuffix(".weight")
-        if not (name.endswith("_proj.weight") and tensor.dim() == 2):
+        if not ((name.endswith("_proj.weight") or lm_head and name == "lm_head.weight") and tensor.dim() == 2):
             packed[name] = tensor.half() if tensor.is_floating_point() else tensor
             continue
         groups = group_indices(tensor.shape[1], group, act_order, seed=len(reference))

@@ -169,6 +169,12 @@ def test_plan_keeps_what_maps_and_says_why_not(tiny_llama, tmp_path, kwargs, kep
         assert torch.equal(store.tensor(name), value), name
 
 
+def test_a_packed_lm_head_is_kept_too(tiny_llama, tmp_path):
+    path, reference = _checkpoint(tiny_llama, tmp_path, "awq", lm_head=True)
+    pre = plan(path, ExportOptions()).prequantized
+    assert pre.transcoded == 29 and not pre.kept_float and not pre.requantized and "lm_head.weight" in reference
+
+
 def test_requantize_and_dry_run_name_the_format(tiny_llama, tmp_path):
     path, _ = _checkpoint(tiny_llama, tmp_path, "awq")
     assert plan(path, ExportOptions(requantize=True)).prequantized.transcoded == 0
