@@ -31,6 +31,7 @@ class _PackedLinear:
     g_idx: LazyTensor | None
     in_features: int
     out_features: int
+    where: str  # the folder, for errors
 
     @property
     def group(self) -> int:
@@ -48,7 +49,7 @@ class _PackedLinear:
             return runs
         g_idx = self.g_idx.read().long()
         if int(g_idx.min()) < 0 or int(g_idx.max()) >= self.scales.shape[0]:
-            raise InputError(f"{self.stem}.g_idx: group indices must lie in [0, {self.scales.shape[0]})")
+            raise InputError(f"{self.where}: {self.stem}.g_idx: group indices must lie in [0, {self.scales.shape[0]})")
         return g_idx
 
     def unfit(self) -> str | None:
@@ -144,7 +145,8 @@ class PackedWeights:
         group = fmt.group_for(in_features)
         expected = {"scales": (-(-in_features // group), out_features),
                     "qzeros": (-(-in_features // group), out_features * bits // 32)}
-        if (packed[0] if fmt.method == "gptq" else packed[1]) * 32 % bits or out_features * bits % 32:
+        if (packed[0] if fmt.method == "gptq" else packed[1]) * 32 % bits or out_features * bits % 32 \
+                or not in_features or not out_features:
             raise InputError(f"{self.where}: {stem}.qweight {list(packed)} does not hold whole {bits}-bit rows")
         if not raw.dtype(stem + ".scales").is_floating_point:
             raise InputError(f"{self.where}: {stem}.scales must be floating point, got {raw.dtype(stem + '.scales')}")
@@ -156,7 +158,7 @@ class PackedWeights:
         if g_idx is not None and tuple(g_idx.shape) != (in_features,):
             raise InputError(f"{self.where}: {stem}.g_idx is {list(g_idx.shape)}, expected [{in_features}]")
         return _PackedLinear(stem, fmt, raw.lazy(stem + ".qweight"), raw.lazy(stem + ".qzeros"),
-                             raw.lazy(stem + ".scales"), g_idx, in_features, out_features)
+                             raw.lazy(stem + ".scales"), g_idx, in_features, out_features, self.where)
 
     # --- the WeightStore interface -----------------------------------------------------------
     def names(self) -> list[str]:
