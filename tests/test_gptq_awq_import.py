@@ -175,6 +175,15 @@ def test_a_packed_lm_head_is_kept_too(tiny_llama, tmp_path):
     assert pre.transcoded == 29 and not pre.kept_float and not pre.requantized and "lm_head.weight" in reference
 
 
+def test_calibration_needs_requantize(tiny_llama, tmp_path):
+    path, _ = _checkpoint(tiny_llama, tmp_path)
+    text = tmp_path / "calib.txt"
+    text.write_text("The quick brown fox jumps over the lazy dog. " * 40)
+    result = CliRunner().invoke(main, ["--path", str(path), "--dst_path", str(tmp_path / "x"), "--dry-run",
+                                       "--calib_data", str(text)])
+    assert result.exit_code == 2 and "pre-quantized checkpoint keeps its stored integers" in result.output
+
+
 def test_requantize_and_dry_run_name_the_format(tiny_llama, tmp_path):
     path, _ = _checkpoint(tiny_llama, tmp_path, "awq")
     assert plan(path, ExportOptions(requantize=True)).prequantized.transcoded == 0
