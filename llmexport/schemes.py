@@ -25,9 +25,10 @@ verification report list it with the reason, when
   ``--embed_bit`` or a quant_config ``embed_bit`` (tables).
 
 GPTQ and AWQ checkpoints (llmexport.importers.gptq_awq) follow the same rules: their linears keep
-their integers (group -1 as one block per row), their float tensors stay as stored; a linear is
-also dequantized and quantized afresh when its groups are no runs of consecutive inputs
-(act-order's permuted ``g_idx``) or its group does not divide its width.
+their integers (group -1 as one block per row; all zeros 2^(bits-1): a symmetric record), their
+float tensors stay as stored; a linear is also dequantized and quantized afresh when its groups
+are no runs of consecutive inputs (act-order's permuted ``g_idx``) or its group does not divide
+its width.
 """
 
 from __future__ import annotations
@@ -139,7 +140,7 @@ class Schemes:
             return Choice(QuantScheme(FP16_BITS), stored_format(infos))
         info = infos[0]
         block = info.group if info.group in BLOCKS else 0  # else one group per row (_unfit)
-        return Choice(QuantScheme(info.bits, block, method=QuantMethod.STORED), str(info))
+        return Choice(QuantScheme(info.bits, block, info.sym, QuantMethod.STORED), str(info))
 
     def _requested(self, spec: LinearSpec) -> str | None:
         """Why the user's options take this linear off "as stored", if they do."""

@@ -121,13 +121,16 @@ Quantizer = Callable[[torch.Tensor, int, int, bool], QuantizedTensor]
 
 @dataclass(frozen=True)
 class QuantInfo:
-    """Bits and group size of one tensor quantized by its source (MLX, GPTQ, AWQ)."""
+    """Bits and group size of one tensor quantized by its source (MLX, GPTQ, AWQ); ``sym``: every
+    group's value at level ``2^(bits-1)`` is 0 (a GPTQ ``sym`` checkpoint), so MNN's symmetric
+    record (scales only) holds it."""
 
     bits: int
     group: int
+    sym: bool = False
 
     def __str__(self) -> str:
-        return f"{self.bits}-bit group {self.group}"
+        return f"{self.bits}-bit group {self.group}{' sym' if self.sym else ''}"
 
 
 @dataclass(frozen=True)
@@ -185,6 +188,11 @@ class Prequantized:
     @property
     def info(self) -> QuantInfo:
         return QuantInfo(self.bits, self.group)
+
+    @property
+    def symmetric(self) -> bool:
+        """Every group's value at level ``2^(bits-1)`` is exactly 0 (``biases = -2^(bits-1) * scales``)."""
+        return torch.equal(self.biases.float(), -float(1 << (self.bits - 1)) * self.scales.float())
 
     def __getitem__(self, key: int | slice) -> "Prequantized":
         return Prequantized(self.levels[key], self.scales[key], self.biases[key], self.bits, self.group)

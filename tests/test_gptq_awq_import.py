@@ -122,14 +122,15 @@ FORMS = [("gptq", bits, group, sym, True) for bits in (2, 3, 4, 8) for group in 
 def test_transcoded_record_holds_the_integers_and_decodes_exactly(tmp_path, method, bits, group, sym, v1):
     width = 128 if group == 128 else 96 if group != 64 else 128
     store, reference, q = _packed_linear(tmp_path / "ckpt", method, bits, group, sym, v1, shape=(64, width))
-    assert store.unfit("lin.weight") is None
+    assert store.unfit("lin.weight") is None and store.quantization("lin.weight")[0].sym == sym
     block = group if group in (32, 64, 128, 256) else 0
     path, bias = tmp_path / "w.bin", torch.randn(64)
-    with open(path, "wb") as f:
+    with open(path, "wb") as f:  # sym: MNN's symmetric record, scales only
         record = WeightFileWriter(f, 0).write_linear(store.prequantized("lin.weight"), bias,
-                                                     QuantScheme(bits, block, method=QuantMethod.STORED))
-    qp = record.quan_parameter()
-    assert qp["scaleStorage"] == "FP32" and qp["readType"] == 64 * (width // (group if group > 0 else width))
+                                                     QuantScheme(bits, block, sym, method=QuantMethod.STORED))
+    qp, blocks = record.quan_parameter(), width // (group if group > 0 else width)
+    assert qp["scaleStorage"] == "FP32" and qp["readType"] == (0 if sym else 64 * blocks)
+    assert record.alpha_bytes == 64 * blocks * 4 * (1 if sym else 2)
     levels, _ = read_levels(path, record.external(), qp, 64, width)
     assert np.array_equal(levels + (1 << (bits - 1)), q.numpy())
     weight, read_bias = read_linear(path, record.external(), qp, 64, width)
@@ -286,6 +287,8 @@ def test_gptq_awq_checkpoint_exports_and_verifies(tiny_llama, tiny_gemma4_text, 
     pre = result.plan.prequantized
     transcoded = {linear.name for linear in result.plan.linears if linear.method is QuantMethod.STORED}
     assert len(transcoded) == pre.transcoded == kept and len(pre.requantized) == len(reference) - kept
+    # GPTQ sym (every zero 2^(bits-1)): MNN's symmetric records, scales only
+    assert {linear.sym for linear in result.plan.linears if linear.name in transcoded} <= {kwargs.get("sym", False)}
     assert _check_records(result.dst, reference, transcoded) == 0.0
     assert json.loads((result.dst / "manifest.json").read_text())["prequantized"]["transcoded"] == kept
     report = verify_export(result.dst, path, steps=24)

@@ -37,9 +37,12 @@ class _PackedLinear:
     def group(self) -> int:
         return self.fmt.group_for(self.in_features)
 
-    @property
+    @functools.cached_property
     def info(self) -> QuantInfo:
-        return QuantInfo(self.fmt.bits, self.group)
+        """Bits, group, and ``sym`` when every zero point is ``2^(bits-1)`` (GPTQ's ``sym``, read from
+        the zeros themselves): the record then needs no zeros, half the alpha bytes."""
+        zeros = self.fmt.zeros(self.qzeros.read())
+        return QuantInfo(self.fmt.bits, self.group, bool((zeros == 1 << (self.fmt.bits - 1)).all()))
 
     @functools.cached_property
     def groups_of_inputs(self) -> torch.Tensor:
