@@ -93,8 +93,9 @@ class ExportCommand:
 @click.option("--audio_quant_bit", type=int, default=16, show_default=True,
               help="Audio tower (audio.mnn) linear weights: 4 or 8 (block RTN), 16 = fp16.")
 @click.option("--requantize", is_flag=True,
-              help="Pre-quantized (MLX) checkpoints: dequantize and quantize every weight with this command's "
-                   "scheme instead of keeping the stored integers (docs/mlx-import.md).")
+              help="Pre-quantized (MLX, GPTQ, AWQ) checkpoints: dequantize and quantize every weight with this "
+                   "command's scheme instead of keeping the stored integers (docs/mlx-import.md, "
+                   "docs/gptq-awq-import.md).")
 @click.option("--thread_num", type=int, default=4, show_default=True, help="Runtime threads written to config.json.")
 @click.option("--runtime_profile", type=click.Choice(["fast", "exact"]), default="fast", show_default=True,
               help="fast: MNN's low-memory int4/int8 kernels (activations quantized to 8 bits on the fly); "

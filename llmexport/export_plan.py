@@ -87,11 +87,16 @@ def _scheme_lines(linears: Iterable[PlannedLinear], adjusted: Iterable[AdjustedB
                     for adj in adjusted]
 
 
+#: how the plan names a pre-quantized format (PrequantizedSummary.format)
+_SOURCE_NAMES = {"mlx-affine": "MLX", "gptq": "GPTQ", "gptq_v2": "GPTQ (v2)", "awq-gemm": "AWQ"}
+
+
 def _prequantized_lines(pre: PrequantizedSummary | None) -> list[str]:
-    """What a pre-quantized (MLX) checkpoint keeps as stored and what it does not, with reasons."""
+    """What a pre-quantized checkpoint keeps as stored and what it does not, with reasons."""
     if pre is None:
         return []
-    lines = [f"MLX checkpoint, as stored by default: {pre.transcoded} linear(s) keep their integers "
+    source = _SOURCE_NAMES.get(pre.format, pre.format)
+    lines = [f"{source} checkpoint, as stored by default: {pre.transcoded} linear(s) keep their integers "
              f"({pre.alpha}); {len(pre.kept_float)} float linear(s) stay fp16"]
     for changed, label in ((pre.requantized, "requantized"), (pre.quantized_from_float, "quantized")):
         lines += [f"  {label}: {e.name} ({e.stored} -> {e.bits} bits, block {e.block}): {e.reason}" for e in changed]

@@ -1,10 +1,10 @@
 """Open a checkpoint as its architecture: the family from the registry, over the checkpoint
-itself or, when it is MLX-quantized, over the importer's HF view of it."""
+itself or, when it is pre-quantized (MLX, GPTQ, AWQ), over the importer's HF view of it."""
 
 from __future__ import annotations
 
 from llmexport.checkpoint import Checkpoint
-from llmexport.importers.mlx import adapt_checkpoint
+from llmexport.importers import adapt_checkpoint
 from llmexport.models import architecture_class
 from llmexport.models.base import Architecture
 

@@ -190,7 +190,7 @@ def _linear_weights(plan: ExportPlan) -> int:
 
 
 def _source_bytes(arch: Architecture, name: str, values: int) -> int:
-    """Bytes of one linear as read from the checkpoint (an MLX-quantized one: dequantized, fp32)."""
+    """Bytes of one linear as read from the checkpoint (a pre-quantized one, MLX, GPTQ or AWQ: dequantized, fp32)."""
     try:
         dtype = arch.checkpoint.weights.dtype(arch.linear_source(name).weight)
     except NotImplementedError:

@@ -80,7 +80,7 @@ class ExportOptions:
 
     ``runtime_profile`` picks the runtime's kernels for quantized linears (written to config.json).
 
-    An already-quantized (MLX) checkpoint keeps its stored integers per module by default (see
+    An already-quantized (MLX, GPTQ, AWQ) checkpoint keeps its stored integers per module by default (see
     llmexport.schemes): explicit rules, ``lm_quant`` and ``embed_bit`` override that for
     what they name, and ``requantize`` dequantizes everything and applies the scheme above.
 

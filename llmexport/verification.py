@@ -20,7 +20,7 @@ from torch import nn
 from llmexport.calibration_data import read_texts
 from llmexport.checkpoint import Checkpoint, CheckpointTensors
 from llmexport.errors import InputError, UsageError, VerificationFailed
-from llmexport.importers.mlx import compare_with_source
+from llmexport.importers import compare_with_source
 from llmexport.loading import open_architecture
 from llmexport.memory_plan import exact_kernels_refusal
 from llmexport.mnn.config import EXACT_KERNELS, LLM_WEIGHT, RuntimeProfile, profile_of
@@ -151,7 +151,7 @@ def _verify_export(export_dir: Path, model_path: Path, steps: int, prompt_ids: l
     prompt = prompt_ids or default_prompt(tokenizer, window + 8)
     stored = stored_tensors(export_dir, arch)
     profile = profile_of(json.loads((export_dir / "config.json").read_text()))
-    # MLX checkpoints: which weights kept their integers
+    # pre-quantized (MLX, GPTQ, AWQ) checkpoints: which weights kept their integers
     prequantized = compare_with_source(arch, arch.checkpoint.weights, stored)
     bounds = bounds_for_export(stored_bits(stored, prequantized), profile)
     # MNN's exact kernels hold every linear in fp32 (E4B: 20 GB): run only where that fits
