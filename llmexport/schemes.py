@@ -34,6 +34,7 @@ from typing import Any, Callable, Iterable
 from llmexport.checkpoint import LazyTensor
 from llmexport.errors import UsageError
 from llmexport.importers.mlx import MlxLazy, MlxWeights, stored_format, tables_format
+from llmexport.lora import unmerged
 from llmexport.mnn.limits import BLOCKS, FP16_BITS, LINEAR_BITS, QUANTIZED_TABLE_BITS
 from llmexport.mnn.token_table import JoinedColumns, token_table
 from llmexport.models.base import Architecture
@@ -100,9 +101,12 @@ class Schemes:
 
     def __init__(self, arch: Architecture, options: ExportOptions):
         self.arch, self.options = arch, options
-        weights = arch.checkpoint.weights
+        weights = unmerged(arch.checkpoint.weights)
         self.mlx = weights if isinstance(weights, MlxWeights) else None
         self.choices: dict[str, Choice] = {}
+        if self.mlx is not None and options.lora is not None and not options.requantize:
+            raise UsageError("--lora_path: this MLX checkpoint keeps its stored integers; an adapter changes the "
+                             "weights before they are quantized, so it needs --requantize")
         if self.mlx is not None and options.calibration is not None and not options.requantize:
             raise UsageError("--calib_data: this MLX checkpoint keeps its stored integers; calibration rounds "
                              "the weights afresh, so it needs --requantize")
