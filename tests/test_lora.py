@@ -125,9 +125,10 @@ def test_gemma4_text_and_vision_tower(tiny_gemma4, tmp_path):
                                                                 tmp_path / "t", text))
 
 
-def test_embedding_lora_merges_as_the_table_streams(tmp_path):
+def test_embedding_lora_merges_as_the_table_streams(tmp_path, monkeypatch):
     path = build_tiny_decoder(tmp_path / "m", "llama3", dtype=torch.float32)
     reference = _adapter(path, tmp_path / "a", r=4, lora_alpha=4, target_modules=["embed_tokens"])
+    monkeypatch.setattr("llmexport.lora.merge.BLOCK_VALUES", 1000)
     arch = open_architecture(Checkpoint.open(path), tmp_path / "a")
     table = arch.embedding_table()
     full = reference["model.embed_tokens.weight"]
@@ -136,7 +137,9 @@ def test_embedding_lora_merges_as_the_table_streams(tmp_path):
     assert torch.equal(table.take(ids), table.read()[ids])
 
 
-def test_bf16_checkpoint_rounds_once(tmp_path):
+@pytest.mark.parametrize("block", [1 << 22, 100])  # one block, and 100-value blocks (a big lm_head's case)
+def test_bf16_checkpoint_rounds_once(tmp_path, monkeypatch, block):
+    monkeypatch.setattr("llmexport.lora.merge.BLOCK_VALUES", block)
     path = build_tiny_decoder(tmp_path / "m", "llama3")  # bf16
     _adapter(path, tmp_path / "a", r=4, lora_alpha=8, target_modules=["up_proj"])
     arch = open_architecture(Checkpoint.open(path), tmp_path / "a")

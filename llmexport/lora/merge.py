@@ -21,6 +21,12 @@ import torch
 
 from llmexport.checkpoint import LazyTensor
 
+#: values of one row block merged at a time (``MergedLazy.rows``; float64: 32 MiB a copy)
+BLOCK_VALUES = 1 << 22
+#: what a merge holds at once beside the rows it returns: the block in float64, the product, the sum
+#: (and the factors, which are small)
+MERGE_WORK_BYTES = 4 * 8 * BLOCK_VALUES
+
 
 def merged(weight: torch.Tensor, left: torch.Tensor, right: torch.Tensor, scale: float) -> torch.Tensor:
     """``weight + scale * left @ right`` in float64, rounded once to ``weight``'s dtype."""
@@ -66,9 +72,17 @@ class MergedLazy(LazyTensor):
         return self.rows(0, self.shape[0])
 
     def rows(self, start: int, stop: int) -> torch.Tensor:
+        """Rows [start, stop) merged a block of ``BLOCK_VALUES`` at a time: the float64 sum of a
+        262k-row lm_head, or of a 64 MiB chunk of a table, would take 8 bytes a value at once."""
         stop = min(stop, self.shape[0])
+        out = torch.empty((stop - start, *self.shape[1:]), dtype=self.dtype)
         left, right = self.delta.factors(start, stop)
-        return merged(self.base.rows(start, stop), left, right, self.delta.scale)
+        step = max(1, BLOCK_VALUES // max(1, self.shape[1:].numel()))
+        for first in range(start, stop, step):
+            last = min(first + step, stop)
+            out[first - start:last - start] = merged(self.base.rows(first, last), left[first - start:last - start],
+                                                     right, self.delta.scale)
+        return out
 
 
 class ReplacedLazy(LazyTensor):
