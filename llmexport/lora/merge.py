@@ -56,12 +56,12 @@ class Delta:
         return self.b.rows(start, stop), self.a.read()
 
 
-class MergedLazy(LazyTensor):
-    """A checkpoint tensor with its delta added, read (whole, by rows, in chunks, by ids) like the
-    tensor it stands for: every read merges just the rows it returns."""
+class _Changed(LazyTensor):
+    """A checkpoint tensor the adapter changes, read (whole, by rows, in chunks, by ids) like the
+    tensor it stands for; a subclass gives its rows."""
 
-    def __init__(self, base: LazyTensor, delta: Delta):
-        self.base, self.delta, self.name = base, delta, base.name
+    def __init__(self, base: LazyTensor):
+        self.base, self.name = base, base.name
         self.shape, self.dtype = base.shape, base.dtype
 
     @property
@@ -70,6 +70,14 @@ class MergedLazy(LazyTensor):
 
     def read(self) -> torch.Tensor:
         return self.rows(0, self.shape[0])
+
+
+class MergedLazy(_Changed):
+    """A checkpoint tensor with its delta added: every read merges just the rows it returns."""
+
+    def __init__(self, base: LazyTensor, delta: Delta):
+        super().__init__(base)
+        self.delta = delta
 
     def rows(self, start: int, stop: int) -> torch.Tensor:
         """Rows [start, stop) merged a block of ``BLOCK_VALUES`` at a time: the float64 sum of a
@@ -85,20 +93,13 @@ class MergedLazy(LazyTensor):
         return out
 
 
-class ReplacedLazy(LazyTensor):
+class ReplacedLazy(_Changed):
     """A checkpoint tensor the adapter carries whole (``modules_to_save``, trained biases), in the
     checkpoint's dtype."""
 
     def __init__(self, base: LazyTensor, replacement: LazyTensor):
-        self.base, self.replacement, self.name = base, replacement, base.name
-        self.shape, self.dtype = base.shape, base.dtype
-
-    @property
-    def row_bytes(self) -> int:
-        return self.base.row_bytes
-
-    def read(self) -> torch.Tensor:
-        return self.rows(0, self.shape[0])
+        super().__init__(base)
+        self.replacement = replacement
 
     def rows(self, start: int, stop: int) -> torch.Tensor:
         return self.replacement.rows(start, min(stop, self.shape[0])).to(self.dtype)
