@@ -44,8 +44,8 @@ def _adapter(path: Path, out: Path, seed: int = 0, **config) -> dict[str, torch.
         for name, param in wrapped.named_parameters():
             if "lora_B" in name or "lora_embedding_B" in name:
                 param.normal_(0, 0.2)
-            elif "modules_to_save" in name:  # a copy of the base module until trained
-                param.add_(torch.randn_like(param) * 0.05)
+            elif "modules_to_save" in name or (param.requires_grad and name.endswith("bias")):
+                param.add_(torch.randn_like(param) * 0.05)  # a copy of the base's until trained
     wrapped.save_pretrained(out)
     return {k: v.clone() for k, v in wrapped.merge_and_unload().state_dict().items()}
 
@@ -101,6 +101,24 @@ def test_decoder_merge_matches_peft(tmp_path, variant):
                          modules_to_save=["lm_head"])
     changed = _checked(path, tmp_path / "a", reference)
     assert "model.layers.1.mlp.down_proj.weight" in changed and "lm_head.weight" in changed
+
+
+def test_trained_biases_replace_the_checkpoints(tmp_path):
+    path = build_tiny_decoder(tmp_path / "m", "qwen2", dtype=torch.float32)  # q/k/v biases
+    reference = _adapter(path, tmp_path / "a", r=2, lora_alpha=2, target_modules=["q_proj", "k_proj"],
+                         bias="lora_only")
+    changed = _checked(path, tmp_path / "a", reference)
+    assert {"model.layers.0.self_attn.q_proj.bias", "model.layers.0.self_attn.k_proj.weight"} <= changed
+    assert "model.layers.0.self_attn.v_proj.bias" not in changed
+
+
+def test_flag_and_manifest_fields(tmp_path):
+    from llmexport.cli import export_options, parse_command
+
+    base = ["--path", "x", "--dst_path", "y"]
+    assert export_options(parse_command([*base, "--lora_path", "/adapters/a"])).lora == Path("/adapters/a")
+    assert "lora" not in ExportOptions().manifest_fields()  # manifests without an adapter stay as they were
+    assert ExportOptions(lora=Path("/adapters/a")).manifest_fields()["lora"] == "/adapters/a"
 
 
 def test_phi3_fused_qkv_merges_into_the_fused_weight(tmp_path):
