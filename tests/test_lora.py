@@ -268,9 +268,9 @@ def test_tied_head_target_is_refused(tmp_path):
 
 # --- end to end ---------------------------------------------------------------------------------
 @pytest.mark.slow
-@pytest.mark.parametrize("variant, bits", [("llama3", 16), ("qwen3", 4)])
+@pytest.mark.parametrize("variant, bits", [("llama3", 16), ("qwen3", 4), ("phi4-mini", 8)])
 def test_adapter_merged_export_passes_verify(tmp_path, variant, bits):
-    path = build_tiny_decoder(tmp_path / "m", variant)
+    path = (build_tiny_phi3 if variant.startswith("phi") else build_tiny_decoder)(tmp_path / "m", variant)
     _adapter(path, tmp_path / "a", r=8, lora_alpha=16, target_modules="all-linear")
     out = tmp_path / "out"
     export(path, out, ExportOptions(quant=QuantScheme(bits, 64), lora=tmp_path / "a"))
