@@ -34,10 +34,11 @@ from llmexport.tiny.phi3 import build_tiny_phi3
 from llmexport.verification import stored_tensors, summary_line, verify_export
 
 
-def _adapter(path: Path, out: Path, seed: int = 0, **config) -> dict[str, torch.Tensor]:
+def _adapter(path: Path, out: Path, seed: int = 0, trust_remote_code: bool = False,
+             **config) -> dict[str, torch.Tensor]:
     """A PEFT adapter with random factors on the HF model of ``path`` (fp32), saved to ``out``;
     returns PEFT's merged state dict."""
-    model = open_architecture(Checkpoint.open(path)).load_reference(None)
+    model = open_architecture(Checkpoint.open(path)).load_reference(None, trust_remote_code)
     torch.manual_seed(seed)
     wrapped = peft.get_peft_model(model, peft.LoraConfig(init_lora_weights=False, **config))
     with torch.no_grad():  # PEFT's random init leaves B small: make the delta matter
@@ -141,6 +142,15 @@ def test_gemma4_text_and_vision_tower(tiny_gemma4, tmp_path):
                     target_modules=["v_proj"])
     assert any(n.startswith("model.layers.") for n in _checked(tiny_gemma4("e2b", text_only=True),
                                                                 tmp_path / "t", text))
+
+
+def test_k2_horizon_attention_and_routed_experts(tiny_k2_horizon, tmp_path):
+    """The remote-code family: its routed experts are per-expert nn.Linear modules (not stacked)."""
+    path = tiny_k2_horizon("sparse")
+    reference = _adapter(path, tmp_path / "a", trust_remote_code=True, r=2, lora_alpha=4,
+                         target_modules=["q_proj", "down_proj"])
+    changed = _checked(path, tmp_path / "a", reference, tol=2 ** -8)  # a bf16 checkpoint: ours rounded to bf16
+    assert any(".experts." in n for n in changed) and any("self_attn.q_proj" in n for n in changed)
 
 
 def test_embedding_lora_merges_as_the_table_streams(tmp_path, monkeypatch):
