@@ -153,6 +153,12 @@ def test_k2_horizon_attention_and_routed_experts(tiny_k2_horizon, tmp_path):
     assert any(".experts." in n for n in changed) and any("self_attn.q_proj" in n for n in changed)
 
 
+def test_gemma3_text(tiny_gemma3, tmp_path):
+    path = tiny_gemma3("1b")
+    reference = _adapter(path, tmp_path / "a", r=2, lora_alpha=4, target_modules=["k_proj", "gate_proj"])
+    assert len(_checked(path, tmp_path / "a", reference, tol=2 ** -8)) > 2  # bf16: ours rounded to bf16
+
+
 def test_embedding_lora_merges_as_the_table_streams(tmp_path, monkeypatch):
     path = build_tiny_decoder(tmp_path / "m", "llama3", dtype=torch.float32)
     reference = _adapter(path, tmp_path / "a", r=4, lora_alpha=4, target_modules=["embed_tokens"])
