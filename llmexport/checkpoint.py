@@ -219,6 +219,11 @@ class SafetensorsIndex:
         return cls(entries, folder)
 
     @classmethod
+    def of_file(cls, file: Path) -> "SafetensorsIndex":
+        """The tensors of one safetensors file (a LoRA adapter's ``adapter_model.safetensors``)."""
+        return cls(_parse_header(file), file.parent)
+
+    @classmethod
     def _open_indexed(cls, index_file: Path) -> "SafetensorsIndex":
         """Shards named by the index, which must list exactly the tensors their headers hold."""
         weight_map = _weight_map(index_file)

@@ -66,6 +66,7 @@ class ExportCommand:
     calib_seq_len: int = 128
     verify_text: str | None = None
     verify_windows: int = 16
+    lora_path: str | None = None
 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
@@ -130,6 +131,9 @@ class ExportCommand:
                    "fp32: perplexity, KLD and top-1 as llama.cpp defines them.")
 @click.option("--verify_windows", type=int, default=16, show_default=True,
               help="Windows of 128 tokens scored from --verify_text.")
+@click.option("--lora_path", type=click.Path(path_type=str), default=None, metavar="DIR",
+              help="A PEFT LoRA adapter (adapter_config.json + adapter_model.safetensors) merged into the weights "
+                   "before quantization; --verify compares with HF carrying the same merge (docs/lora.md).")
 @click.version_option(__version__, "--version", prog_name="llmexport")
 def main(**flags: Any) -> None:
     """Export a HuggingFace LLM checkpoint to MNN (or ONNX), optionally verified."""
@@ -253,7 +257,8 @@ def export_options(command: ExportCommand) -> ExportOptions:
                             calibration=None if command.calib_data is None else Calibration(
                                 Path(command.calib_data), command.calib_samples, command.calib_seq_len),
                             verify_text=None if command.verify_text is None else VerifyText(
-                                Path(command.verify_text), command.verify_windows))
+                                Path(command.verify_text), command.verify_windows),
+                            lora=None if command.lora_path is None else Path(command.lora_path))
     quant_config = command.quant_config
     if quant_config is None:
         return options

@@ -10,6 +10,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any, Callable, Iterable
 
+from llmexport.lora import LoraAdapter
 from llmexport.memory_plan import memory_plan, summary_line
 from llmexport.models.base import Architecture
 from llmexport.options import ExportOptions
@@ -125,8 +126,9 @@ def file_sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
-def write_manifest(out: Path, options: ExportOptions, plan: ExportPlan) -> None:
-    """manifest.json: file hashes, versions, options and the detected architecture."""
+def write_manifest(out: Path, options: ExportOptions, plan: ExportPlan, adapter: LoraAdapter | None = None) -> None:
+    """manifest.json: file hashes, versions, options and the detected architecture; the LoRA adapter
+    merged into the weights (its settings and its files' sha256), if any."""
     files = {p.name: {"bytes": p.stat().st_size, "sha256": file_sha256(p)}
              for p in sorted(out.iterdir()) if p.is_file() and p.name != "manifest.json"}
     manifest = {"versions": _versions(), "architecture": plan.architecture.to_json(),
@@ -134,6 +136,8 @@ def write_manifest(out: Path, options: ExportOptions, plan: ExportPlan) -> None:
                 "adjusted_blocks": [a.to_json() for a in plan.adjusted_blocks], "files": files}
     if plan.prequantized is not None:
         manifest["prequantized"] = plan.prequantized.to_json()
+    if adapter is not None:
+        manifest["lora"] = {**adapter.summary(), "sha256": {p.name: file_sha256(p) for p in adapter.files()}}
     (out / "manifest.json").write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
 
 

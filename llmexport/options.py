@@ -98,6 +98,9 @@ class ExportOptions:
     ``verify_text`` (``--verify_text``) adds perplexity, KLD and top-1 on the user's text to the
     verification (not a pass/fail criterion).
 
+    ``lora`` (``--lora_path``): a PEFT LoRA adapter folder merged into the weights as they stream,
+    before quantization; ``--verify``'s HF reference carries the same merged weights (llmexport.lora).
+
     ``approximate_ignore_merges`` exports a tokenizer whose ``ignore_merges`` words MNN's runtime
     cannot reach (Llama-3) instead of refusing it; the measured difference is logged and recorded
     in verify.json (llmexport/mnn/tokenizer_whole_words.py). manifest.json records it only when set.
@@ -124,6 +127,7 @@ class ExportOptions:
     approximate_ignore_merges: bool = False
     calibration: Calibration | None = None
     verify_text: VerifyText | None = None
+    lora: Path | None = None
 
     #: fields that change how the export talks or runs, never what it writes (left out of manifest.json)
     PRESENTATION = ("quiet", "keep_failed", "max_memory", "verify_text")
@@ -174,6 +178,10 @@ class ExportOptions:
         fields = {k: v for k, v in asdict(self).items() if k not in self.PRESENTATION}
         if not self.approximate_ignore_merges:  # manifests written before the flag existed stay the same
             del fields["approximate_ignore_merges"]
+        if self.lora is None:  # manifests of exports without an adapter stay the same
+            del fields["lora"]
+        else:
+            fields["lora"] = str(self.lora)
         if self.calibration is None:
             del fields["calibration"]
         else:

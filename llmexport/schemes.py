@@ -41,6 +41,7 @@ from llmexport.checkpoint import LazyTensor
 from llmexport.errors import UsageError
 from llmexport.importers import imported_store
 from llmexport.importers.mlx import MlxLazy, stored_format, tables_format
+from llmexport.lora import unmerged
 from llmexport.mnn.limits import BLOCKS, FP16_BITS, LINEAR_BITS, QUANTIZED_TABLE_BITS
 from llmexport.mnn.token_table import JoinedColumns, token_table
 from llmexport.models.base import Architecture
@@ -104,9 +105,12 @@ class Schemes:
 
     def __init__(self, arch: Architecture, options: ExportOptions):
         self.arch, self.options = arch, options
-        weights = arch.checkpoint.weights
+        weights = unmerged(arch.checkpoint.weights)
         self.imported = imported_store(weights)  # an MLX, GPTQ or AWQ checkpoint's store
         self.choices: dict[str, Choice] = {}
+        if self.imported is not None and options.lora is not None and not options.requantize:
+            raise UsageError("--lora_path: this pre-quantized checkpoint keeps its stored integers; an adapter "
+                             "changes the weights before they are quantized, so it needs --requantize")
         if self.imported is not None and options.calibration is not None and not options.requantize:
             raise UsageError("--calib_data: this pre-quantized checkpoint keeps its stored integers; calibration "
                              "rounds the weights afresh, so it needs --requantize")

@@ -25,6 +25,9 @@ ALLOWED: dict[str, tuple[str, ...]] = {
     "llmexport.quant": ("llmexport.quant", "llmexport.spec", "llmexport.errors", "llmexport.mnn.limits"),
     "llmexport.importers": ("llmexport.importers", "llmexport.spec", "llmexport.errors", "llmexport.checkpoint",
                             "llmexport.quant"),
+    # a PEFT LoRA adapter as a WeightStore over the checkpoint's (merged as the tensors are read)
+    "llmexport.lora": ("llmexport.lora", "llmexport.spec", "llmexport.errors", "llmexport.checkpoint",
+                       "llmexport.input_files"),
     "llmexport.mnn": ("llmexport.mnn", "llmexport.spec", "llmexport.errors", "llmexport.quant",
                       "llmexport.input_files", "llmexport.ops"),
     # MNN's format limits and config keys, read by the options that are checked against them
