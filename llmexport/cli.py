@@ -66,11 +66,13 @@ class ExportCommand:
     calib_seq_len: int = 128
     verify_text: str | None = None
     verify_windows: int = 16
+    revision: str | None = None
 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
 @click.option("--path", required=True, type=click.Path(file_okay=False, path_type=str),
-              help="HF checkpoint folder (config.json, *.safetensors, tokenizer.json).")
+              help="HF checkpoint folder (config.json, *.safetensors, tokenizer.json), or a hub repo id org/name "
+                   "(downloaded into the HF cache; an existing folder always wins).")
 @click.option("--export", "export_format", type=click.Choice(["mnn", "onnx"]), default="mnn", show_default=True,
               help="mnn: a folder MNN's LLM runtime loads; onnx: a standard-op ONNX with the weights.")
 @click.option("--dst_path", required=True, type=click.Path(path_type=str),
@@ -130,6 +132,8 @@ class ExportCommand:
                    "fp32: perplexity, KLD and top-1 as llama.cpp defines them.")
 @click.option("--verify_windows", type=int, default=16, show_default=True,
               help="Windows of 128 tokens scored from --verify_text.")
+@click.option("--revision", default=None, metavar="REV",
+              help="With a hub repo id: the branch, tag or commit to export (default: main).")
 @click.version_option(__version__, "--version", prog_name="llmexport")
 def main(**flags: Any) -> None:
     """Export a HuggingFace LLM checkpoint to MNN (or ONNX), optionally verified."""
@@ -253,7 +257,8 @@ def export_options(command: ExportCommand) -> ExportOptions:
                             calibration=None if command.calib_data is None else Calibration(
                                 Path(command.calib_data), command.calib_samples, command.calib_seq_len),
                             verify_text=None if command.verify_text is None else VerifyText(
-                                Path(command.verify_text), command.verify_windows))
+                                Path(command.verify_text), command.verify_windows),
+                            revision=command.revision)
     quant_config = command.quant_config
     if quant_config is None:
         return options

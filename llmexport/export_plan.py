@@ -125,8 +125,9 @@ def file_sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
-def write_manifest(out: Path, options: ExportOptions, plan: ExportPlan) -> None:
-    """manifest.json: file hashes, versions, options and the detected architecture."""
+def write_manifest(out: Path, options: ExportOptions, plan: ExportPlan, source: dict[str, Any] | None = None) -> None:
+    """manifest.json: file hashes, versions, options and the detected architecture (and, for a hub
+    repo, ``source``: its id, the revision asked for and the commit exported)."""
     files = {p.name: {"bytes": p.stat().st_size, "sha256": file_sha256(p)}
              for p in sorted(out.iterdir()) if p.is_file() and p.name != "manifest.json"}
     manifest = {"versions": _versions(), "architecture": plan.architecture.to_json(),
@@ -134,6 +135,8 @@ def write_manifest(out: Path, options: ExportOptions, plan: ExportPlan) -> None:
                 "adjusted_blocks": [a.to_json() for a in plan.adjusted_blocks], "files": files}
     if plan.prequantized is not None:
         manifest["prequantized"] = plan.prequantized.to_json()
+    if source is not None:
+        manifest["source"] = source
     (out / "manifest.json").write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
 
 

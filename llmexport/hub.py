@@ -1,0 +1,221 @@
+"""``--path org/name``: a HuggingFace hub repo, fetched into huggingface_hub's cache and exported
+from its snapshot folder.
+
+Only what the export reads is downloaded (``READ_FILES`` and the safetensors weights; never a
+pickle), in two steps: the small files first, then the shards the index names (or, without an
+index, the top-level ``*.safetensors``), so a repo that also ships ``consolidated.safetensors``
+or a ``original/`` copy costs nothing extra. huggingface_hub does the transfers: its cache
+(``HF_HOME`` / ``HF_HUB_CACHE``), its token (``HF_TOKEN`` or ``hf auth login``), its offline mode
+(``HF_HUB_OFFLINE``: a cached snapshot is used, nothing is asked of the network), its endpoint
+(``HF_ENDPOINT``), its progress bars on a terminal, and its resumption of a transfer the network
+cut (a Range request from the bytes already written; files completed by an earlier run stay in
+the cache and are not fetched again).
+
+A local path always wins: an existing ``--path`` is a folder, whatever it looks like. Every
+failure is an ``InputError`` naming the repo (or ``--revision``) and what was expected.
+"""
+
+from __future__ import annotations
+
+import glob
+import logging
+import os
+import re
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterator
+
+from llmexport.errors import InputError, UsageError
+from llmexport.progress import bars_wanted
+
+log = logging.getLogger(__name__)
+
+#: ``org/name``: what the hub accepts (letters, digits, ``-``, ``_``, ``.``; at most 96 each side;
+#: no ``--`` or ``..``; alphanumeric ends), so a typo'd local path is not sent to the network
+_REPO_ID = re.compile(r"(?!.*(--|\.\.))[A-Za-z0-9](?:[\w.-]{0,94}[A-Za-z0-9])?/[A-Za-z0-9](?:[\w.-]{0,94}[A-Za-z0-9])?",
+                      re.ASCII)
+
+#: the small files the export (and --verify's HF reference and tokenizer) may read beside the
+#: weights: llmexport.checkpoint, the families' chat templates, transformers' tokenizer, config and
+#: processor loaders; exact top-level names, never a pattern that could reach a pickle
+READ_FILES = ("config.json", "generation_config.json", "model.safetensors.index.json", "tokenizer.json",
+              "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json", "chat_template.jinja",
+              "chat_template.json", "preprocessor_config.json", "processor_config.json")
+#: weights llmexport refuses to load (arbitrary code on unpickling): named in the error of a repo
+#: that has nothing else
+PICKLES = ("*.bin", "*.pt", "*.pth", "*.pkl", "*.ckpt")
+
+
+def is_repo_id(path: str) -> bool:
+    """Whether ``path`` has the shape of a hub repo id (``org/name``)."""
+    return _REPO_ID.fullmatch(path) is not None
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    """Where the checkpoint was read: a local ``folder``, or a hub ``repo_id`` at the ``revision``
+    asked for, resolved to ``commit`` and cached in ``folder``."""
+
+    folder: Path
+    repo_id: str | None = None
+    revision: str | None = None
+    commit: str | None = None
+
+    def manifest(self) -> dict[str, Any] | None:
+        """manifest.json's ``source`` (hub repos only; a local folder's manifest stays as it was)."""
+        if self.repo_id is None:
+            return None
+        return {"repo_id": self.repo_id, "revision": self.revision or "main", "commit": self.commit}
+
+
+def resolve_source(path: str | os.PathLike, revision: str | None = None, quiet: bool = False) -> ModelSource:
+    """The checkpoint ``path`` names: an existing folder as it is, else a hub repo id downloaded
+    (or, offline, found) in huggingface_hub's cache."""
+    text = os.fspath(path)
+    if os.path.lexists(text) or not is_repo_id(text):
+        if revision is not None:
+            raise UsageError(f"--revision {revision}: applies to a hub repo id; --path {text} is a local path")
+        if not os.path.lexists(text):
+            raise InputError(f"{text}: model path does not exist (nor is it a hub repo id such as org/name)")
+        return ModelSource(Path(text))
+    with _progress(quiet), _hub_errors(text, revision):
+        return _download(text, revision)
+
+
+def _download(repo_id: str, revision: str | None) -> ModelSource:
+    from huggingface_hub import snapshot_download
+
+    folder = Path(snapshot_download(repo_id, revision=revision, allow_patterns=list(READ_FILES)))
+    commit = folder.name  # the snapshot folder is named by the commit it holds
+    shards = _indexed_shards(folder)
+    weights = _top_level_safetensors(repo_id, commit, folder) if shards is None else shards
+    log.info("%s: commit %s; fetching %d safetensors file(s)%s", repo_id, commit, len(weights),
+             "" if shards is None else " named by its index")
+    # the commit, not the branch: both steps read one snapshot even if the branch moves between them
+    snapshot_download(repo_id, revision=commit, allow_patterns=[glob.escape(name) for name in weights])
+    missing = [name for name in weights if not (folder / name).exists()]
+    if missing:
+        more = f" ({len(missing)} such files)" if len(missing) > 1 else ""
+        named = "" if shards is None else ", named in model.safetensors.index.json,"
+        raise InputError(f"--path {repo_id}: {missing[0]}{named} is not in the repo at commit {commit}{more}")
+    log.info("%s: %d files, %.1f MB, in %s", repo_id, len(os.listdir(folder)),
+             sum(p.stat().st_size for p in folder.iterdir()) / 1e6, folder)
+    return ModelSource(folder, repo_id, revision, commit)
+
+
+def _indexed_shards(folder: Path) -> list[str] | None:
+    """The shards the snapshot's index names (None without an index; the index itself is checked,
+    its paths included, when the checkpoint is opened)."""
+    from llmexport.input_files import INDEX_LIMIT, read_json
+
+    index = folder / "model.safetensors.index.json"
+    if not index.exists():
+        return None
+    weight_map = read_json(index, INDEX_LIMIT, "safetensors index").get("weight_map")
+    shards = sorted({v for v in weight_map.values() if isinstance(v, str)}) if isinstance(weight_map, dict) else []
+    if not shards:
+        raise InputError(f"{index}: malformed safetensors index ('weight_map' names no shard)")
+    return shards
+
+
+def _top_level_safetensors(repo_id: str, commit: str, folder: Path) -> list[str]:
+    """The repo's top-level ``*.safetensors`` (what the export reads without an index), from the
+    file list huggingface_hub cached with the snapshot; an error naming the pickles when there are none."""
+    from fnmatch import fnmatch
+
+    from huggingface_hub import get_cached_repo_tree
+    from huggingface_hub.errors import CachedRepoTreeNotFoundError
+
+    try:
+        files = [f.path for f in get_cached_repo_tree(repo_id, revision=commit)]
+    except CachedRepoTreeNotFoundError:  # a snapshot cached without its list (older huggingface_hub): what it holds
+        files = [p.name for p in folder.iterdir()]
+    names = sorted(f for f in files if "/" not in f and f.endswith(".safetensors"))
+    if names:
+        return names
+    pickles = sorted(f for f in files if any(fnmatch(f, p) for p in PICKLES))
+    if pickles:
+        raise InputError(f"--path {repo_id}: the repo has only pickle weights ({', '.join(pickles[:3])}); llmexport "
+                         "reads *.safetensors and never unpickles (convert them to safetensors first)")
+    raise InputError(f"--path {repo_id}: the repo (commit {commit}) has no *.safetensors weight files")
+
+
+@contextmanager
+def _progress(quiet: bool) -> Iterator[None]:
+    """huggingface_hub's bars where llmexport draws its own (a terminal or a notebook, not
+    ``--quiet``); elsewhere (CI logs) they are off and the log lines of ``_download`` remain."""
+    from huggingface_hub.utils import are_progress_bars_disabled, disable_progress_bars, enable_progress_bars
+
+    http_log = logging.getLogger("httpx2")  # one INFO line per request: noise beside the bars and our lines
+    level = http_log.level
+    http_log.setLevel(max(level, logging.WARNING))
+    switch_off = not bars_wanted(quiet) and not are_progress_bars_disabled()
+    if switch_off:
+        disable_progress_bars()
+    try:
+        yield
+    finally:
+        http_log.setLevel(level)
+        if switch_off:
+            enable_progress_bars()
+
+
+@contextmanager
+def _hub_errors(repo_id: str, revision: str | None) -> Iterator[None]:
+    """huggingface_hub's exceptions as one-line ``InputError``s naming the repo and the remedy."""
+    from huggingface_hub import constants
+    from huggingface_hub.errors import (
+        GatedRepoError,
+        HfHubHTTPError,
+        LocalEntryNotFoundError,
+        RemoteEntryNotFoundError,
+        RepositoryNotFoundError,
+        RevisionNotFoundError,
+    )
+
+    where = f"--path {repo_id}"
+    try:
+        yield
+    except GatedRepoError:
+        raise InputError(f"{where}: gated repo on {constants.ENDPOINT}; accept its conditions on its page and set "
+                         "HF_TOKEN (or run `hf auth login`) with a token that has access") from None
+    except RepositoryNotFoundError:
+        raise InputError(f"{where}: no such model repo on {constants.ENDPOINT} (or it is private: set HF_TOKEN "
+                         "to a token that can read it)") from None
+    except RevisionNotFoundError:
+        raise InputError(f"--revision {revision}: {repo_id} has no such branch, tag or commit") from None
+    except RemoteEntryNotFoundError as exc:
+        raise InputError(f"{where}: a file the repo lists is missing on the hub ({_url_of(exc)})") from None
+    except LocalEntryNotFoundError as exc:
+        raise InputError(_not_cached(where, revision, exc, constants.HF_HUB_OFFLINE, constants.HF_HUB_CACHE)) from None
+    except HfHubHTTPError as exc:
+        raise InputError(f"{where}: the hub answered {_first_line(exc)}") from None
+    except OSError as exc:  # the network, a consistency check, the cache's disk
+        raise InputError(f"{where}: download failed ({type(exc).__name__}: {_first_line(exc)})") from None
+    except Exception as exc:
+        import httpx2
+
+        if isinstance(exc, httpx2.HTTPError):  # the connection dropped more often than huggingface_hub retries
+            raise InputError(f"{where}: download failed ({type(exc).__name__}: {_first_line(exc)})") from None
+        raise
+
+
+def _not_cached(where: str, revision: str | None, exc: Exception, offline: bool, cache: str) -> str:
+    at = f" at revision {revision}" if revision else ""
+    if offline:
+        return (f"{where}: HF_HUB_OFFLINE is set and no complete cached snapshot{at} is in {cache}; "
+                "run once online (or unset HF_HUB_OFFLINE)")
+    cause = exc.__cause__ or exc
+    return (f"{where}: the hub cannot be reached ({type(cause).__name__}: {_first_line(cause)}) and no complete "
+            f"cached snapshot{at} is in {cache}")
+
+
+def _url_of(exc: Exception) -> str:
+    response = getattr(exc, "response", None)
+    return str(response.url) if response is not None else _first_line(exc)
+
+
+def _first_line(exc: BaseException) -> str:
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    return " ".join(lines[:2]) if lines else type(exc).__name__
