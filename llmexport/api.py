@@ -48,14 +48,15 @@ def export(path: str | os.PathLike, dst: str | os.PathLike, options: ExportOptio
 
 
 def plan(path: str | os.PathLike, options: ExportOptions | None = None) -> ExportPlan:
-    """What ``export`` would do (architecture, per-module schemes, exact size); writes nothing but,
-    for a hub repo id, the files the export reads into huggingface_hub's cache (the plan reads
-    every shard's header)."""
-    from llmexport.hub import resolve_source
+    """What ``export`` would do (architecture, per-module schemes, exact size); writes nothing. For
+    a hub repo id only the small files are downloaded (into huggingface_hub's cache) and each
+    weight file's header is read with Range requests (llmexport.hub.planning_folder)."""
+    from llmexport.hub import planning_folder
     from llmexport.pipeline import dry_run
 
     options = (options or ExportOptions()).validate()
-    return dry_run(resolve_source(path, options.revision, options.quiet).folder, options)
+    with planning_folder(path, options.revision, options.quiet) as folder:
+        return dry_run(folder, options)
 
 
 def verify(dst: str | os.PathLike, path: str | os.PathLike, revision: str | None = None, **kwargs: Any) -> VerifyReport:

@@ -21,12 +21,15 @@ import glob
 import logging
 import os
 import re
+import struct
+import tempfile
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator
 
 from llmexport.errors import InputError, UsageError
+from llmexport.input_files import INDEX_LIMIT, SAFETENSORS_HEADER_LIMIT, read_json
 from llmexport.progress import bars_wanted
 
 log = logging.getLogger(__name__)
@@ -73,42 +76,138 @@ def resolve_source(path: str | os.PathLike, revision: str | None = None, quiet: 
     """The checkpoint ``path`` names: an existing folder as it is, else a hub repo id downloaded
     (or, offline, found) in huggingface_hub's cache."""
     text = os.fspath(path)
-    if os.path.lexists(text) or not is_repo_id(text):
-        if revision is not None:
-            raise UsageError(f"--revision {revision}: applies to a hub repo id; --path {text} is a local path")
-        if not os.path.lexists(text):
-            raise InputError(f"{text}: model path does not exist (nor is it a hub repo id such as org/name)")
-        return ModelSource(Path(text))
+    local = _local(text, revision)
+    if local is not None:
+        return local
     with _progress(quiet), _hub_errors(text, revision):
-        return _download(text, revision)
+        snapshot = _small_files(text, revision)
+        return _fetch_weights(snapshot)
 
 
-def _download(repo_id: str, revision: str | None) -> ModelSource:
+@contextmanager
+def planning_folder(path: str | os.PathLike, revision: str | None = None, quiet: bool = False) -> Iterator[Path]:
+    """The folder ``--dry-run`` plans from, without downloading weights: a local folder as it is; a
+    hub repo's snapshot when its weights are cached; else a temporary folder holding the repo's
+    small files and, in place of each weight file, its header (two Range requests) followed by a
+    hole up to the file's size. The plan reads headers and sizes only (shapes, dtypes, the
+    tiling check); the hole costs no disk where the file system keeps sparse files."""
+    text = os.fspath(path)
+    local = _local(text, revision)
+    if local is not None:
+        yield local.folder
+        return
+    with _progress(quiet), _hub_errors(text, revision):
+        snapshot = _small_files(text, revision)
+        absent = [name for name in snapshot.weights if not (snapshot.folder / name).exists()]
+        headers = _remote_headers(snapshot, absent)
+    if not headers:
+        yield snapshot.folder
+        return
+    with tempfile.TemporaryDirectory(prefix="llmexport-plan-") as tmp:
+        _stand_in(snapshot, Path(tmp), headers)
+        yield Path(tmp)
+
+
+def _local(path: str, revision: str | None) -> ModelSource | None:
+    """``path`` as a local folder, or None when it names a hub repo (a missing path of another
+    shape, or --revision with a folder, is an error)."""
+    if not os.path.lexists(path) and is_repo_id(path):
+        return None
+    if revision is not None:
+        raise UsageError(f"--revision {revision}: applies to a hub repo id; --path {path} is a local path")
+    if not os.path.lexists(path):
+        raise InputError(f"{path}: model path does not exist (nor is it a hub repo id such as org/name)")
+    return ModelSource(Path(path))
+
+
+@dataclass(frozen=True)
+class _Snapshot:
+    """A repo's small files in the cache, and the weight files its export reads."""
+
+    repo_id: str
+    revision: str | None
+    folder: Path
+    weights: list[str]
+    indexed: bool
+
+    @property
+    def commit(self) -> str:
+        return self.folder.name  # the snapshot folder is named by the commit it holds
+
+
+def _small_files(repo_id: str, revision: str | None) -> _Snapshot:
     from huggingface_hub import snapshot_download
 
     folder = Path(snapshot_download(repo_id, revision=revision, allow_patterns=list(READ_FILES)))
-    commit = folder.name  # the snapshot folder is named by the commit it holds
     shards = _indexed_shards(folder)
-    weights = _top_level_safetensors(repo_id, commit, folder) if shards is None else shards
-    log.info("%s: commit %s; fetching %d safetensors file(s)%s", repo_id, commit, len(weights),
+    weights = _top_level_safetensors(repo_id, folder.name, folder) if shards is None else shards
+    log.info("%s: commit %s; %d safetensors file(s)%s", repo_id, folder.name, len(weights),
              "" if shards is None else " named by its index")
+    return _Snapshot(repo_id, revision, folder, weights, shards is not None)
+
+
+def _fetch_weights(snapshot: _Snapshot) -> ModelSource:
+    from huggingface_hub import snapshot_download
+
+    repo_id, folder, weights = snapshot.repo_id, snapshot.folder, snapshot.weights
     # the commit, not the branch: both steps read one snapshot even if the branch moves between them
-    snapshot_download(repo_id, revision=commit, allow_patterns=[glob.escape(name) for name in weights])
+    snapshot_download(repo_id, revision=snapshot.commit, allow_patterns=[glob.escape(name) for name in weights])
     missing = [name for name in weights if not (folder / name).exists()]
     if missing:
         more = f" ({len(missing)} such files)" if len(missing) > 1 else ""
-        named = "" if shards is None else ", named in model.safetensors.index.json,"
-        raise InputError(f"--path {repo_id}: {missing[0]}{named} is not in the repo at commit {commit}{more}")
+        named = ", named in model.safetensors.index.json," if snapshot.indexed else ""
+        raise InputError(f"--path {repo_id}: {missing[0]}{named} is not in the repo at commit {snapshot.commit}{more}")
     log.info("%s: %d files, %.1f MB, in %s", repo_id, len(os.listdir(folder)),
              sum(p.stat().st_size for p in folder.iterdir()) / 1e6, folder)
-    return ModelSource(folder, repo_id, revision, commit)
+    return ModelSource(folder, repo_id, snapshot.revision, snapshot.commit)
+
+
+def _remote_headers(snapshot: _Snapshot, names: list[str]) -> dict[str, tuple[bytes, int]]:
+    """Each named weight file's header bytes (length prefix included) and its size, read with
+    Range requests (what the hub's own safetensors metadata endpoint does)."""
+    from huggingface_hub import constants, get_cached_repo_tree, hf_hub_url
+
+    if names and constants.HF_HUB_OFFLINE:
+        raise InputError(f"--path {snapshot.repo_id}: HF_HUB_OFFLINE is set and the cached snapshot in "
+                         f"{snapshot.folder} lacks {names[0]} (--dry-run reads every weight file's header)")
+    sizes = {f.path: f.size for f in get_cached_repo_tree(snapshot.repo_id, revision=snapshot.commit)}
+    out = {}
+    for name in names:
+        url = hf_hub_url(snapshot.repo_id, name, revision=snapshot.commit)
+        head = _byte_range(url, 0, 7)
+        (length,) = struct.unpack("<Q", head) if len(head) == 8 else (-1,)
+        if not 0 <= length <= SAFETENSORS_HEADER_LIMIT or 8 + length > sizes.get(name, 0):
+            raise InputError(f"--path {snapshot.repo_id}: {name} is not a safetensors file (header length {length})")
+        out[name] = (head + _byte_range(url, 8, 7 + length), sizes[name])
+    return out
+
+
+def _byte_range(url: str, first: int, last: int) -> bytes:
+    from huggingface_hub.utils import build_hf_headers, get_session, hf_raise_for_status
+
+    response = get_session().get(url, headers={**build_hf_headers(), "Range": f"bytes={first}-{last}"})
+    hf_raise_for_status(response)
+    return response.content[: last - first + 1]  # a server that ignores Range sends it all
+
+
+def _stand_in(snapshot: _Snapshot, folder: Path, headers: dict[str, tuple[bytes, int]]) -> None:
+    """``folder`` as the snapshot would be: links to its small files (and cached weights), and each
+    header of ``headers`` written and extended to the weight file's size with a hole."""
+    present = [name for name in (*READ_FILES, *snapshot.weights) if name not in headers]
+    for name in present:
+        if (snapshot.folder / name).exists():
+            (folder / name).parent.mkdir(parents=True, exist_ok=True)
+            (folder / name).symlink_to(snapshot.folder / name)
+    for name, (header, size) in headers.items():
+        (folder / name).parent.mkdir(parents=True, exist_ok=True)
+        with (folder / name).open("wb") as f:
+            f.write(header)
+            f.truncate(size)
 
 
 def _indexed_shards(folder: Path) -> list[str] | None:
     """The shards the snapshot's index names (None without an index; the index itself is checked,
     its paths included, when the checkpoint is opened)."""
-    from llmexport.input_files import INDEX_LIMIT, read_json
-
     index = folder / "model.safetensors.index.json"
     if not index.exists():
         return None

@@ -6,7 +6,7 @@ server with ``HF_ENDPOINT``):
 * ``GET /api/models/{repo}/revision/{rev}``: the repo's info, ``sha`` = the commit ``rev`` names;
 * ``GET /api/models/{repo}/tree/{rev}``: the file list (one page);
 * ``HEAD``/``GET /{repo}/resolve/{rev}/{file}``: the file, with ``ETag``, ``X-Repo-Commit`` and
-  ``Content-Length``, and ``Range: bytes=N-`` answered with 206;
+  ``Content-Length``; ``Range: bytes=N-`` and ``bytes=A-B`` answered with 206;
 
 and refuses as the hub does, with the ``X-Error-Code`` header huggingface_hub turns into its typed
 errors: ``RepoNotFound`` (404), ``GatedRepo`` (401 without a token, 403 with a wrong one),
@@ -148,22 +148,23 @@ class _Handler(BaseHTTPRequestHandler):
         if name not in repo.files or name in repo.lost:
             return self._error(404, "EntryNotFound", f"{name} does not exist on \"{repo.refs[0]}\"")
         data = repo.files[name]
-        start = 0
-        if record.range is not None:
-            start = int(re.fullmatch(r"bytes=(\d+)-", record.range)[1])  # what huggingface_hub asks when resuming
-        self.send_response(206 if start else 200)
+        start, end = 0, len(data)
+        if record.range is not None:  # bytes=N- (a resumed download), bytes=A-B (a header read for a plan)
+            first, last = re.fullmatch(r"bytes=(\d+)-(\d*)", record.range).groups()
+            start, end = int(first), min(len(data), int(last) + 1 if last else len(data))
+        self.send_response(206 if record.range is not None else 200)
         etag = hashlib.sha256(data).hexdigest() if name.endswith(_LFS) else hashlib.sha1(data).hexdigest()
         self.send_header("ETag", f'"{etag}"')
         self.send_header("X-Repo-Commit", repo.commit)
         self.send_header("Accept-Ranges", "bytes")
-        self.send_header("Content-Length", str(len(data) - start))
-        if start:
-            self.send_header("Content-Range", f"bytes {start}-{len(data) - 1}/{len(data)}")
+        self.send_header("Content-Length", str(end - start))
+        if record.range is not None:
+            self.send_header("Content-Range", f"bytes {start}-{end - 1}/{len(data)}")
         self.end_headers()
         if not body:
             return
         cut = self.server_state.cut_after.pop(name, None)
-        chunk = data[start:] if cut is None else data[start:start + cut]
+        chunk = data[start:end] if cut is None else data[start:start + cut]
         self.wfile.write(chunk)
         record.sent = len(chunk)
         if cut is not None:  # drop the connection mid-body, as a flaky network does

@@ -36,8 +36,13 @@ import huggingface_hub.constants as constants
 if sys.argv[3]:  # huggingface_hub resumes from the last whole chunk it wrote (10 MiB): smaller for tiny files
     constants.DOWNLOAD_CHUNK_SIZE = int(sys.argv[3])
 from llmexport.errors import LlmExportError
-from llmexport.hub import resolve_source
+from llmexport.hub import planning_folder, resolve_source
 try:
+    if sys.argv[4] == "plan":  # the folder --dry-run plans from: its files and their sizes, while it exists
+        with planning_folder(sys.argv[1], sys.argv[2] or None, quiet=True) as folder:
+            print(json.dumps({"folder": str(folder), "sizes": {p.relative_to(folder).as_posix(): p.stat().st_size
+                                                               for p in sorted(folder.rglob("*"))}}))
+        sys.exit(0)
     source = resolve_source(sys.argv[1], sys.argv[2] or None, quiet=True)
 except LlmExportError as exc:
     print(exc, file=sys.stderr)
@@ -55,8 +60,9 @@ def _clean_env(hub_url: str, home: Path, **extra: str) -> dict[str, str]:
     return env
 
 
-def _resolve(env: dict[str, str], path: str, revision: str = "", chunk: int = 0) -> tuple[int, dict, str]:
-    proc = subprocess.run([sys.executable, "-c", _RESOLVE, path, revision, str(chunk or "")], env=env,
+def _resolve(env: dict[str, str], path: str, revision: str = "", chunk: int = 0, mode: str = "export"
+             ) -> tuple[int, dict, str]:
+    proc = subprocess.run([sys.executable, "-c", _RESOLVE, path, revision, str(chunk or ""), mode], env=env,
                           capture_output=True, text=True, timeout=120)
     return proc.returncode, json.loads(proc.stdout) if proc.returncode == 0 else {}, proc.stderr.strip()
 
@@ -268,3 +274,38 @@ def test_revision_flag_reaches_the_options_not_the_options_manifest():
     assert export_options(parse_command(["--path", "org/x", "--dst_path", "y"])).revision is None
     with pytest.raises(UsageError, match=r"^--revision: must name a branch, tag or commit"):
         ExportOptions(revision=" ").validate()
+
+
+def test_dry_run_reads_weight_headers_only(tiny, tmp_path):
+    """--dry-run on a hub id downloads the small files and reads each weight file's header with
+    two Range requests: the plan is the one of the folder, and no weight bytes are fetched."""
+    size = (tiny / "model.safetensors").stat().st_size
+    header = 8 + int.from_bytes((tiny / "model.safetensors").read_bytes()[:8], "little")
+    code = ("import json, sys, llmexport\n"
+            "plans = [llmexport.plan(p, llmexport.ExportOptions(quiet=True)).to_json() for p in sys.argv[1:]]\n"
+            "print(json.dumps(plans))")
+    with HubServer({"org/tiny": Repo.from_folder(tiny, DECOYS)}) as hub:
+        env = _clean_env(hub.url, tmp_path / "hf", TMPDIR=str(tmp_path))
+        proc = subprocess.run([sys.executable, "-c", code, "org/tiny", str(tiny)], env=env, capture_output=True,
+                              text=True, timeout=300)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        hub_plan, folder_plan = json.loads(proc.stdout)
+        assert hub_plan == folder_plan
+        assert [(g.range, g.sent) for g in hub.file_gets("model.safetensors")] == [
+            ("bytes=0-7", 8), (f"bytes=8-{header - 1}", header - 8)]
+        assert "pytorch_model.bin" not in hub.downloaded()
+        # the stand-in folder: the small files, the header padded to the weight file's size; gone afterwards
+        rc, out, err = _resolve(env, "org/tiny", mode="plan")
+        assert rc == 0, err
+        assert out["sizes"] == {name: (tiny / name).stat().st_size for name in READ}
+        assert out["sizes"]["model.safetensors"] == size
+        assert not Path(out["folder"]).exists() and not list(tmp_path.glob("llmexport-plan-*"))
+        # offline, a snapshot without its weights cannot be planned: the error says what is missing
+        offline = _resolve(_clean_env(hub.url, tmp_path / "hf", HF_HUB_OFFLINE="1"), "org/tiny", mode="plan")
+        assert offline[0] == 3 and offline[2].startswith("--path org/tiny: HF_HUB_OFFLINE is set and the cached "
+                                                         "snapshot in ") and "lacks model.safetensors" in offline[2]
+        # once the weights are cached, the plan reads the snapshot itself, online or not
+        assert _resolve(env, "org/tiny")[0] == 0
+        hub.requests.clear()
+        cached = _resolve(_clean_env(hub.url, tmp_path / "hf", HF_HUB_OFFLINE="1"), "org/tiny", mode="plan")
+        assert cached[0] == 0 and Path(cached[1]["folder"]).parent.name == "snapshots" and not hub.requests
