@@ -8,8 +8,8 @@ or a ``original/`` copy costs nothing extra. huggingface_hub does the transfers:
 (``HF_HOME`` / ``HF_HUB_CACHE``), its token (``HF_TOKEN`` or ``hf auth login``), its offline mode
 (``HF_HUB_OFFLINE``: a cached snapshot is used, nothing is asked of the network), its endpoint
 (``HF_ENDPOINT``), its progress bars on a terminal, and its resumption of a transfer the network
-cut (a Range request from the bytes already written; files completed by an earlier run stay in
-the cache and are not fetched again).
+cut (a Range request from the last whole chunk written, in the same run; files an earlier run
+completed stay in the cache and are not fetched again, a partly written one starts over).
 
 A local path always wins: an existing ``--path`` is a folder, whatever it looks like. Every
 failure is an ``InputError`` naming the repo (or ``--revision``) and what was expected.
@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from llmexport.errors import InputError, UsageError
-from llmexport.input_files import INDEX_LIMIT, SAFETENSORS_HEADER_LIMIT, read_json
+from llmexport.input_files import CONFIG_LIMIT, INDEX_LIMIT, SAFETENSORS_HEADER_LIMIT, read_json
 from llmexport.progress import bars_wanted
 
 log = logging.getLogger(__name__)
@@ -40,8 +40,10 @@ _REPO_ID = re.compile(r"(?!.*(--|\.\.))[A-Za-z0-9](?:[\w.-]{0,94}[A-Za-z0-9])?/[
                       re.ASCII)
 
 #: the small files the export (and --verify's HF reference and tokenizer) may read beside the
-#: weights: llmexport.checkpoint, the families' chat templates, transformers' tokenizer, config and
-#: processor loaders; exact top-level names, never a pattern that could reach a pickle
+#: weights: llmexport.checkpoint, the families' chat templates, transformers' tokenizer and config
+#: loaders (the processor configs are for towers' processors; a few KB). Exact top-level names,
+#: never a pattern that could reach a pickle; no ``tokenizer.model``: tokenizer.json is required
+#: and is what every reader here takes
 READ_FILES = ("config.json", "generation_config.json", "model.safetensors.index.json", "tokenizer.json",
               "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json", "chat_template.jinja",
               "chat_template.json", "preprocessor_config.json", "processor_config.json")
@@ -79,7 +81,7 @@ def resolve_source(path: str | os.PathLike, revision: str | None = None, quiet: 
     local = _local(text, revision)
     if local is not None:
         return local
-    with _progress(quiet), _hub_errors(text, revision):
+    with _library_output(quiet), _hub_errors(text, revision):
         snapshot = _small_files(text, revision)
         return _fetch_weights(snapshot)
 
@@ -96,7 +98,7 @@ def planning_folder(path: str | os.PathLike, revision: str | None = None, quiet:
     if local is not None:
         yield local.folder
         return
-    with _progress(quiet), _hub_errors(text, revision):
+    with _library_output(quiet), _hub_errors(text, revision):
         snapshot = _small_files(text, revision)
         absent = [name for name in snapshot.weights if not (snapshot.folder / name).exists()]
         headers = _remote_headers(snapshot, absent)
@@ -139,6 +141,9 @@ def _small_files(repo_id: str, revision: str | None) -> _Snapshot:
     from huggingface_hub import snapshot_download
 
     folder = Path(snapshot_download(repo_id, revision=revision, allow_patterns=list(READ_FILES)))
+    if not (folder / "config.json").exists():
+        raise InputError(f"--path {repo_id}: the repo has no config.json at commit {folder.name} (expected a "
+                         "transformers checkpoint)")
     shards = _indexed_shards(folder)
     weights = _top_level_safetensors(repo_id, folder.name, folder) if shards is None else shards
     log.info("%s: commit %s; %d safetensors file(s)%s", repo_id, folder.name, len(weights),
@@ -151,7 +156,8 @@ def _fetch_weights(snapshot: _Snapshot) -> ModelSource:
 
     repo_id, folder, weights = snapshot.repo_id, snapshot.folder, snapshot.weights
     # the commit, not the branch: both steps read one snapshot even if the branch moves between them
-    snapshot_download(repo_id, revision=snapshot.commit, allow_patterns=[glob.escape(name) for name in weights])
+    wanted = [*weights, *_remote_code(folder)]
+    snapshot_download(repo_id, revision=snapshot.commit, allow_patterns=[glob.escape(name) for name in wanted])
     missing = [name for name in weights if not (folder / name).exists()]
     if missing:
         more = f" ({len(missing)} such files)" if len(missing) > 1 else ""
@@ -160,6 +166,17 @@ def _fetch_weights(snapshot: _Snapshot) -> ModelSource:
     log.info("%s: %d files, %.1f MB, in %s", repo_id, len(os.listdir(folder)),
              sum(p.stat().st_size for p in folder.iterdir()) / 1e6, folder)
     return ModelSource(folder, repo_id, snapshot.revision, snapshot.commit)
+
+
+def _remote_code(folder: Path) -> list[str]:
+    """The modules ``config.json``'s ``auto_map`` names (``configuration_x.XConfig`` ->
+    ``configuration_x.py``): the reference model of a remote-code family (K2-Horizon) that
+    ``--verify --trust_remote_code`` runs; small, and never run without that flag."""
+    auto_map = read_json(folder / "config.json", CONFIG_LIMIT, "config").get("auto_map")
+    entries = auto_map.values() if isinstance(auto_map, dict) else []
+    names = [e for entry in entries for e in (entry if isinstance(entry, list) else [entry]) if isinstance(e, str)]
+    # "module.Class" in this repo; "other/repo--module.Class" is code from another repo: not fetched
+    return sorted({name.rsplit(".", 1)[0] + ".py" for name in names if "--" not in name and name.count(".") == 1})
 
 
 def _remote_headers(snapshot: _Snapshot, names: list[str]) -> dict[str, tuple[bytes, int]]:
@@ -240,15 +257,23 @@ def _top_level_safetensors(repo_id: str, commit: str, folder: Path) -> list[str]
     raise InputError(f"--path {repo_id}: the repo (commit {commit}) has no *.safetensors weight files")
 
 
+def _not_no_match(record: logging.LogRecord) -> bool:
+    """huggingface_hub's warning that a pattern matched no file: a repo lacking an optional file
+    (or, refused with our own message, a needed one) is no news."""
+    return not record.getMessage().startswith("No files matched")
+
+
 @contextmanager
-def _progress(quiet: bool) -> Iterator[None]:
+def _library_output(quiet: bool) -> Iterator[None]:
     """huggingface_hub's bars where llmexport draws its own (a terminal or a notebook, not
-    ``--quiet``); elsewhere (CI logs) they are off and the log lines of ``_download`` remain."""
+    ``--quiet``); elsewhere (CI logs) they are off and our log lines remain. Its HTTP client's
+    line per request and its no-match warning are left out."""
     from huggingface_hub.utils import are_progress_bars_disabled, disable_progress_bars, enable_progress_bars
 
-    http_log = logging.getLogger("httpx2")  # one INFO line per request: noise beside the bars and our lines
+    http_log, hub_log = logging.getLogger("httpx2"), logging.getLogger("huggingface_hub._snapshot_download")
     level = http_log.level
     http_log.setLevel(max(level, logging.WARNING))
+    hub_log.addFilter(_not_no_match)
     switch_off = not bars_wanted(quiet) and not are_progress_bars_disabled()
     if switch_off:
         disable_progress_bars()
@@ -256,6 +281,7 @@ def _progress(quiet: bool) -> Iterator[None]:
         yield
     finally:
         http_log.setLevel(level)
+        hub_log.removeFilter(_not_no_match)
         if switch_off:
             enable_progress_bars()
 

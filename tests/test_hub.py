@@ -8,6 +8,7 @@ drops whatever HF_* settings the test run itself has).
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import subprocess
@@ -15,12 +16,10 @@ import sys
 from pathlib import Path
 
 import pytest
+from hub_server import HubServer, Repo
 
 from llmexport.errors import InputError, UsageError
 from llmexport.hub import ModelSource, is_repo_id, resolve_source
-
-sys.path.insert(0, str(Path(__file__).parent))
-from hub_server import HubServer, Repo  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 #: what the export reads of the tiny Llama checkpoint (all of its files)
@@ -31,7 +30,7 @@ DECOYS = {"pytorch_model.bin": b"pickle" * 100, "original/consolidated.safetenso
           "README.md": b"# tiny\n", "onnx/model.onnx": b"onnx" * 10}
 
 _RESOLVE = """
-import json, sys
+import hashlib, json, sys
 import huggingface_hub.constants as constants
 if sys.argv[3]:  # huggingface_hub resumes from the last whole chunk it wrote (10 MiB): smaller for tiny files
     constants.DOWNLOAD_CHUNK_SIZE = int(sys.argv[3])
@@ -40,8 +39,8 @@ from llmexport.hub import planning_folder, resolve_source
 try:
     if sys.argv[4] == "plan":  # the folder --dry-run plans from: its files and their sizes, while it exists
         with planning_folder(sys.argv[1], sys.argv[2] or None, quiet=True) as folder:
-            print(json.dumps({"folder": str(folder), "sizes": {p.relative_to(folder).as_posix(): p.stat().st_size
-                                                               for p in sorted(folder.rglob("*"))}}))
+            print(json.dumps({"folder": str(folder), "sha256": {p.relative_to(folder).as_posix():
+                              hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(folder.rglob("*"))}}))
         sys.exit(0)
     source = resolve_source(sys.argv[1], sys.argv[2] or None, quiet=True)
 except LlmExportError as exc:
@@ -278,28 +277,21 @@ def test_revision_flag_reaches_the_options_not_the_options_manifest():
 
 def test_dry_run_reads_weight_headers_only(tiny, tmp_path):
     """--dry-run on a hub id downloads the small files and reads each weight file's header with
-    two Range requests: the plan is the one of the folder, and no weight bytes are fetched."""
-    size = (tiny / "model.safetensors").stat().st_size
-    header = 8 + int.from_bytes((tiny / "model.safetensors").read_bytes()[:8], "little")
-    code = ("import json, sys, llmexport\n"
-            "plans = [llmexport.plan(p, llmexport.ExportOptions(quiet=True)).to_json() for p in sys.argv[1:]]\n"
-            "print(json.dumps(plans))")
+    two Range requests into a stand-in folder: header, then a hole to the file's size. A folder
+    like that plans exactly as the real one; no weight bytes are fetched."""
+    weights = (tiny / "model.safetensors").read_bytes()
+    header = 8 + int.from_bytes(weights[:8], "little")
+    stand_in = weights[:header] + bytes(len(weights) - header)
     with HubServer({"org/tiny": Repo.from_folder(tiny, DECOYS)}) as hub:
         env = _clean_env(hub.url, tmp_path / "hf", TMPDIR=str(tmp_path))
-        proc = subprocess.run([sys.executable, "-c", code, "org/tiny", str(tiny)], env=env, capture_output=True,
-                              text=True, timeout=300)
-        assert proc.returncode == 0, proc.stderr[-2000:]
-        hub_plan, folder_plan = json.loads(proc.stdout)
-        assert hub_plan == folder_plan
-        assert [(g.range, g.sent) for g in hub.file_gets("model.safetensors")] == [
-            ("bytes=0-7", 8), (f"bytes=8-{header - 1}", header - 8)]
-        assert "pytorch_model.bin" not in hub.downloaded()
-        # the stand-in folder: the small files, the header padded to the weight file's size; gone afterwards
         rc, out, err = _resolve(env, "org/tiny", mode="plan")
         assert rc == 0, err
-        assert out["sizes"] == {name: (tiny / name).stat().st_size for name in READ}
-        assert out["sizes"]["model.safetensors"] == size
-        assert not Path(out["folder"]).exists() and not list(tmp_path.glob("llmexport-plan-*"))
+        assert [(g.range, g.sent) for g in hub.file_gets("model.safetensors")] == [
+            ("bytes=0-7", 8), (f"bytes=8-{header - 1}", header - 8)]
+        assert sorted(hub.downloaded()) == READ  # the weights' header only; never the pickle
+        expected = {name: hashlib.sha256((tiny / name).read_bytes()).hexdigest() for name in READ}
+        assert out["sha256"] == {**expected, "model.safetensors": hashlib.sha256(stand_in).hexdigest()}
+        assert not Path(out["folder"]).exists() and not list(tmp_path.glob("llmexport-plan-*"))  # removed after
         # offline, a snapshot without its weights cannot be planned: the error says what is missing
         offline = _resolve(_clean_env(hub.url, tmp_path / "hf", HF_HUB_OFFLINE="1"), "org/tiny", mode="plan")
         assert offline[0] == 3 and offline[2].startswith("--path org/tiny: HF_HUB_OFFLINE is set and the cached "
@@ -309,3 +301,44 @@ def test_dry_run_reads_weight_headers_only(tiny, tmp_path):
         hub.requests.clear()
         cached = _resolve(_clean_env(hub.url, tmp_path / "hf", HF_HUB_OFFLINE="1"), "org/tiny", mode="plan")
         assert cached[0] == 0 and Path(cached[1]["folder"]).parent.name == "snapshots" and not hub.requests
+    # the stand-in's bytes plan as the checkpoint does (the plan reads headers and sizes only)
+    import llmexport
+
+    folder = tmp_path / "stand-in"
+    folder.mkdir()
+    for name in READ:
+        (folder / name).write_bytes(stand_in if name == "model.safetensors" else (tiny / name).read_bytes())
+    options = llmexport.ExportOptions(quiet=True)
+    assert llmexport.plan(folder, options) == llmexport.plan(tiny, options)
+
+
+def test_remote_code_the_config_names_is_fetched(tiny, tmp_path):
+    """A remote-code family's reference (run by --verify --trust_remote_code only) is the modules
+    config.json's auto_map names; other code in the repo is not fetched."""
+    config = json.loads((tiny / "config.json").read_text())
+    config["auto_map"] = {"AutoConfig": "configuration_x.XConfig", "AutoModelForCausalLM": "modeling_x.XModel",
+                          "AutoTokenizer": ["tokenization_x.XTokenizer", None], "AutoModel": "other/repo--m.Model"}
+    code = {name: b"# code\n" for name in ("configuration_x.py", "modeling_x.py", "tokenization_x.py", "train.py")}
+    no_config = {"model.safetensors": (tiny / "model.safetensors").read_bytes()}
+    with HubServer({"org/code": Repo.from_folder(tiny, {**code, "config.json": json.dumps(config).encode()}),
+                    "org/no-config": Repo(no_config)}) as hub:
+        env = _clean_env(hub.url, tmp_path / "hf")
+        rc, out, err = _resolve(env, "org/code")
+        missing = _resolve(env, "org/no-config")
+        assert not hub.file_gets("model.safetensors")[1:]  # the repo without a config: its weights never fetched
+    assert rc == 0, err
+    assert out["files"] == sorted([*READ, "configuration_x.py", "modeling_x.py", "tokenization_x.py"])
+    assert missing[0] == 3 and missing[2] == (f"--path org/no-config: the repo has no config.json at commit "
+                                              f"{Repo.commit} (expected a transformers checkpoint)")
+
+
+def test_unreachable_hub_falls_back_to_the_cache(tiny, tmp_path):
+    with HubServer({"org/tiny": Repo.from_folder(tiny)}) as hub:
+        assert _resolve(_clean_env(hub.url, tmp_path / "hf"), "org/tiny")[0] == 0
+        url = hub.url
+    # the server is gone: huggingface_hub uses the cached snapshot of main; with no cache, the error says why
+    cached = _resolve(_clean_env(url, tmp_path / "hf"), "org/tiny")
+    uncached = _resolve(_clean_env(url, tmp_path / "empty"), "org/tiny")
+    assert cached[0] == 0 and cached[1]["files"] == READ
+    assert uncached[0] == 3 and uncached[2].startswith("--path org/tiny: the hub cannot be reached (") \
+        and uncached[2].endswith(f"and no complete cached snapshot is in {tmp_path / 'empty' / 'hub'}"), uncached[2]
