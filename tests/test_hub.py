@@ -342,3 +342,34 @@ def test_unreachable_hub_falls_back_to_the_cache(tiny, tmp_path):
     assert cached[0] == 0 and cached[1]["files"] == READ
     assert uncached[0] == 3 and uncached[2].startswith("--path org/tiny: the hub cannot be reached (") \
         and uncached[2].endswith(f"and no complete cached snapshot is in {tmp_path / 'empty' / 'hub'}"), uncached[2]
+
+
+def test_progress_bars_on_a_terminal_unless_quiet(tiny, tmp_path):
+    """huggingface_hub's bars are drawn when stderr is a terminal, and not with quiet (in CI logs,
+    stderr not a terminal, there are none: the CLI tests above read one line)."""
+    import fcntl
+    import pty
+    import struct
+    import termios
+
+    def stderr_on_a_terminal(quiet: bool) -> str:
+        with HubServer({"org/tiny": Repo.from_folder(tiny)}) as hub:
+            master, slave = pty.openpty()
+            fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 40, 120, 0, 0))  # a width for the bars
+            code = "import sys; from llmexport.hub import resolve_source; resolve_source('org/tiny', quiet=%s)" % quiet
+            proc = subprocess.run([sys.executable, "-c", code], env=_clean_env(hub.url, tmp_path / str(quiet)),
+                                  stderr=slave, timeout=120)
+            os.close(slave)
+            out = b""
+            try:
+                while chunk := os.read(master, 1 << 16):
+                    out += chunk
+            except OSError:  # the terminal's other end is closed: all read
+                pass
+            os.close(master)
+            assert proc.returncode == 0
+            return out.decode(errors="replace")
+
+    drawn = stderr_on_a_terminal(False)
+    assert "Download complete" in drawn and "100%|" in drawn, drawn
+    assert stderr_on_a_terminal(True) == ""
