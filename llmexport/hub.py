@@ -306,8 +306,8 @@ def _hub_errors(repo_id: str, revision: str | None) -> Iterator[None]:
         raise InputError(f"{where}: gated repo on {constants.ENDPOINT}; accept its conditions on its page and set "
                          "HF_TOKEN (or run `hf auth login`) with a token that has access") from None
     except RepositoryNotFoundError:
-        raise InputError(f"{where}: no such model repo on {constants.ENDPOINT} (or it is private: set HF_TOKEN "
-                         "to a token that can read it)") from None
+        raise InputError(f"{where}: not a local folder, and no such model repo on {constants.ENDPOINT} (or it is "
+                         "private: set HF_TOKEN to a token that can read it)") from None
     except RevisionNotFoundError:
         raise InputError(f"--revision {revision}: {repo_id} has no such branch, tag or commit") from None
     except RemoteEntryNotFoundError as exc:

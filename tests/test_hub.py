@@ -157,7 +157,8 @@ def test_missing_file_repo_and_pickles_only(tiny, tmp_path):
         assert not hub.file_gets("pytorch_model.bin")  # named in the error, never downloaded
     assert lost[0] == 3 and lost[2] == (f"--path org/lost: a file the repo lists is missing on the hub ({hub.url}"
                                         f"/org/lost/resolve/{Repo.commit}/tokenizer.json)")
-    assert gone[0] == 3 and gone[2].startswith(f"--path org/nowhere: no such model repo on {hub.url} (or it is private")
+    assert gone[0] == 3 and gone[2] == (f"--path org/nowhere: not a local folder, and no such model repo on {hub.url} "
+                                        "(or it is private: set HF_TOKEN to a token that can read it)")
     assert only_pickles[0] == 3 and only_pickles[2] == (
         "--path org/pickles: the repo has only pickle weights (pytorch_model.bin); llmexport reads *.safetensors "
         "and never unpickles (convert them to safetensors first)")
