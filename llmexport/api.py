@@ -39,6 +39,7 @@ def export(path: str | os.PathLike, dst: str | os.PathLike, options: ExportOptio
     from llmexport.staging import StagedExport, resolve_destination
 
     options = (options or ExportOptions()).validate()
+    resolve_destination(dst, None)  # a destination refused for itself is refused before any download
     source = resolve_source(path, options.revision, options.quiet)
     target = resolve_destination(dst, source.folder)
     with StagedExport(target) as staging:

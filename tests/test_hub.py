@@ -96,6 +96,17 @@ def test_a_local_path_wins_and_a_missing_one_says_what_was_expected(tmp_path, mo
         resolve_source("models/x/y")
 
 
+def test_a_refused_destination_is_refused_before_any_download(tmp_path, monkeypatch):
+    """--dst_path the current folder: exit 2 at once, the hub never asked."""
+    import llmexport
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr("llmexport.hub.resolve_source", lambda *args: pytest.fail("fetched before --dst_path's checks"))
+    with pytest.raises(UsageError, match=r"^--dst_path \.: is the current folder"):
+        llmexport.export("org/never-fetched", ".")
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_downloads_only_what_the_export_reads(tiny, tmp_path):
     with HubServer({"org/tiny": Repo.from_folder(tiny, DECOYS)}) as hub:
         rc, out, err = _resolve(_clean_env(hub.url, tmp_path / "hf"), "org/tiny")
