@@ -253,8 +253,8 @@ def test_a_failed_run_leaves_finished_files_for_the_next(tiny, tmp_path):
 
 @pytest.mark.slow
 def test_hub_export_matches_the_folder_export(tiny, tmp_path):
-    """The CLI on a hub id, through a cut connection: the same files as an export of the folder,
-    and a manifest naming the repo and commit."""
+    """The CLI on a hub id, through a cut connection, then offline from the cache: the same files
+    as an export of the folder, and a manifest naming the repo and commit."""
     from llmexport.export_plan import file_sha256
 
     chunk_patch = "import huggingface_hub.constants as c; c.DOWNLOAD_CHUNK_SIZE = 1 << 16; "
@@ -265,10 +265,17 @@ def test_hub_export_matches_the_folder_export(tiny, tmp_path):
                               env=env, capture_output=True, text=True, timeout=300)
         assert proc.returncode == 0, proc.stderr[-2000:]
         assert [g.range for g in hub.file_gets("model.safetensors")] == [None, "bytes=131072-"]
+        hub.requests.clear()
+        # offline, the cached snapshot exports the same, without a request
+        offline = _cli(_clean_env(hub.url, tmp_path / "hf", HF_HUB_OFFLINE="1"), "--path", "org/tiny", "--dst_path",
+                       str(tmp_path / "offline"), "--quant_bit", "8", "--quiet")
+        assert offline.returncode == 0 and offline.stderr == "", offline.stderr[-2000:]
+        assert not hub.requests
     local = _cli(env, "--path", str(tiny), "--dst_path", str(tmp_path / "local"), "--quant_bit", "8", "--quiet")
     assert local.returncode == 0, local.stderr[-2000:]
     hashes = {p.name: file_sha256(p) for p in (tmp_path / "hub").iterdir() if p.name != "manifest.json"}
     assert hashes == {p.name: file_sha256(p) for p in (tmp_path / "local").iterdir() if p.name != "manifest.json"}
+    assert hashes == {p.name: file_sha256(p) for p in (tmp_path / "offline").iterdir() if p.name != "manifest.json"}
     manifest = json.loads((tmp_path / "hub" / "manifest.json").read_text())
     local_manifest = json.loads((tmp_path / "local" / "manifest.json").read_text())
     assert manifest.pop("source") == {"repo_id": "org/tiny", "revision": "main", "commit": Repo.commit}
