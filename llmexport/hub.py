@@ -160,12 +160,17 @@ def _fetch_weights(snapshot: _Snapshot) -> ModelSource:
     snapshot_download(repo_id, revision=snapshot.commit, allow_patterns=[glob.escape(name) for name in wanted])
     missing = [name for name in weights if not (folder / name).exists()]
     if missing:
-        more = f" ({len(missing)} such files)" if len(missing) > 1 else ""
-        named = ", named in model.safetensors.index.json," if snapshot.indexed else ""
-        raise InputError(f"--path {repo_id}: {missing[0]}{named} is not in the repo at commit {snapshot.commit}{more}")
+        raise _not_in_repo(snapshot, missing)
     log.info("%s: %d files, %.1f MB, in %s", repo_id, len(os.listdir(folder)),
              sum(p.stat().st_size for p in folder.iterdir()) / 1e6, folder)
     return ModelSource(folder, repo_id, snapshot.revision, snapshot.commit)
+
+
+def _not_in_repo(snapshot: _Snapshot, missing: list[str]) -> InputError:
+    more = f" ({len(missing)} such files)" if len(missing) > 1 else ""
+    named = ", named in model.safetensors.index.json," if snapshot.indexed else ""
+    return InputError(f"--path {snapshot.repo_id}: {missing[0]}{named} is not in the repo at commit "
+                      f"{snapshot.commit}{more}")
 
 
 def _remote_code(folder: Path) -> list[str]:
@@ -188,12 +193,16 @@ def _remote_headers(snapshot: _Snapshot, names: list[str]) -> dict[str, tuple[by
         raise InputError(f"--path {snapshot.repo_id}: HF_HUB_OFFLINE is set and the cached snapshot in "
                          f"{snapshot.folder} lacks {names[0]} (--dry-run reads every weight file's header)")
     sizes = {f.path: f.size for f in get_cached_repo_tree(snapshot.repo_id, revision=snapshot.commit)}
+    # only the repo's own paths: an index naming "../x" or "/x" is never requested nor written
+    unknown = [name for name in names if name not in sizes]
+    if unknown:
+        raise _not_in_repo(snapshot, unknown)
     out = {}
     for name in names:
         url = hf_hub_url(snapshot.repo_id, name, revision=snapshot.commit)
         head = _byte_range(url, 0, 7)
         (length,) = struct.unpack("<Q", head) if len(head) == 8 else (-1,)
-        if not 0 <= length <= SAFETENSORS_HEADER_LIMIT or 8 + length > sizes.get(name, 0):
+        if not 0 <= length <= SAFETENSORS_HEADER_LIMIT or 8 + length > sizes[name]:
             raise InputError(f"--path {snapshot.repo_id}: {name} is not a safetensors file (header length {length})")
         out[name] = (head + _byte_range(url, 8, 7 + length), sizes[name])
     return out

@@ -149,10 +149,18 @@ def test_sharded_repo_fetches_the_shards_its_index_names(tiny, tmp_path):
                                 "tokenizer_config.json"]
         assert "consolidated.safetensors" not in hub.downloaded()
         unlisted = _resolve(_clean_env(hub.url, tmp_path / "hf"), "org/unlisted-shard")
+        unlisted_plan = _resolve(_clean_env(hub.url, tmp_path / "hf"), "org/unlisted-shard", mode="plan")
+        index = json.loads((repo / "model.safetensors.index.json").read_text())
+        index["weight_map"] = {k: "../../escape.safetensors" for k in index["weight_map"]}
+        hub.repos["org/escaping"] = Repo.from_folder(repo, {"model.safetensors.index.json": json.dumps(index).encode()})
+        escaping_plan = _resolve(_clean_env(hub.url, tmp_path / "hf"), "org/escaping", mode="plan")
         rc, _, err = _resolve(_clean_env(hub.url, tmp_path / "hf"), "org/lost-shard")
     assert unlisted[0] == 3 and unlisted[2] == (
         "--path org/unlisted-shard: model-00002-of-00002.safetensors, named in model.safetensors.index.json, is not "
         f"in the repo at commit {Repo.commit}")
+    assert unlisted_plan[0] == 3 and unlisted_plan[2] == unlisted[2]  # --dry-run: the same, before any request
+    assert escaping_plan[0] == 3 and escaping_plan[2].startswith("--path org/escaping: ../../escape.safetensors, named")
+    assert not (tmp_path.parent / "escape.safetensors").exists() and not (tmp_path / "escape.safetensors").exists()
     assert rc == 3 and err.startswith("--path org/lost-shard: a file the repo lists is missing on the hub (") \
         and "model-00002-of-00002.safetensors" in err and len(err.splitlines()) == 1, err
 
