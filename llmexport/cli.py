@@ -67,11 +67,13 @@ class ExportCommand:
     verify_text: str | None = None
     verify_windows: int = 16
     lora_path: str | None = None
+    revision: str | None = None
 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
 @click.option("--path", required=True, type=click.Path(file_okay=False, path_type=str),
-              help="HF checkpoint folder (config.json, *.safetensors, tokenizer.json).")
+              help="HF checkpoint folder (config.json, *.safetensors, tokenizer.json), or a hub repo id org/name "
+                   "(downloaded into the HF cache; an existing folder always wins).")
 @click.option("--export", "export_format", type=click.Choice(["mnn", "onnx"]), default="mnn", show_default=True,
               help="mnn: a folder MNN's LLM runtime loads; onnx: a standard-op ONNX with the weights.")
 @click.option("--dst_path", required=True, type=click.Path(path_type=str),
@@ -134,6 +136,8 @@ class ExportCommand:
 @click.option("--lora_path", type=click.Path(path_type=str), default=None, metavar="DIR",
               help="A PEFT LoRA adapter (adapter_config.json + adapter_model.safetensors) merged into the weights "
                    "before quantization; --verify compares with HF carrying the same merge (docs/lora.md).")
+@click.option("--revision", default=None, metavar="REV",
+              help="With a hub repo id: the branch, tag or commit to export (default: main).")
 @click.version_option(__version__, "--version", prog_name="llmexport")
 def main(**flags: Any) -> None:
     """Export a HuggingFace LLM checkpoint to MNN (or ONNX), optionally verified."""
@@ -258,7 +262,8 @@ def export_options(command: ExportCommand) -> ExportOptions:
                                 Path(command.calib_data), command.calib_samples, command.calib_seq_len),
                             verify_text=None if command.verify_text is None else VerifyText(
                                 Path(command.verify_text), command.verify_windows),
-                            lora=None if command.lora_path is None else Path(command.lora_path))
+                            lora=None if command.lora_path is None else Path(command.lora_path),
+                            revision=command.revision)
     quant_config = command.quant_config
     if quant_config is None:
         return options

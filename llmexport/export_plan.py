@@ -126,9 +126,11 @@ def file_sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
-def write_manifest(out: Path, options: ExportOptions, plan: ExportPlan, adapter: LoraAdapter | None = None) -> None:
+def write_manifest(out: Path, options: ExportOptions, plan: ExportPlan, adapter: LoraAdapter | None = None,
+                   source: dict[str, Any] | None = None) -> None:
     """manifest.json: file hashes, versions, options and the detected architecture; the LoRA adapter
-    merged into the weights (its settings and its files' sha256), if any."""
+    merged into the weights (its settings and its files' sha256), if any; for a hub repo, ``source``:
+    its id, the revision asked for and the commit exported."""
     files = {p.name: {"bytes": p.stat().st_size, "sha256": file_sha256(p)}
              for p in sorted(out.iterdir()) if p.is_file() and p.name != "manifest.json"}
     manifest = {"versions": _versions(), "architecture": plan.architecture.to_json(),
@@ -138,6 +140,8 @@ def write_manifest(out: Path, options: ExportOptions, plan: ExportPlan, adapter:
         manifest["prequantized"] = plan.prequantized.to_json()
     if adapter is not None:
         manifest["lora"] = {**adapter.summary(), "sha256": {p.name: file_sha256(p) for p in adapter.files()}}
+    if source is not None:
+        manifest["source"] = source
     (out / "manifest.json").write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
 
 

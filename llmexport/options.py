@@ -104,6 +104,9 @@ class ExportOptions:
     ``approximate_ignore_merges`` exports a tokenizer whose ``ignore_merges`` words MNN's runtime
     cannot reach (Llama-3) instead of refusing it; the measured difference is logged and recorded
     in verify.json (llmexport/mnn/tokenizer_whole_words.py). manifest.json records it only when set.
+
+    ``revision`` (``--revision``): the branch, tag or commit of a hub repo id given as the path
+    (llmexport.hub); manifest.json records it, with the commit it resolved to, under ``source``.
     """
 
     export: ExportFormat = ExportFormat.MNN
@@ -128,6 +131,7 @@ class ExportOptions:
     calibration: Calibration | None = None
     verify_text: VerifyText | None = None
     lora: Path | None = None
+    revision: str | None = None
 
     #: fields that change how the export talks or runs, never what it writes (left out of manifest.json)
     PRESENTATION = ("quiet", "keep_failed", "max_memory", "verify_text")
@@ -166,6 +170,8 @@ class ExportOptions:
                 raise UsageError("--calib_data: calibration chooses quantized levels; --quant_bit 16 has none")
             if self.export is not ExportFormat.MNN:
                 raise UsageError("--calib_data: only the MNN export stores quantized levels")
+        if self.revision is not None and not self.revision.strip():
+            raise UsageError("--revision: must name a branch, tag or commit, got an empty string")
         if not isinstance(self.chat_thinking, ChatThinking):
             raise UsageError(f"--chat_thinking: {self.chat_thinking!r} is not one of "
                              f"{', '.join(t.value for t in ChatThinking)}")
@@ -176,6 +182,7 @@ class ExportOptions:
         from dataclasses import asdict
 
         fields = {k: v for k, v in asdict(self).items() if k not in self.PRESENTATION}
+        del fields["revision"]  # the manifest's "source" holds it beside the commit it resolved to
         if not self.approximate_ignore_merges:  # manifests written before the flag existed stay the same
             del fields["approximate_ignore_merges"]
         if self.lora is None:  # manifests of exports without an adapter stay the same

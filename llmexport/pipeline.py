@@ -45,7 +45,9 @@ def _load(path: Path, options: ExportOptions, target: OutputTarget) -> tuple[Che
     return checkpoint, arch, prepared
 
 
-def run_export(path: Path, out: Path, options: ExportOptions) -> ExportResult:
+def run_export(path: Path, out: Path, options: ExportOptions, source: dict[str, Any] | None = None) -> ExportResult:
+    """The export of the checkpoint folder ``path`` into ``out``; ``source``: where the folder came
+    from (a hub repo and commit, llmexport.hub), recorded in manifest.json."""
     timings: dict[str, float] = {}
     start = time.perf_counter()
     target = target_for(options.export)
@@ -66,7 +68,7 @@ def run_export(path: Path, out: Path, options: ExportOptions) -> ExportResult:
         with stage(timings, "verify"):
             verification, verify_error = _verify(out, path, options)
     with stage(timings, "manifest"):
-        write_manifest(out, options, plan, adapter_of(arch.checkpoint.weights))
+        write_manifest(out, options, plan, adapter_of(arch.checkpoint.weights), source)
     return ExportResult(out, tuple(sorted(p.name for p in out.iterdir())), plan, timings, verification, verify_error)
 
 

@@ -22,6 +22,8 @@ ALLOWED: dict[str, tuple[str, ...]] = {
     "llmexport.errors": (),
     "llmexport.input_files": ("llmexport.errors",),
     "llmexport.checkpoint": ("llmexport.errors", "llmexport.input_files", "llmexport.spec"),
+    # a hub repo id as --path: huggingface_hub's cache and download, the index read defensively
+    "llmexport.hub": ("llmexport.errors", "llmexport.input_files", "llmexport.progress"),
     "llmexport.quant": ("llmexport.quant", "llmexport.spec", "llmexport.errors", "llmexport.mnn.limits"),
     "llmexport.importers": ("llmexport.importers", "llmexport.spec", "llmexport.errors", "llmexport.checkpoint",
                             "llmexport.quant"),
