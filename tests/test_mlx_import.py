@@ -314,3 +314,21 @@ def test_explicit_options_override_as_stored(mlx_checkpoints):
     assert reasons["model.language_model.layers.0.self_attn.o_proj"] == "quant_config rule '*.self_attn.o_proj'"
     result = CliRunner().invoke(main, ["--path", str(mlx_path), "--dst_path", "unused", "--dry-run", "--requantize"])
     assert result.exit_code == 0 and "requantize requested" in result.output and "0 linear(s) keep" in result.output
+
+
+def test_activation_scaling_of_an_mlx_checkpoint_needs_requantize(mlx_checkpoints, tmp_path):
+    """AWQ / SmoothQuant rescale the weights before rounding them afresh: an MLX checkpoint's stored
+    integers cannot be kept, so it is refused as GPTQ is, before anything is written."""
+    from click.testing import CliRunner
+
+    from llmexport.cli import main
+
+    mlx_path, _ = mlx_checkpoints("qwen2:q4")
+    text = tmp_path / "calib.txt"
+    text.write_text("calibration text " * 400)
+    for method in ("awq", "smooth+gptq"):
+        dst = tmp_path / f"out-{method}"
+        result = CliRunner().invoke(main, ["--path", str(mlx_path), "--dst_path", str(dst), "--calib_data", str(text),
+                                           "--calib_method", method])
+        assert result.exit_code == 2 and "needs --requantize" in result.output, result.output
+        assert not dst.exists()
