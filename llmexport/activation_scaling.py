@@ -116,7 +116,8 @@ def scale_and_fold(arch: Architecture, calibration: Calibration, scheme_of: Call
     for name, reason in out.skipped.items():
         log.debug("scaling: %s left alone (%s)", name, reason)
     out.arch = folded_architecture(arch, weights)
-    log.info("scaling: %s", out.summary())
+    # a family that declares no groups (Phi-3, K2-Horizon) or refuses them all is exported as without scales
+    (log.info if out.folded else log.warning)("scaling: %s", out.summary())
     return out
 
 

@@ -159,6 +159,18 @@ def test_scaling_folds_every_exact_group(tiny_decoder, calibration_text, method)
     assert len(result.weights.norms) == 2 * arch.describe().layers
 
 
+def test_a_family_without_scale_groups_is_left_as_it_is(tiny_phi3, calibration_text, caplog):
+    """Phi-3 (fused qkv / gate_up) declares no groups: nothing is folded, and the log says so."""
+    arch = open_architecture(Checkpoint.open(tiny_phi3("phi4-mini")))
+    assert arch.scale_groups() == []
+    options = ExportOptions(quant=QuantScheme(4, 32))
+    with caplog.at_level("WARNING"):
+        result = scale_and_fold(arch, Calibration(calibration_text, 2, 32, CalibMethod.AWQ),
+                                Schemes(arch, options).linear, quantizers(False))
+    assert not result.folded and not result.weights.norms and not result.weights.factors
+    assert "0 group(s) awq-scaled" in caplog.text
+
+
 def test_verification_reads_the_folded_norms(tiny_decoder, tmp_path, calibration_text):
     path = tiny_decoder("llama3")
     out = tmp_path / "out"
