@@ -13,7 +13,8 @@ the memory mode into config.json (llmexport/mnn/config.py PROFILE_KEYS), which i
 runtime here instead. Reported per (model, scheme, profile), with llama.cpp's definitions
 (llmexport/quality.py): PPL of HF fp32 and of MNN, KLD(HF fp32 || MNN) mean and 99th percentile,
 top-1 agreement, the weight files' size and bits per weight (8 x those bytes / the model's
-parameter count). The ``-gptq`` schemes calibrate (``--calib_data``) on the training text.
+parameter count). The ``-gptq``, ``-awq`` and ``-smooth`` schemes calibrate (``--calib_data``, with
+``--calib_method``) on the training text.
 """
 
 from __future__ import annotations
@@ -50,6 +51,11 @@ SCHEMES: dict[str, list[str]] = {
     "mlp4-attn8": ["--quant_config", "mlp4-attn8"],
     "q4-gptq": ["--quant_bit", "4", *CALIBRATION],
     "q4-hqq-gptq": ["--quant_bit", "4", "--hqq", *CALIBRATION],
+    "q4-awq": ["--quant_bit", "4", *CALIBRATION, "--calib_method", "awq"],
+    "q4-awq-gptq": ["--quant_bit", "4", *CALIBRATION, "--calib_method", "awq+gptq"],
+    "q4-hqq-awq": ["--quant_bit", "4", "--hqq", *CALIBRATION, "--calib_method", "awq"],
+    "q8-smooth": ["--quant_bit", "8", *CALIBRATION, "--calib_method", "smooth"],
+    "q4-smooth": ["--quant_bit", "4", *CALIBRATION, "--calib_method", "smooth"],
     "q4-lm8": ["--quant_bit", "4", "--lm_quant_bit", "8"],
     "q4-gptq-lm8": ["--quant_bit", "4", "--lm_quant_bit", "8", *CALIBRATION],
 }

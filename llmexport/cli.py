@@ -20,7 +20,7 @@ import click
 from llmexport import __version__
 
 if TYPE_CHECKING:  # heavy: imported only after parsing
-    from llmexport.options import ExportOptions
+    from llmexport.options import Calibration, ExportOptions
     from llmexport.results import ExportResult
 
 EXIT_INTERNAL = 1
@@ -64,6 +64,8 @@ class ExportCommand:
     calib_data: str | None = None
     calib_samples: int = 16
     calib_seq_len: int = 128
+    calib_method: str | None = None
+    smooth_alpha: float | None = None
     verify_text: str | None = None
     verify_windows: int = 16
     lora_path: str | None = None
@@ -128,6 +130,12 @@ class ExportCommand:
               help="Calibration windows cut from --calib_data.")
 @click.option("--calib_seq_len", type=int, default=128, show_default=True,
               help="Tokens per calibration window.")
+@click.option("--calib_method", type=click.Choice(["gptq", "awq", "awq+gptq", "smooth", "smooth+gptq"]), default=None,
+              help="What --calib_data drives [default: gptq]: GPTQ rounding; AWQ scales (searched on the "
+                   "activations) or SmoothQuant scales (outliers moved into the weights), folded into the norm or "
+                   "linear before each group of linears; or such scales, then GPTQ.")
+@click.option("--smooth_alpha", type=float, default=None,
+              help="SmoothQuant's migration strength, 0 < alpha < 1 [default: 0.5] (--calib_method smooth*).")
 @click.option("--verify_text", type=click.Path(dir_okay=False, path_type=str), default=None, metavar="FILE",
               help="With --verify: also score windows of this text (plain UTF-8 or JSONL) in MNN's runtime and HF "
                    "fp32: perplexity, KLD and top-1 as llama.cpp defines them.")
@@ -238,7 +246,7 @@ def export_options(command: ExportCommand) -> ExportOptions:
 
     from llmexport.errors import UsageError
     from llmexport.mnn.config import RuntimeProfile
-    from llmexport.options import Calibration, ChatThinking, ExportFormat, ExportOptions, VerifyText
+    from llmexport.options import ChatThinking, ExportFormat, ExportOptions, VerifyText
     from llmexport.quant.recipes import RECIPES, load_quant_config, recipe
     from llmexport.quant.scheme import QuantMethod, QuantScheme
 
@@ -258,8 +266,7 @@ def export_options(command: ExportCommand) -> ExportOptions:
                             chat_thinking=ChatThinking(command.chat_thinking), keep_failed=command.keep_failed,
                             max_memory=command.max_memory,
                             approximate_ignore_merges=command.approximate_ignore_merges,
-                            calibration=None if command.calib_data is None else Calibration(
-                                Path(command.calib_data), command.calib_samples, command.calib_seq_len),
+                            calibration=_calibration(command),
                             verify_text=None if command.verify_text is None else VerifyText(
                                 Path(command.verify_text), command.verify_windows),
                             lora=None if command.lora_path is None else Path(command.lora_path),
@@ -275,6 +282,24 @@ def export_options(command: ExportCommand) -> ExportOptions:
         return options.with_plan(load_quant_config(Path(quant_config), default))
     except ValueError as exc:
         raise UsageError(f"--quant_config: {exc}") from None
+
+
+def _calibration(command: ExportCommand) -> Calibration | None:
+    """``--calib_data`` and the flags that only mean something with it."""
+    from pathlib import Path
+
+    from llmexport.errors import UsageError
+    from llmexport.options import CalibMethod, Calibration
+
+    method = CalibMethod(command.calib_method or CalibMethod.GPTQ.value)
+    if command.smooth_alpha is not None and method.scaling != "smooth":
+        raise UsageError("--smooth_alpha: tunes SmoothQuant's scales; it needs --calib_method smooth or smooth+gptq")
+    if command.calib_data is None:
+        if command.calib_method is not None:
+            raise UsageError(f"--calib_method {method.value}: needs the calibration text, --calib_data FILE")
+        return None
+    alpha = 0.5 if command.smooth_alpha is None else command.smooth_alpha
+    return Calibration(Path(command.calib_data), command.calib_samples, command.calib_seq_len, method, alpha)
 
 
 def _report(result: ExportResult, quiet: bool) -> None:

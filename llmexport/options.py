@@ -34,24 +34,56 @@ class ChatThinking(str, Enum):
         return {} if self is ChatThinking.DEFAULT else {"enable_thinking": self is ChatThinking.ON}
 
 
+class CalibMethod(str, Enum):
+    """What ``--calib_data`` drives (``--calib_method``): per-channel scales folded into the op
+    before each group of linears, chosen by AWQ's search or SmoothQuant's rule
+    (llmexport.activation_scaling), then, or instead, GPTQ's rounding (llmexport.calibration)."""
+
+    GPTQ = "gptq"
+    AWQ = "awq"
+    AWQ_GPTQ = "awq+gptq"
+    SMOOTH = "smooth"
+    SMOOTH_GPTQ = "smooth+gptq"
+
+    @property
+    def scaling(self) -> str | None:
+        """"awq", "smooth", or None (no scales)."""
+        first = self.value.split("+")[0]
+        return None if first == "gptq" else first
+
+    @property
+    def gptq(self) -> bool:
+        return self.value.endswith("gptq")
+
+
 @dataclass(frozen=True)
 class Calibration:
-    """GPTQ calibration (``--calib_data``): ``samples`` windows of ``seq_len`` tokens cut from the
-    text of ``data`` (plain text, or JSONL with a "text" field per line; llmexport.calibration_data)."""
+    """Calibration (``--calib_data``): ``samples`` windows of ``seq_len`` tokens cut from the text
+    of ``data`` (plain text, or JSONL with a "text" field per line; llmexport.calibration_data),
+    used as ``method`` says; ``smooth_alpha``: SmoothQuant's migration strength."""
 
     data: Path
     samples: int = 16
     seq_len: int = 128
+    method: CalibMethod = CalibMethod.GPTQ
+    smooth_alpha: float = 0.5
 
     def validate(self) -> "Calibration":
         if self.samples < 1:
             raise UsageError(f"--calib_samples: must be >= 1, got {self.samples}")
         if self.seq_len < 8:
             raise UsageError(f"--calib_seq_len: must be >= 8 tokens, got {self.seq_len}")
+        if not 0.0 < self.smooth_alpha < 1.0:
+            raise UsageError(f"--smooth_alpha: must be between 0 and 1 (exclusive), got {self.smooth_alpha}")
         return self
 
     def manifest(self) -> dict:
-        return {"data": str(self.data), "samples": self.samples, "seq_len": self.seq_len}
+        out: dict = {"data": str(self.data), "samples": self.samples, "seq_len": self.seq_len}
+        if self.method is not CalibMethod.GPTQ:  # manifests of GPTQ exports stay as they were
+            out["method"] = self.method.value
+        if self.method.scaling == "smooth":
+            out["smooth_alpha"] = self.smooth_alpha
+        return out
 
 
 @dataclass(frozen=True)

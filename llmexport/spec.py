@@ -55,6 +55,36 @@ class LinearSource:
     bias: str | None = None
 
 
+class NormFormula(str, Enum):
+    """How an RMSNorm applies its stored weight ``w``: ``x * w``, or Gemma's ``x * (1 + w)``."""
+
+    SCALE = "scale"
+    OFFSET = "offset"
+
+
+@dataclass(frozen=True)
+class ScaleGroup:
+    """Linears of one layer that read the same input, and the op before them that can absorb a
+    per-channel scale of that input (activation-aware scaling, llmexport/folding.py).
+
+    ``linears``: the placeholder linears reading the input. The input is the output of ``norm``
+    (the checkpoint tensor of its weight, applied by ``formula``), or, with ``producer``, of the
+    linear whose output channels reach them one to one (v_proj -> o_proj through attention's
+    weighted sum, up_proj -> down_proj through the gating product). With grouped-query attention
+    o_proj's input channel ``h * head_dim + d`` reads v's ``(h // heads_per_kv) * head_dim + d``.
+    ``skip``: why the fold would not be exact (the family says so; the group is then left alone).
+    """
+
+    layer: int
+    linears: tuple[str, ...]
+    norm: str | None = None
+    formula: NormFormula = NormFormula.SCALE
+    producer: str | None = None
+    heads_per_kv: int = 1
+    head_dim: int = 0
+    skip: str | None = None
+
+
 @dataclass(frozen=True)
 class GraphInputs:
     """Example inputs for tracing plus their ONNX names and dynamic axes."""

@@ -340,3 +340,21 @@ def test_lora_on_an_mlx_checkpoint_needs_requantize(mlx_checkpoints, tmp_path):
     assert not any(linear.method is QuantMethod.STORED for linear in planned.linears)
     merged = open_architecture(Checkpoint.open(path), adapter).linear_weight(q)[0]
     assert (merged - (base.double() + 2 * b.double() @ a.double()).float()).abs().max() < 1e-6
+
+
+def test_activation_scaling_of_an_mlx_checkpoint_needs_requantize(mlx_checkpoints, tmp_path):
+    """AWQ / SmoothQuant rescale the weights before rounding them afresh: an MLX checkpoint's stored
+    integers cannot be kept, so it is refused as GPTQ is, before anything is written."""
+    from click.testing import CliRunner
+
+    from llmexport.cli import main
+
+    mlx_path, _ = mlx_checkpoints("qwen2:q4")
+    text = tmp_path / "calib.txt"
+    text.write_text("calibration text " * 400)
+    for method in ("awq", "smooth+gptq"):
+        dst = tmp_path / f"out-{method}"
+        result = CliRunner().invoke(main, ["--path", str(mlx_path), "--dst_path", str(dst), "--calib_data", str(text),
+                                           "--calib_method", method])
+        assert result.exit_code == 2 and "needs --requantize" in result.output, result.output
+        assert not dst.exists()

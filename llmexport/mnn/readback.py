@@ -16,7 +16,7 @@ from typing import Callable, Collection, Sequence
 
 import torch
 
-from llmexport.mnn.config import TableKeys
+from llmexport.mnn.config import FOLDED_NORMS, TableKeys
 from llmexport.mnn.convert import mnn_to_json
 from llmexport.mnn.embeddings import read_embedding_table
 from llmexport.mnn.token_table import token_table
@@ -99,7 +99,9 @@ class StoredTensors:
     into the tensor its ``linear_source`` names (experts stacked back along their first axis, a
     bias into its own tensor); the token table, decoded as the runtime's DiskEmbedding does, into
     the embedding and PLE tensors it joins (mnn/token_table.py); a tied lm_head stored apart from
-    that table becomes ``UNTIED_HEAD``. Every other tensor is ``base``'s (the checkpoint's own).
+    that table becomes ``UNTIED_HEAD``; a norm weight that activation-aware scaling folded
+    (llmexport.folding), the folded value the graph holds (``folded_norms``). Every other tensor is
+    ``base``'s (the checkpoint's own).
     This is the fair oracle's weights; tables are read row by row, so a lookup never decodes a table.
     """
 
@@ -135,6 +137,7 @@ class StoredTensors:
             self._head = "lm_head"
             del self._parts[embedding]
         self._biases_read: dict[str, torch.Tensor | None] = {}
+        self._folded = folded_norms(export_dir)
 
     # --- ReferenceTensors ---------------------------------------------------------------------------
     def names(self) -> list[str]:
@@ -149,6 +152,8 @@ class StoredTensors:
         return self.base.shape(name)
 
     def read(self, name: str) -> torch.Tensor:
+        if name in self._folded:
+            return self._folded[name].clone()
         if name == UNTIED_HEAD and self._head:
             return self.linear(self._head)
         if name in self._columns:
@@ -210,6 +215,16 @@ class StoredTensors:
         for record, expert in parts:
             stacked[expert] = self.linear(record)
         return stacked
+
+
+def folded_norms(export_dir: Path) -> dict[str, torch.Tensor]:
+    """The norm weights the export folded scales into, by checkpoint name (none: an empty dict)."""
+    path = export_dir / FOLDED_NORMS
+    if not path.exists():
+        return {}
+    from safetensors.torch import load_file
+
+    return {name: value.float() for name, value in load_file(str(path)).items()}
 
 
 _TABLE_ROWS = 16384  # token-table rows decoded at a time when a whole table is read

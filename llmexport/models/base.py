@@ -16,7 +16,15 @@ from torch import nn
 
 from llmexport.checkpoint import Checkpoint, LazyTensor
 from llmexport.models.tower_check import TowerCheck
-from llmexport.spec import ArchitectureSummary, ExpertTemplate, GraphInputs, LinearSource, LinearSpec, ReferenceTensors
+from llmexport.spec import (
+    ArchitectureSummary,
+    ExpertTemplate,
+    GraphInputs,
+    LinearSource,
+    LinearSpec,
+    ReferenceTensors,
+    ScaleGroup,
+)
 
 
 class Tower(abc.ABC):
@@ -86,6 +94,12 @@ class Architecture(abc.ABC):
     def linear_source(self, name: str) -> LinearSource:
         """The checkpoint tensors behind one placeholder linear (what ``linear_weight`` reads)."""
         raise NotImplementedError(f"{type(self).__name__} does not name the tensors behind its linears")
+
+    def scale_groups(self) -> list[ScaleGroup]:
+        """Where a per-channel scale of a linear's input can be folded into the op before it
+        (activation-aware scaling, llmexport/folding.py); none by default: such a family's linears
+        are then rounded without it."""
+        return []
 
     @classmethod
     def mlx_layout(cls, config: dict[str, Any]) -> Any:

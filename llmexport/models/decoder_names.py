@@ -13,7 +13,7 @@ from typing import AbstractSet, Callable, Union
 
 from llmexport.models.tensor_checks import Shapes
 from llmexport.models.tensor_names import LinearList, NameTable
-from llmexport.spec import LinearRole
+from llmexport.spec import LinearRole, NormFormula, ScaleGroup
 
 #: a gated MLP's linears (gate, up, down) on dense layers, in a routed expert, in shared experts
 MLP = ("mlp.gate", "mlp.up", "mlp.down")
@@ -86,3 +86,27 @@ def pre_norm_shapes(names: NameTable, layer: int, hidden: int, qk_widths: tuple[
     if qk_widths is not None:
         shapes.update({name: (width,) for name, width in zip(names.names(QK_NORMS, layer=layer), qk_widths)})
     return shapes
+
+
+#: why a scale group is left alone (the reasons the families give)
+ROUTED_EXPERTS = "routed experts read this norm (their stacked weights share one input scale)"
+
+
+def layer_scale_groups(names: NameTable, layer: int, norms: tuple[str, str], attention: tuple[str, ...],
+                       heads_per_kv: int, head_dim: int, formula: NormFormula = NormFormula.SCALE,
+                       value_skip: str | None = None, mlp_skip: str | None = None) -> list[ScaleGroup]:
+    """A pre-norm layer's scale groups: the attention norm before ``attention`` (keys: q, then k
+    and v where the layer has them), the MLP norm before gate and up, v before o, up before down.
+    ``norms``: the keys of the attention norm and of the MLP norm; ``value_skip``/``mlp_skip``:
+    why v -> o or the MLP groups would not be exact (None: they are)."""
+    p = names.bind(layer=layer)
+    groups = [ScaleGroup(layer, tuple(p.names(attention)), norm=p.name(norms[0]), formula=formula)]
+    if mlp_skip is None:
+        groups += [ScaleGroup(layer, tuple(p.names(MLP[:2])), norm=p.name(norms[1]), formula=formula),
+                   ScaleGroup(layer, (p.name(MLP[2]),), producer=p.name(MLP[1]))]
+    else:
+        groups.append(ScaleGroup(layer, (), norm=p.name(norms[1]), formula=formula, skip=mlp_skip))
+    if "attn.v" in attention:
+        groups.append(ScaleGroup(layer, (p.name("attn.o"),), producer=p.name("attn.v"), heads_per_kv=heads_per_kv,
+                                 head_dim=head_dim, skip=value_skip))
+    return groups

@@ -14,13 +14,20 @@ from torch import nn
 
 from llmexport.checkpoint import Checkpoint
 from llmexport.models.decoder import DecoderFamily
-from llmexport.models.decoder_names import LLAMA_LAYOUT, MLP, add_attention, add_mlp, pre_norm_shapes
+from llmexport.models.decoder_names import (
+    LLAMA_LAYOUT,
+    MLP,
+    add_attention,
+    add_mlp,
+    layer_scale_groups,
+    pre_norm_shapes,
+)
 from llmexport.models.gemma3_args import Gemma3Args, parse_gemma3_args
 from llmexport.models.gemma3_graph import Gemma3TextGraph
 from llmexport.models.layer_types import SLIDING, mix_config, mixed_graph_inputs
 from llmexport.models.tensor_checks import Shapes, count_limit, finite_lookup
 from llmexport.models.tensor_names import LinearList
-from llmexport.spec import ArchitectureSummary, GraphInputs, LinearRole, MlxLayout
+from llmexport.spec import ArchitectureSummary, GraphInputs, LinearRole, MlxLayout, NormFormula, ScaleGroup
 
 NAMES = LLAMA_LAYOUT.extended({
     "norm.pre_feedforward": "model.layers.{layer}.pre_feedforward_layernorm.weight",
@@ -48,6 +55,12 @@ class Gemma3(DecoderFamily):
             add_mlp(linears, MLP, a.hidden_size, a.intermediate_size, LinearRole.MLP, layer=layer.index)
         self.add_head(linears)
         return linears
+
+    def scale_groups(self) -> list[ScaleGroup]:
+        a = self.args  # Gemma's RMSNorm multiplies by (1 + weight)
+        return [group for layer in a.layers for group in layer_scale_groups(
+            self.names, layer.index, ("norm.input", "norm.pre_feedforward"), ("attn.q", "attn.k", "attn.v"),
+            a.num_heads // a.kv_heads, a.head_dim, NormFormula.OFFSET)]
 
     def constant_shapes(self) -> Shapes:
         a = self.args

@@ -17,7 +17,7 @@ from llmexport.checkpoint import Checkpoint, LazyTensor
 from llmexport.errors import InputError
 from llmexport.models.base import Tower
 from llmexport.models.decoder import DecoderFamily, expert_template
-from llmexport.models.decoder_names import add_mlp
+from llmexport.models.decoder_names import add_mlp, layer_scale_groups
 from llmexport.models.gemma4_args import SLIDING, Gemma4TextArgs, parse_text_args
 from llmexport.models.gemma4_graph import Expert, Gemma4TextGraph
 from llmexport.models.gemma4_names import (
@@ -34,7 +34,7 @@ from llmexport.models.gemma4_names import (
 from llmexport.models.layer_types import mix_config, mixed_graph_inputs
 from llmexport.models.tensor_checks import Shapes, count_limit, finite_lookup, require_stacked
 from llmexport.models.tensor_names import LinearList, prefix_rule, rename_rule
-from llmexport.spec import ArchitectureSummary, ExpertTemplate, GraphInputs, LinearRole, MlxLayout
+from llmexport.spec import ArchitectureSummary, ExpertTemplate, GraphInputs, LinearRole, MlxLayout, ScaleGroup
 
 log = logging.getLogger(__name__)
 
@@ -104,6 +104,20 @@ class Gemma4(DecoderFamily):
                                   layer=i)
         self.add_head(linears)
         return linears
+
+    def scale_groups(self) -> list[ScaleGroup]:
+        """q (k and v where the layer computes its own) after the input norm, the dense MLP after
+        the pre-feedforward norm (the routed experts read their own norm), up before down. v
+        before o is declared but left alone: values are RMS-normalised per head (v_norm), which a
+        per-channel scale of v does not pass through."""
+        a, groups = self.args, []
+        for layer in a.layers:
+            attention = ("attn.q",) if layer.shares_kv else ("attn.q", "attn.k") if layer.k_eq_v else \
+                ("attn.q", "attn.k", "attn.v")
+            groups += layer_scale_groups(self.names, layer.index, ("norm.input", "norm.pre_feedforward"), attention,
+                                         a.num_heads // layer.kv_heads, layer.head_dim,
+                                         value_skip="values are RMS-normalised per head (v_norm) before attention")
+        return groups
 
     def constant_shapes(self) -> Shapes:
         a, names = self.args, self.names

@@ -23,14 +23,16 @@ from llmexport.models.decoder_names import (
     EXPERT_MLP,
     LLAMA_LAYOUT,
     MLP,
+    ROUTED_EXPERTS,
     add_attention,
     add_mlp,
     add_routed,
+    layer_scale_groups,
     pre_norm_shapes,
 )
 from llmexport.models.tensor_checks import Shapes, count_limit, finite_lookup
 from llmexport.models.tensor_names import LinearList
-from llmexport.spec import ArchitectureSummary, ExpertTemplate, LinearRole, MlxLayout
+from llmexport.spec import ArchitectureSummary, ExpertTemplate, LinearRole, MlxLayout, ScaleGroup
 
 
 class PlainDecoder(DecoderFamily):
@@ -83,6 +85,12 @@ class PlainDecoder(DecoderFamily):
                 add_mlp(linears, MLP, h, a.intermediate_size, LinearRole.MLP, layer=layer.index)
         self.add_head(linears)
         return linears
+
+    def scale_groups(self) -> list[ScaleGroup]:
+        a = self.args
+        return [group for layer in a.layers for group in layer_scale_groups(
+            self.names, layer.index, ("norm.input", "norm.post_attention"), ("attn.q", "attn.k", "attn.v"),
+            a.num_heads // a.kv_heads, a.head_dim, mlp_skip=ROUTED_EXPERTS if a.moe and layer.sparse else None)]
 
     @property
     def sliding_window(self) -> int:

@@ -15,6 +15,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterator
 
+from llmexport.activation_scaling import scale_and_fold
 from llmexport.calibration import calibrate
 from llmexport.calibration_data import read_texts
 from llmexport.checkpoint import Checkpoint
@@ -66,19 +67,23 @@ class MnnTarget(OutputTarget):
         return table_size(rows, dim, bits, block)
 
     def write(self, job: ExportJob) -> None:
-        arch, options, out = job.arch, job.options, job.out
+        arch, options, out, graph = job.arch, job.options, job.out, job.graph
         work = out / ".work"
         work.mkdir()
         family_llm, family_runtime = dict(arch.llm_config()), dict(arch.runtime_config())  # reads files: fail early
         quantize = quantizers(options.use_gpu)
         calibrated = None
-        if options.calibration is not None:
+        calibration = options.calibration
+        if calibration is not None and calibration.method.scaling:
+            with job.stage("scaling"):
+                arch, graph = _scaled(arch, job, quantize)
+        if calibration is not None and calibration.method.gptq:
             with job.stage("calibration"):
-                calibrated = calibrate(arch, options.calibration, job.schemes.linear, quantize, work / "calibration",
+                calibrated = calibrate(arch, calibration, job.schemes.linear, quantize, work / "calibration",
                                        options.trust_remote_code)
         sources = WeightSources(arch, job.schemes, calibrated)
         graphs = _GraphWriter(job, work, quantize)
-        rebuilt = graphs.write("llm", job.graph, arch.graph_inputs(TRACE_SEQ_LEN), arch.linears(), sources.weight,
+        rebuilt = graphs.write("llm", graph, arch.graph_inputs(TRACE_SEQ_LEN), arch.linears(), sources.weight,
                                job.schemes.linear, arch.linear_source, _convert_expert_templates(arch, work))
         files: dict[str, Any] = {}
         towers = arch.towers()
@@ -101,6 +106,20 @@ class MnnTarget(OutputTarget):
         with job.stage("tokenizer"):
             (out / mnn_config.TOKENIZER_FILE).write_bytes(job.prepared)
         shutil.rmtree(work, ignore_errors=True)
+
+
+def _scaled(arch: Architecture, job: ExportJob, quantize) -> tuple[Architecture, Any]:
+    """The model with activation-aware scales folded in (llmexport.activation_scaling), its graph
+    (the norms are graph constants) and the folded norms saved for verification."""
+    from safetensors.torch import save_file
+
+    options = job.options
+    assert options.calibration is not None
+    scaled = scale_and_fold(arch, options.calibration, job.schemes.linear, quantize, options.trust_remote_code)
+    if scaled.weights.norms:
+        save_file({name: value.contiguous() for name, value in scaled.weights.norms.items()},
+                  str(job.out / mnn_config.FOLDED_NORMS))
+    return scaled.arch, scaled.arch.build_graph()
 
 
 class _GraphWriter:
