@@ -66,6 +66,7 @@ class ExportCommand:
     calib_seq_len: int = 128
     verify_text: str | None = None
     verify_windows: int = 16
+    target_bpw: float | None = None
 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
@@ -129,6 +130,10 @@ class ExportCommand:
                    "fp32: perplexity, KLD and top-1 as llama.cpp defines them.")
 @click.option("--verify_windows", type=int, default=16, show_default=True,
               help="Windows of 128 tokens scored from --verify_text.")
+@click.option("--target_bpw", type=float, default=None, metavar="BITS",
+              help="A size budget instead of a recipe: each text linear's scheme (from --quant_bit/--quant_block up "
+                   "to a smaller block or 8 bits) chosen by sensitivity per byte until the linears' records average "
+                   "BITS bits per weight (docs/quantization.md).")
 @click.version_option(__version__, "--version", prog_name="llmexport")
 def main(**flags: Any) -> None:
     """Export a HuggingFace LLM checkpoint to MNN (or ONNX), optionally verified."""
@@ -252,7 +257,8 @@ def export_options(command: ExportCommand) -> ExportOptions:
                             calibration=None if command.calib_data is None else Calibration(
                                 Path(command.calib_data), command.calib_samples, command.calib_seq_len),
                             verify_text=None if command.verify_text is None else VerifyText(
-                                Path(command.verify_text), command.verify_windows))
+                                Path(command.verify_text), command.verify_windows),
+                            target_bpw=command.target_bpw)
     quant_config = command.quant_config
     if quant_config is None:
         return options

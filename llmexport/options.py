@@ -9,6 +9,7 @@ from pathlib import Path
 from llmexport.errors import UsageError
 from llmexport.mnn.config import RuntimeProfile
 from llmexport.mnn.limits import TABLE_BITS
+from llmexport.quant.budget import check_target
 from llmexport.quant.recipes import QuantPlan, QuantRule
 from llmexport.quant.scheme import QuantScheme
 
@@ -101,6 +102,10 @@ class ExportOptions:
     ``approximate_ignore_merges`` exports a tokenizer whose ``ignore_merges`` words MNN's runtime
     cannot reach (Llama-3) instead of refusing it; the measured difference is logged and recorded
     in verify.json (llmexport/mnn/tokenizer_whole_words.py). manifest.json records it only when set.
+
+    ``target_bpw`` (``--target_bpw``) chooses each text linear's scheme, from ``quant`` upwards, by
+    sensitivity per byte until the linears' records average that many bits per weight
+    (llmexport.quant.budget, llmexport.size_budget). manifest.json records it only when set.
     """
 
     export: ExportFormat = ExportFormat.MNN
@@ -124,6 +129,7 @@ class ExportOptions:
     approximate_ignore_merges: bool = False
     calibration: Calibration | None = None
     verify_text: VerifyText | None = None
+    target_bpw: float | None = None
 
     #: fields that change how the export talks or runs, never what it writes (left out of manifest.json)
     PRESENTATION = ("quiet", "keep_failed", "max_memory", "verify_text")
@@ -162,10 +168,29 @@ class ExportOptions:
                 raise UsageError("--calib_data: calibration chooses quantized levels; --quant_bit 16 has none")
             if self.export is not ExportFormat.MNN:
                 raise UsageError("--calib_data: only the MNN export stores quantized levels")
+        if self.target_bpw is not None:
+            self._validate_budget()
         if not isinstance(self.chat_thinking, ChatThinking):
             raise UsageError(f"--chat_thinking: {self.chat_thinking!r} is not one of "
                              f"{', '.join(t.value for t in ChatThinking)}")
         return self
+
+    def _validate_budget(self) -> None:
+        """``--target_bpw`` is a number of bits the budget can spend, and nothing else chooses per linear."""
+        assert self.target_bpw is not None
+        try:
+            check_target(self.target_bpw)
+        except ValueError as exc:
+            raise UsageError(f"--target_bpw: {exc}") from None
+        if self.quant.is_fp16:
+            raise UsageError("--target_bpw: the budget upgrades linears from a quantized --quant_bit; 16 leaves none")
+        if self.export is not ExportFormat.MNN:
+            raise UsageError("--target_bpw: the budget counts MNN's quantized records; --export onnx writes floats")
+        for flag, conflict in (("--quant_config rules", self.rules), ("--lm_quant_bit/--lm_quant_block",
+                                                                     self.lm_quant)):
+            if conflict:
+                raise UsageError(f"--target_bpw: the budget chooses every linear's scheme; {flag} choose some "
+                                 "too (use one or the other)")
 
     def manifest_fields(self) -> dict:
         """The options that decide the exported bytes, as recorded in manifest.json."""
@@ -174,6 +199,8 @@ class ExportOptions:
         fields = {k: v for k, v in asdict(self).items() if k not in self.PRESENTATION}
         if not self.approximate_ignore_merges:  # manifests written before the flag existed stay the same
             del fields["approximate_ignore_merges"]
+        if self.target_bpw is None:  # likewise
+            del fields["target_bpw"]
         if self.calibration is None:
             del fields["calibration"]
         else:

@@ -1,8 +1,9 @@
 """Every scheme an export writes, decided in one place for the plan (``--dry-run``) and the export.
 
 * **text linears**: the options' default scheme, ``--quant_config`` / recipe rules (first match,
-  llmexport.quant.recipes) and ``--lm_quant_bit``/``--lm_quant_block`` for lm_head; for an
-  MLX-quantized checkpoint, its stored integers where MNN can hold them (below);
+  llmexport.quant.recipes) and ``--lm_quant_bit``/``--lm_quant_block`` for lm_head; with
+  ``--target_bpw``, the size budget's choice from that scheme upwards (llmexport.size_budget); for
+  an MLX-quantized checkpoint, its stored integers where MNN can hold them (below);
 * **tower linears**: ``--visual_quant_bit`` / ``--audio_quant_bit`` with the default's block, sym
   and method;
 * **the token table**: ``--embed_bit`` (else the recipe's, else bf16) at the default's block, or
@@ -38,6 +39,7 @@ from llmexport.mnn.limits import BLOCKS, FP16_BITS, LINEAR_BITS, QUANTIZED_TABLE
 from llmexport.mnn.token_table import JoinedColumns, token_table
 from llmexport.models.base import Architecture
 from llmexport.options import ExportOptions
+from llmexport.quant.budget import BudgetSummary
 from llmexport.quant.recipes import QuantPlan
 from llmexport.quant.scheme import QuantMethod, QuantScheme
 from llmexport.quant.transcode import transcode
@@ -98,20 +100,34 @@ def tower_scheme(options: ExportOptions, tower: str) -> QuantScheme:
 class Schemes:
     """The scheme of every linear (text and towers) and table of one export (module docstring)."""
 
-    def __init__(self, arch: Architecture, options: ExportOptions):
+    def __init__(self, arch: Architecture, options: ExportOptions,
+                 record_bytes: Callable[[LinearSpec, QuantScheme], int] | None = None):
+        """``record_bytes``: the target's bytes of one linear, which ``--target_bpw`` spends."""
         self.arch, self.options = arch, options
         weights = arch.checkpoint.weights
         self.mlx = weights if isinstance(weights, MlxWeights) else None
         self.choices: dict[str, Choice] = {}
-        if self.mlx is not None and options.calibration is not None and not options.requantize:
-            raise UsageError("--calib_data: this MLX checkpoint keeps its stored integers; calibration rounds "
-                             "the weights afresh, so it needs --requantize")
+        for flag, on in (("--calib_data", options.calibration is not None), ("--target_bpw", options.target_bpw)):
+            if self.mlx is not None and on and not options.requantize:
+                raise UsageError(f"{flag}: this MLX checkpoint keeps its stored integers; {flag} chooses how the "
+                                 "weights are rounded afresh, so it needs --requantize")
         if self.mlx is not None:
             self.choices = {spec.name: self._choose(self.mlx, spec) for spec in arch.linears()}
+        self.budget: BudgetSummary | None = None
+        self.budgeted: dict[str, QuantScheme] = {}
+        if options.target_bpw is not None:
+            from llmexport.quant.methods import quantizers
+            from llmexport.size_budget import budget_schemes
+
+            assert record_bytes is not None, "--target_bpw spends the target's record bytes"
+            self.budget, self.budgeted = budget_schemes(arch, options, functools.partial(requested_scheme, options),
+                                                        record_bytes, quantizers(options.use_gpu))
 
     # --- linears ---------------------------------------------------------------------------------
     def linear(self, spec: LinearSpec) -> QuantScheme:
         """The scheme of one text-graph linear."""
+        if spec.name in self.budgeted:
+            return self.budgeted[spec.name]
         choice = self.choices.get(spec.name)
         return choice.scheme if choice is not None else requested_scheme(self.options, spec)
 
