@@ -6,14 +6,15 @@ module measures each candidate's loss (the sensitivity) and hands llmexport.sche
 **Sensitivity: a measured KLD.** The loss of a linear at a candidate scheme is the mean KLD of the
 next-token distribution of HF's reference model in fp32 with that one linear replaced by what its
 record would decode to (the base method's rounding at the candidate's bits and block) from the
-unchanged fp32 model, over the scored positions of some token windows. The reference streams its
+unchanged fp32 model, over every position of a token sequence. The reference streams its
 weights from the checkpoint one block at a time (llmexport.streamed_reference), so memory is that
 of ``--verify``'s reference plus the fp32 log-probabilities of the scored positions.
 
 * with ``--calib_data``: up to ``CALIBRATED_WINDOWS`` windows of ``--calib_seq_len`` tokens spread
-  over the user's text as GPTQ's are (its ``--calib_samples`` when fewer);
-* without it (data-free): ``DATA_FREE_WINDOWS`` windows of ``DATA_FREE_LENGTH`` token ids drawn
-  uniformly from the vocabulary with a fixed seed. No text is needed, and the model's own
+  over the user's text as GPTQ's are (its ``--calib_samples`` when fewer), joined into one
+  sequence as calibration joins them;
+* without it (data-free): ``DATA_FREE_TOKENS`` token ids drawn uniformly from the vocabulary with
+  a fixed seed. No text is needed, and the model's own
   layers decide what matters: a linear whose error reaches the logits unattenuated (the lm_head)
   scores high, one whose error the residual stream and the norms absorb scores low. What it
   misses: the activations only real text produces (outlier channels, long-range attention), so a
@@ -25,7 +26,7 @@ A cheaper proxy was tried first and dropped: the output error ``||W - Q||^2`` (o
 linear's own units; on the trained Llama of bench/quality.py it ranked the first layer's
 ``down_proj`` highest, while the lm_head alone carries ~90% of uniform 4-bit's KLD there
 (docs/quantization.md). The measured KLD costs one forward of the model over the windows per
-candidate of every linear (3 per linear at the default scheme) and is what the budget
+candidate of every linear (3 per linear at the default scheme), and is what the budget
 spends bytes on.
 
 Linears the measurement cannot replace (an expert row or a slice of a stacked parameter, no
@@ -48,16 +49,7 @@ from llmexport.checkpoint import CheckpointTensors
 from llmexport.errors import UsageError
 from llmexport.models.base import Architecture
 from llmexport.options import ExportOptions
-from llmexport.quant.budget import (
-    BudgetError,
-    BudgetItem,
-    BudgetSummary,
-    Rung,
-    allocate,
-    budget_bytes,
-    candidate_schemes,
-    summarize,
-)
+from llmexport.quant.budget import BudgetItem, BudgetSummary, Rung, allocate, budget_bytes, candidate_schemes, summarize
 from llmexport.quant.rtn import dequantize
 from llmexport.quant.scheme import QuantMethod, QuantScheme
 from llmexport.spec import LinearSpec, Quantizer
@@ -67,8 +59,8 @@ log = logging.getLogger(__name__)
 
 PROXY_DATA_FREE = "measured KLD on random token windows (data-free)"
 PROXY_CALIBRATED = "measured KLD on the --calib_data windows"
-#: the data-free windows: enough positions (512) that a 4-bit linear's KLD stands out of the noise
-DATA_FREE_WINDOWS, DATA_FREE_LENGTH, DATA_FREE_SEED = 4, 128, 0
+#: the data-free sequence: enough positions that a 4-bit linear's KLD stands out of the noise
+DATA_FREE_TOKENS, DATA_FREE_SEED = 512, 0
 #: calibration windows measured on: each costs one forward per candidate of every linear
 CALIBRATED_WINDOWS = 8
 
@@ -86,6 +78,12 @@ def budget_schemes(arch: Architecture, options: ExportOptions, base_of: Callable
     specs = list(arch.linears())
     candidates = {spec.name: candidate_schemes(base_of(spec)) for spec in specs}
     candidates = {name: rungs for name, rungs in candidates.items() if len(rungs) > 1}
+    weights = sum(spec.out_features * spec.in_features for spec in specs)
+    smallest = sum(record_bytes(spec, base_of(spec)) for spec in specs)
+    if budget_bytes(options.target_bpw, weights) < smallest:  # refused before the measurement, which takes time
+        raise UsageError(f"--target_bpw: {options.target_bpw:g} bits per weight is below the smallest candidate: "
+                         f"every linear at --quant_bit {options.quant.bits}, --quant_block {options.quant.block} "
+                         f"takes {8 * smallest / weights:.3f}")
     losses, proxy = _losses(arch, options, specs, candidates, quantizers)
     items, fixed_bytes, fixed_weights = [], 0, 0
     for spec in specs:
@@ -96,14 +94,7 @@ def budget_schemes(arch: Architecture, options: ExportOptions, base_of: Callable
         rungs = tuple(Rung(s, s.block_for(spec.in_features), record_bytes(spec, s), loss)
                       for s, loss in zip(candidates[spec.name], losses[spec.name]))
         items.append(BudgetItem(spec.name, spec.out_features * spec.in_features, rungs))
-    weights = fixed_weights + sum(item.weights for item in items)
-    try:
-        chosen = allocate(items, budget_bytes(options.target_bpw, weights), fixed_bytes)
-    except BudgetError:
-        smallest = 8 * (fixed_bytes + sum(item.rungs[0].bytes for item in items)) / weights
-        raise UsageError(f"--target_bpw: {options.target_bpw:g} bits per weight is below the smallest candidate: "
-                         f"every linear at --quant_bit {options.quant.bits}, --quant_block {options.quant.block} "
-                         f"takes {smallest:.3f}") from None
+    chosen = allocate(items, budget_bytes(options.target_bpw, weights), fixed_bytes)
     summary = summarize(items, chosen, options.target_bpw, fixed_bytes, fixed_weights, proxy)
     log.info("--target_bpw %g: %.3f bits per weight reached (%d of %d linears upgraded; %s)", options.target_bpw,
              summary.achieved_bpw, sum(1 for i in chosen.values() if i), len(items), proxy)
@@ -114,20 +105,20 @@ def _losses(arch: Architecture, options: ExportOptions, specs: list[LinearSpec],
             candidates: Mapping[str, tuple[QuantScheme, ...]], quantizers: Mapping[QuantMethod, Quantizer]
             ) -> tuple[Losses, str]:
     """Each candidate linear's measured KLD per rung, and the windows it was measured on (module docstring)."""
-    windows, proxy = _windows(arch, options)
+    ids, proxy = _tokens(arch, options)
     model = streamed_reference(arch, CheckpointTensors(arch.checkpoint.weights), options.trust_remote_code)
     head = cast(Any, model).get_output_embeddings()
     head_name = next(name for name, module in model.named_modules() if module is head)
     linears = {name for name, module in model.named_modules() if isinstance(module, nn.Linear)}
     losses: Losses = {}
     with mapped_blocks(), torch.no_grad():
-        reference = [_log_probs(arch, model, w) for w in windows]
+        reference = _log_probs(arch, model, ids)
         for spec in specs:
             module = reference_linear(arch, spec, head_name, linears) if spec.name in candidates else None
             if module is None:
                 continue
             linear = model.get_submodule(module)
-            scores = [_kld(arch, model, linear, spec, s, quantizers, windows, reference) for s in candidates[spec.name]]
+            scores = [_kld(arch, model, linear, spec, s, quantizers, ids, reference) for s in candidates[spec.name]]
             if all(score is not None for score in scores):
                 losses[spec.name] = cast(list[float], scores)
             else:
@@ -136,27 +127,25 @@ def _losses(arch: Architecture, options: ExportOptions, specs: list[LinearSpec],
     return losses, proxy
 
 
-def _windows(arch: Architecture, options: ExportOptions) -> tuple[list[torch.Tensor], str]:
-    """The token windows the KLD is measured on: the calibration's, else seeded random ids."""
+def _tokens(arch: Architecture, options: ExportOptions) -> tuple[torch.Tensor, str]:
+    """The token ids the KLD is measured on: the calibration's windows, else seeded random ids."""
     if options.calibration is not None:
         from transformers import AutoTokenizer
 
         tokenizer = AutoTokenizer.from_pretrained(arch.checkpoint.path)
         calibration = replace(options.calibration, samples=min(options.calibration.samples, CALIBRATED_WINDOWS))
         ids = calibration_windows(tokenizer, read_texts(calibration.data), calibration)
-        return list(ids), PROXY_CALIBRATED
+        return ids.reshape(-1), PROXY_CALIBRATED
     generator = torch.Generator().manual_seed(DATA_FREE_SEED)
-    ids = torch.randint(0, arch.describe().vocab_size, (DATA_FREE_WINDOWS, DATA_FREE_LENGTH), generator=generator)
-    return list(ids), PROXY_DATA_FREE
+    return torch.randint(0, arch.describe().vocab_size, (DATA_FREE_TOKENS,), generator=generator), PROXY_DATA_FREE
 
 
-def _log_probs(arch: Architecture, model: nn.Module, window: torch.Tensor) -> torch.Tensor:
-    return arch.reference_logits(model, window).double().log_softmax(-1)
+def _log_probs(arch: Architecture, model: nn.Module, ids: torch.Tensor) -> torch.Tensor:
+    return arch.reference_logits(model, ids).double().log_softmax(-1)
 
 
 def _kld(arch: Architecture, model: nn.Module, linear: nn.Module, spec: LinearSpec, scheme: QuantScheme,
-         quantizers: Mapping[QuantMethod, Quantizer], windows: list[torch.Tensor],
-         reference: list[torch.Tensor]) -> float | None:
+         quantizers: Mapping[QuantMethod, Quantizer], ids: torch.Tensor, reference: torch.Tensor) -> float | None:
     """Mean KLD(reference || the model with ``linear`` at ``scheme``) over every scored position;
     None when the reference's weight is not the export's (a rescaled or fused parameter)."""
     export_weight = arch.linear_weight(spec.name)[0]
@@ -177,12 +166,8 @@ def _kld(arch: Architecture, model: nn.Module, linear: nn.Module, spec: LinearSp
 
     hooks = [linear.register_forward_pre_hook(swap), linear.register_forward_hook(restore, always_call=True)]
     try:
-        total, positions = 0.0, 0
-        for window, ref in zip(windows, reference):
-            test = _log_probs(arch, model, window)
-            total += float((ref.exp() * (ref - test)).sum())
-            positions += ref.shape[0]
+        test = _log_probs(arch, model, ids)
     finally:
         for hook in hooks:
             hook.remove()
-    return total / positions if state["matches"] else None
+    return float((reference.exp() * (reference - test)).sum(-1).mean()) if state["matches"] else None
