@@ -57,10 +57,10 @@ from llmexport.streamed_reference import mapped_blocks, streamed_reference
 
 log = logging.getLogger(__name__)
 
-PROXY_DATA_FREE = "measured KLD on random token windows (data-free)"
-PROXY_CALIBRATED = "measured KLD on the --calib_data windows"
 #: the data-free sequence: enough positions that a 4-bit linear's KLD stands out of the noise
 DATA_FREE_TOKENS, DATA_FREE_SEED = 512, 0
+PROXY_DATA_FREE = f"measured KLD on {DATA_FREE_TOKENS} random tokens (data-free)"
+PROXY_CALIBRATED = "measured KLD on the --calib_data windows"
 #: calibration windows measured on: each costs one forward per candidate of every linear
 CALIBRATED_WINDOWS = 8
 

@@ -113,7 +113,7 @@ def test_dry_run_shows_the_target_and_every_linear_in_upgrade_order(span, tmp_pa
     assert budget is not None and budget.target_bpw == target and low <= budget.achieved_bpw <= target
     lines = result.output.splitlines()
     head = next(i for i, line in enumerate(lines) if line.startswith("size budget: target"))
-    assert f"reached {budget.achieved_bpw:.3f}" in lines[head] and "measured KLD on random token" in lines[head]
+    assert f"reached {budget.achieved_bpw:.3f}" in lines[head] and "measured KLD on 512 random tokens" in lines[head]
     listed = [line.split(":")[0].strip() for line in lines[head + 2:head + 2 + len(budget.choices)]]
     assert listed == [c.name for c in budget.choices]
     assert sorted(listed) == sorted(linear.name for linear in planned.linears)
