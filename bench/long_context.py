@@ -2,6 +2,7 @@
 
     python bench/long_context.py [CHECKPOINT] [--lengths 64 512 2048 8192] [--forced 8]
                                  [--hf-attention eager|sdpa] [--export DIR] [--json OUT]
+                                 [--strided-linears]
 
 The checkpoint (default: the 8-layer E2B-shaped random one, /work/ckpt/e2b-8) is exported at 16
 bits. For each length, one prompt of random ordinary token ids is run by MNN's runtime (fresh
@@ -36,6 +37,7 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 DEFAULT_CHECKPOINT = Path("/work/ckpt/e2b-8")
 FIRST_ORDINARY_ID = 64  # the tiny/bench tokenizers keep their special tokens below this id
@@ -302,10 +304,16 @@ def main(argv: list[str] | None = None) -> None:
                         help="longest prompt for eager attention (8192 tokens: ~2 GB per score matrix)")
     parser.add_argument("--export", type=Path, help="reuse (or keep) the 16-bit export in this folder")
     parser.add_argument("--json", type=Path, help="also write the results here")
+    parser.add_argument("--strided-linears", action="store_true",
+                        help="run MNN on a copy whose linears have stride 2 (bench/kernel_choice.py: no Strassen)")
     args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory(prefix="llmexport-long-") as tmp:
         export_dir = args.export or Path(tmp) / "export"
         export_s = 0.0 if (export_dir / "config.json").exists() else export_16bit(args.checkpoint, export_dir)
+        if args.strided_linears:
+            from kernel_choice import strided_copy
+
+            export_dir = strided_copy(export_dir, Path(tmp) / "strided")
         result = measure(args.checkpoint, export_dir, args.lengths, args.forced, args.hf_attention, args.eager_max)
     print(f"checkpoint {args.checkpoint}, 16-bit export ({export_s:.0f} s); runtime settings {result['settings']}; "
           f"HF fp32 with the stored weights; {args.forced} forced tokens, "

@@ -22,6 +22,10 @@ __all__ = ["export", "plan", "verify", "ExportPlan", "ExportResult", "VerifyRepo
 def export(path: str | os.PathLike, dst: str | os.PathLike, options: ExportOptions | None = None) -> ExportResult:
     """Export the HF checkpoint at ``path`` into the folder ``dst`` (replaced atomically).
 
+    ``path`` is a folder, or a hub repo id (``org/name``, at ``options.revision``) that is not an
+    existing path: its safetensors, configs and tokenizer files are downloaded into huggingface_hub's
+    cache first (llmexport.hub), and manifest.json records the repo and the commit.
+
     ``dst`` must not overlap ``path`` (nor be the current folder, one of its parents, the home or
     the root folder): that is refused before any work. The export is built beside ``dst`` and
     swapped in at the end; on any failure ``dst`` and its surroundings are left as they were.
@@ -30,28 +34,37 @@ def export(path: str | os.PathLike, dst: str | os.PathLike, options: ExportOptio
     ``keep_failed``, a verification that disagrees does not raise: the export is kept and the
     result's ``verification.passed`` is False.
     """
+    from llmexport.hub import resolve_source
     from llmexport.pipeline import run_export
     from llmexport.staging import StagedExport, resolve_destination
 
     options = (options or ExportOptions()).validate()
-    target = resolve_destination(dst, path)
+    resolve_destination(dst, None)  # a destination refused for itself is refused before any download
+    source = resolve_source(path, options.revision, options.quiet)
+    target = resolve_destination(dst, source.folder)
     with StagedExport(target) as staging:
-        result = run_export(Path(path), staging.path, options)
+        result = run_export(source.folder, staging.path, options, source.manifest())
         staging.commit()
     return dataclasses.replace(result, dst=target)
 
 
 def plan(path: str | os.PathLike, options: ExportOptions | None = None) -> ExportPlan:
-    """What ``export`` would do (architecture, per-module schemes, exact size); writes nothing."""
+    """What ``export`` would do (architecture, per-module schemes, exact size); writes nothing. For
+    a hub repo id only the small files are downloaded (into huggingface_hub's cache) and each
+    weight file's header is read with Range requests (llmexport.hub.planning_folder)."""
+    from llmexport.hub import planning_folder
     from llmexport.pipeline import dry_run
 
-    return dry_run(Path(path), (options or ExportOptions()).validate())
+    options = (options or ExportOptions()).validate()
+    with planning_folder(path, options.revision, options.quiet) as folder:
+        return dry_run(folder, options)
 
 
-def verify(dst: str | os.PathLike, path: str | os.PathLike, **kwargs: Any) -> VerifyReport:
+def verify(dst: str | os.PathLike, path: str | os.PathLike, revision: str | None = None, **kwargs: Any) -> VerifyReport:
     """Run an exported folder in MNN's runtime beside the HF checkpoint it came from; the report is
-    also written to ``dst/verify.json`` (``trust_remote_code=True`` is needed for families whose
-    reference is the checkpoint's own code)."""
+    also written to ``dst/verify.json`` (``path`` may be a hub repo id, at ``revision``;
+    ``trust_remote_code=True`` is needed for families whose reference is the checkpoint's own code)."""
+    from llmexport.hub import resolve_source
     from llmexport.verification import verify_export
 
-    return verify_export(Path(dst), Path(path), **kwargs)
+    return verify_export(Path(dst), resolve_source(path, revision).folder, **kwargs)

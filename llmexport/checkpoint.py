@@ -22,6 +22,7 @@ from llmexport.errors import InputError
 from llmexport.input_files import (
     CONFIG_LIMIT,
     INDEX_LIMIT,
+    SAFETENSORS_HEADER_LIMIT,
     TOKENIZER_LIMIT,
     open_regular,
     parse_json,
@@ -36,7 +37,6 @@ _DTYPES: dict[str, tuple[torch.dtype, int]] = {
     "I16": (torch.int16, 2), "I8": (torch.int8, 1), "U8": (torch.uint8, 1), "BOOL": (torch.bool, 1),
     "U32": (torch.uint32, 4),
 }
-_MAX_HEADER = 100 * 1024 * 1024
 INDEX_FILE = "model.safetensors.index.json"
 
 
@@ -68,7 +68,7 @@ def _parse_header(path: Path) -> dict[str, TensorEntry]:
         if len(raw_len) != 8:
             raise InputError(f"{path}: truncated safetensors file (no header length)")
         (header_len,) = struct.unpack("<Q", raw_len)
-        if header_len > _MAX_HEADER or 8 + header_len > size:
+        if header_len > SAFETENSORS_HEADER_LIMIT or 8 + header_len > size:
             raise InputError(f"{path}: corrupt safetensors header (length {header_len} exceeds file size {size})")
         raw = os.pread(fd, header_len, 8)
     except OSError as exc:
@@ -217,6 +217,11 @@ class SafetensorsIndex:
                     raise InputError(f"{file}: tensor {name!r} is also in {entries[name].file.name}")
                 entries[name] = entry
         return cls(entries, folder)
+
+    @classmethod
+    def of_file(cls, file: Path) -> "SafetensorsIndex":
+        """The tensors of one safetensors file (a LoRA adapter's ``adapter_model.safetensors``)."""
+        return cls(_parse_header(file), file.parent)
 
     @classmethod
     def _open_indexed(cls, index_file: Path) -> "SafetensorsIndex":

@@ -66,12 +66,15 @@ class ExportCommand:
     calib_seq_len: int = 128
     verify_text: str | None = None
     verify_windows: int = 16
+    lora_path: str | None = None
+    revision: str | None = None
     target_bpw: float | None = None
 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
 @click.option("--path", required=True, type=click.Path(file_okay=False, path_type=str),
-              help="HF checkpoint folder (config.json, *.safetensors, tokenizer.json).")
+              help="HF checkpoint folder (config.json, *.safetensors, tokenizer.json), or a hub repo id org/name "
+                   "(downloaded into the HF cache; an existing folder always wins).")
 @click.option("--export", "export_format", type=click.Choice(["mnn", "onnx"]), default="mnn", show_default=True,
               help="mnn: a folder MNN's LLM runtime loads; onnx: a standard-op ONNX with the weights.")
 @click.option("--dst_path", required=True, type=click.Path(path_type=str),
@@ -94,8 +97,9 @@ class ExportCommand:
 @click.option("--audio_quant_bit", type=int, default=16, show_default=True,
               help="Audio tower (audio.mnn) linear weights: 4 or 8 (block RTN), 16 = fp16.")
 @click.option("--requantize", is_flag=True,
-              help="Pre-quantized (MLX) checkpoints: dequantize and quantize every weight with this command's "
-                   "scheme instead of keeping the stored integers (docs/mlx-import.md).")
+              help="Pre-quantized (MLX, GPTQ, AWQ) checkpoints: dequantize and quantize every weight with this "
+                   "command's scheme instead of keeping the stored integers (docs/mlx-import.md, "
+                   "docs/gptq-awq-import.md).")
 @click.option("--thread_num", type=int, default=4, show_default=True, help="Runtime threads written to config.json.")
 @click.option("--runtime_profile", type=click.Choice(["fast", "exact"]), default="fast", show_default=True,
               help="fast: MNN's low-memory int4/int8 kernels (activations quantized to 8 bits on the fly); "
@@ -130,6 +134,11 @@ class ExportCommand:
                    "fp32: perplexity, KLD and top-1 as llama.cpp defines them.")
 @click.option("--verify_windows", type=int, default=16, show_default=True,
               help="Windows of 128 tokens scored from --verify_text.")
+@click.option("--lora_path", type=click.Path(path_type=str), default=None, metavar="DIR",
+              help="A PEFT LoRA adapter (adapter_config.json + adapter_model.safetensors) merged into the weights "
+                   "before quantization; --verify compares with HF carrying the same merge (docs/lora.md).")
+@click.option("--revision", default=None, metavar="REV",
+              help="With a hub repo id: the branch, tag or commit to export (default: main).")
 @click.option("--target_bpw", type=float, default=None, metavar="BITS",
               help="A size budget instead of a recipe: each text linear's scheme (from --quant_bit/--quant_block up "
                    "to a smaller block or 8 bits) chosen by sensitivity per byte until the linears' records average "
@@ -258,7 +267,8 @@ def export_options(command: ExportCommand) -> ExportOptions:
                                 Path(command.calib_data), command.calib_samples, command.calib_seq_len),
                             verify_text=None if command.verify_text is None else VerifyText(
                                 Path(command.verify_text), command.verify_windows),
-                            target_bpw=command.target_bpw)
+                            lora=None if command.lora_path is None else Path(command.lora_path),
+                            revision=command.revision, target_bpw=command.target_bpw)
     quant_config = command.quant_config
     if quant_config is None:
         return options

@@ -10,6 +10,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any, Callable, Iterable
 
+from llmexport.lora import LoraAdapter
 from llmexport.memory_plan import memory_plan, summary_line
 from llmexport.models.base import Architecture
 from llmexport.options import ExportOptions
@@ -89,11 +90,16 @@ def _scheme_lines(linears: Iterable[PlannedLinear], adjusted: Iterable[AdjustedB
                     for adj in adjusted]
 
 
+#: how the plan names a pre-quantized format (PrequantizedSummary.format)
+_SOURCE_NAMES = {"mlx-affine": "MLX", "gptq": "GPTQ", "gptq_v2": "GPTQ (v2)", "awq-gemm": "AWQ"}
+
+
 def _prequantized_lines(pre: PrequantizedSummary | None) -> list[str]:
-    """What a pre-quantized (MLX) checkpoint keeps as stored and what it does not, with reasons."""
+    """What a pre-quantized checkpoint keeps as stored and what it does not, with reasons."""
     if pre is None:
         return []
-    lines = [f"MLX checkpoint, as stored by default: {pre.transcoded} linear(s) keep their integers "
+    source = _SOURCE_NAMES.get(pre.format, pre.format)
+    lines = [f"{source} checkpoint, as stored by default: {pre.transcoded} linear(s) keep their integers "
              f"({pre.alpha}); {len(pre.kept_float)} float linear(s) stay fp16"]
     for changed, label in ((pre.requantized, "requantized"), (pre.quantized_from_float, "quantized")):
         lines += [f"  {label}: {e.name} ({e.stored} -> {e.bits} bits, block {e.block}): {e.reason}" for e in changed]
@@ -135,8 +141,11 @@ def file_sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
-def write_manifest(out: Path, options: ExportOptions, plan: ExportPlan) -> None:
-    """manifest.json: file hashes, versions, options and the detected architecture."""
+def write_manifest(out: Path, options: ExportOptions, plan: ExportPlan, adapter: LoraAdapter | None = None,
+                   source: dict[str, Any] | None = None) -> None:
+    """manifest.json: file hashes, versions, options and the detected architecture; the LoRA adapter
+    merged into the weights (its settings and its files' sha256), if any; for a hub repo, ``source``:
+    its id, the revision asked for and the commit exported."""
     files = {p.name: {"bytes": p.stat().st_size, "sha256": file_sha256(p)}
              for p in sorted(out.iterdir()) if p.is_file() and p.name != "manifest.json"}
     manifest = {"versions": _versions(), "architecture": plan.architecture.to_json(),
@@ -144,6 +153,10 @@ def write_manifest(out: Path, options: ExportOptions, plan: ExportPlan) -> None:
                 "adjusted_blocks": [a.to_json() for a in plan.adjusted_blocks], "files": files}
     if plan.prequantized is not None:
         manifest["prequantized"] = plan.prequantized.to_json()
+    if adapter is not None:
+        manifest["lora"] = {**adapter.summary(), "sha256": {p.name: file_sha256(p) for p in adapter.files()}}
+    if source is not None:
+        manifest["source"] = source
     if plan.budget is not None:
         manifest["budget"] = plan.budget.to_json()
     (out / "manifest.json").write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")

@@ -22,6 +22,8 @@ KIB, MIB = 1 << 10, 1 << 20
 CONFIG_LIMIT = 16 * MIB
 INDEX_LIMIT = 64 * MIB
 TOKENIZER_LIMIT = 512 * MIB
+#: a safetensors header (the JSON before the tensors; real ones are well under 1 MiB)
+SAFETENSORS_HEADER_LIMIT = 100 * MIB
 #: deepest nesting accepted in a JSON file (real configs and tokenizers stay under 10)
 MAX_DEPTH = 64
 

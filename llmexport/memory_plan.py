@@ -30,6 +30,8 @@ What is held at once (llmexport/targets/mnn_target.py and the writers it calls):
 * the tables stage (mnn/embeddings.py, mnn/token_table.py): a 64 MiB fp32 chunk of the token
   table in work, on top of the freed heap that glibc keeps for reuse (quant/workers.py sets
   ``M_TRIM_THRESHOLD`` to 512 MiB: after the weights stage the process stays at 780-950 MiB);
+* ``--lora_path``: the merge's float64 row block where a merged tensor is read (``MERGE_WORK_BYTES``,
+  128 MiB, llmexport/lora/merge.py), in the export and in the reference;
 * ``--export onnx``: every linear bound to the graph as an fp32 copy, and torch.onnx's
   serialized model beside it: 16.6-16.7 bytes per weight measured (``ONNX_BYTES_PER_WEIGHT``).
 
@@ -48,6 +50,7 @@ from pathlib import Path
 from typing import Protocol
 
 from llmexport.errors import ResourceError
+from llmexport.lora.merge import MERGE_WORK_BYTES
 from llmexport.mnn.config import RuntimeProfile
 from llmexport.models.base import Architecture
 from llmexport.options import ExportOptions
@@ -99,6 +102,8 @@ def memory_plan(arch: Architecture, options: ExportOptions, plan: ExportPlan, we
     export = target.export_peak_bytes(arch, plan)
     if options.calibration is not None:  # the calibration runs first, and frees its reference before writing
         export = max(export, calibration_peak_bytes(arch, options, plan))
+    merge = MERGE_WORK_BYTES if options.lora is not None else 0  # a LoRA merge's float64 block, where read
+    export += merge
     if not (options.verify and target.verifiable):
         return MemoryPlan(export)
     kept = min(export, _process_bytes(plan) + KEPT_HEAP)  # what the process still holds after the export
@@ -109,7 +114,7 @@ def memory_plan(arch: Architecture, options: ExportOptions, plan: ExportPlan, we
     fast = quantized and options.runtime_profile is RuntimeProfile.FAST
     shipped = plan_runtime_bytes(plan, weight_file, exact=not fast)
     exact = plan_runtime_bytes(plan, weight_file, exact=True) if fast else None
-    return MemoryPlan(export, kept + max(reference.peak, reference.idle + shipped),
+    return MemoryPlan(export, kept + max(reference.peak + merge, reference.idle + shipped),
                       None if exact is None else kept + reference.idle + exact)
 
 
@@ -190,7 +195,7 @@ def _linear_weights(plan: ExportPlan) -> int:
 
 
 def _source_bytes(arch: Architecture, name: str, values: int) -> int:
-    """Bytes of one linear as read from the checkpoint (an MLX-quantized one: dequantized, fp32)."""
+    """Bytes of one linear as read from the checkpoint (a pre-quantized one, MLX, GPTQ or AWQ: dequantized, fp32)."""
     try:
         dtype = arch.checkpoint.weights.dtype(arch.linear_source(name).weight)
     except NotImplementedError:

@@ -81,7 +81,7 @@ class ExportOptions:
 
     ``runtime_profile`` picks the runtime's kernels for quantized linears (written to config.json).
 
-    An already-quantized (MLX) checkpoint keeps its stored integers per module by default (see
+    An already-quantized (MLX, GPTQ, AWQ) checkpoint keeps its stored integers per module by default (see
     llmexport.schemes): explicit rules, ``lm_quant`` and ``embed_bit`` override that for
     what they name, and ``requantize`` dequantizes everything and applies the scheme above.
 
@@ -99,9 +99,15 @@ class ExportOptions:
     ``verify_text`` (``--verify_text``) adds perplexity, KLD and top-1 on the user's text to the
     verification (not a pass/fail criterion).
 
+    ``lora`` (``--lora_path``): a PEFT LoRA adapter folder merged into the weights as they stream,
+    before quantization; ``--verify``'s HF reference carries the same merged weights (llmexport.lora).
+
     ``approximate_ignore_merges`` exports a tokenizer whose ``ignore_merges`` words MNN's runtime
     cannot reach (Llama-3) instead of refusing it; the measured difference is logged and recorded
     in verify.json (llmexport/mnn/tokenizer_whole_words.py). manifest.json records it only when set.
+
+    ``revision`` (``--revision``): the branch, tag or commit of a hub repo id given as the path
+    (llmexport.hub); manifest.json records it, with the commit it resolved to, under ``source``.
 
     ``target_bpw`` (``--target_bpw``) chooses each text linear's scheme, from ``quant`` upwards, by
     sensitivity per byte until the linears' records average that many bits per weight
@@ -129,6 +135,8 @@ class ExportOptions:
     approximate_ignore_merges: bool = False
     calibration: Calibration | None = None
     verify_text: VerifyText | None = None
+    lora: Path | None = None
+    revision: str | None = None
     target_bpw: float | None = None
 
     #: fields that change how the export talks or runs, never what it writes (left out of manifest.json)
@@ -168,6 +176,8 @@ class ExportOptions:
                 raise UsageError("--calib_data: calibration chooses quantized levels; --quant_bit 16 has none")
             if self.export is not ExportFormat.MNN:
                 raise UsageError("--calib_data: only the MNN export stores quantized levels")
+        if self.revision is not None and not self.revision.strip():
+            raise UsageError("--revision: must name a branch, tag or commit, got an empty string")
         if self.target_bpw is not None:
             self._validate_budget()
         if not isinstance(self.chat_thinking, ChatThinking):
@@ -197,8 +207,13 @@ class ExportOptions:
         from dataclasses import asdict
 
         fields = {k: v for k, v in asdict(self).items() if k not in self.PRESENTATION}
+        del fields["revision"]  # the manifest's "source" holds it beside the commit it resolved to
         if not self.approximate_ignore_merges:  # manifests written before the flag existed stay the same
             del fields["approximate_ignore_merges"]
+        if self.lora is None:  # manifests of exports without an adapter stay the same
+            del fields["lora"]
+        else:
+            fields["lora"] = str(self.lora)
         if self.target_bpw is None:  # likewise
             del fields["target_bpw"]
         if self.calibration is None:

@@ -18,6 +18,7 @@ from llmexport.checkpoint import Checkpoint
 from llmexport.errors import ConversionError, ResourceError, UsageError
 from llmexport.export_plan import export_plan, write_manifest
 from llmexport.loading import open_architecture
+from llmexport.lora import adapter_of
 from llmexport.memory_plan import check_fits
 from llmexport.models.base import Architecture
 from llmexport.options import ExportOptions
@@ -33,7 +34,7 @@ def _load(path: Path, options: ExportOptions, target: OutputTarget) -> tuple[Che
     headers, the architecture, what the target needs (the tokenizer, converted in memory), the
     verification's needs."""
     checkpoint = Checkpoint.open(path)
-    arch = open_architecture(checkpoint)
+    arch = open_architecture(checkpoint, options.lora)
     prepared = target.prepare(checkpoint, arch, options)
     runs_reference = [flag for flag, on in (("--verify", options.verify),
                                             ("--calib_data", options.calibration is not None)) if on]
@@ -44,7 +45,9 @@ def _load(path: Path, options: ExportOptions, target: OutputTarget) -> tuple[Che
     return checkpoint, arch, prepared
 
 
-def run_export(path: Path, out: Path, options: ExportOptions) -> ExportResult:
+def run_export(path: Path, out: Path, options: ExportOptions, source: dict[str, Any] | None = None) -> ExportResult:
+    """The export of the checkpoint folder ``path`` into ``out``; ``source``: where the folder came
+    from (a hub repo and commit, llmexport.hub), recorded in manifest.json."""
     timings: dict[str, float] = {}
     start = time.perf_counter()
     target = target_for(options.export)
@@ -65,7 +68,7 @@ def run_export(path: Path, out: Path, options: ExportOptions) -> ExportResult:
         with stage(timings, "verify"):
             verification, verify_error = _verify(out, path, options)
     with stage(timings, "manifest"):
-        write_manifest(out, options, plan)
+        write_manifest(out, options, plan, adapter_of(arch.checkpoint.weights), source)
     return ExportResult(out, tuple(sorted(p.name for p in out.iterdir())), plan, timings, verification, verify_error)
 
 
@@ -85,7 +88,7 @@ def _verify(out: Path, path: Path, options: ExportOptions) -> tuple[VerifyReport
         return verify_export(out, path, raise_on_failure=not options.keep_failed,
                              trust_remote_code=options.trust_remote_code,
                              approximate_ignore_merges=options.approximate_ignore_merges,
-                             text=options.verify_text), None
+                             text=options.verify_text, lora=options.lora), None
     except Exception as exc:
         if not isinstance(exc, _VERIFY_CANNOT_RUN) and ResourceError.out_of_memory(exc, "") is None:
             raise

@@ -23,6 +23,12 @@ def _in_notebook() -> bool:
         return False
 
 
+def bars_wanted(quiet: bool) -> bool:
+    """Whether progress is drawn as bars (a terminal or a notebook, not ``--quiet``); also asked for
+    huggingface_hub's download bars (llmexport.hub)."""
+    return not quiet and (sys.stderr.isatty() or _in_notebook())
+
+
 class Progress:
     """``with Progress("weights", total_bytes, quiet) as p: p.update(n)``."""
 
@@ -31,7 +37,7 @@ class Progress:
         self.done, self._bar, self._next_log, self._start = 0, None, 0.25, time.perf_counter()
 
     def __enter__(self) -> "Progress":
-        if not self.quiet and (sys.stderr.isatty() or _in_notebook()):
+        if bars_wanted(self.quiet):
             from tqdm.auto import tqdm
 
             self._bar = tqdm(total=self.total, desc=self.stage, unit=self.unit, unit_scale=True, leave=False)

@@ -1,9 +1,9 @@
 """Every scheme an export writes, decided in one place for the plan (``--dry-run``) and the export.
 
 * **text linears**: the options' default scheme, ``--quant_config`` / recipe rules (first match,
-  llmexport.quant.recipes) and ``--lm_quant_bit``/``--lm_quant_block`` for lm_head; with
-  ``--target_bpw``, the size budget's choice from that scheme upwards (llmexport.size_budget); for
-  an MLX-quantized checkpoint, its stored integers where MNN can hold them (below);
+  llmexport.quant.recipes) and ``--lm_quant_bit``/``--lm_quant_block`` for lm_head; for a
+  pre-quantized (MLX, GPTQ, AWQ) checkpoint, its stored integers where MNN can hold them (below); with
+  ``--target_bpw``, the size budget's choice from the scheme above upwards (llmexport.size_budget);
 * **tower linears**: ``--visual_quant_bit`` / ``--audio_quant_bit`` with the default's block, sym
   and method;
 * **the token table**: ``--embed_bit`` (else the recipe's, else bf16) at the default's block, or
@@ -24,6 +24,12 @@ verification report list it with the reason, when
 * the user asked for it: ``requantize`` (``--requantize``: everything), a ``--quant_config`` rule
   or recipe rule that matches the linear, ``--lm_quant_bit``/``--lm_quant_block`` (lm_head),
   ``--embed_bit`` or a quant_config ``embed_bit`` (tables).
+
+GPTQ and AWQ checkpoints (llmexport.importers.gptq_awq) follow the same rules: their linears keep
+their integers (group -1 as one block per row; all zeros 2^(bits-1): a symmetric record), their
+float tensors stay as stored; a linear is also dequantized and quantized afresh when its groups
+are no runs of consecutive inputs (act-order's permuted ``g_idx``) or its group does not divide
+its width.
 """
 
 from __future__ import annotations
@@ -34,7 +40,9 @@ from typing import Any, Callable, Iterable
 
 from llmexport.checkpoint import LazyTensor
 from llmexport.errors import UsageError
-from llmexport.importers.mlx import MlxLazy, MlxWeights, stored_format, tables_format
+from llmexport.importers import imported_store
+from llmexport.importers.mlx import MlxLazy, stored_format, tables_format
+from llmexport.lora import unmerged
 from llmexport.mnn.limits import BLOCKS, FP16_BITS, LINEAR_BITS, QUANTIZED_TABLE_BITS
 from llmexport.mnn.token_table import JoinedColumns, token_table
 from llmexport.models.base import Architecture
@@ -44,11 +52,8 @@ from llmexport.quant.recipes import QuantPlan
 from llmexport.quant.scheme import QuantMethod, QuantScheme
 from llmexport.quant.transcode import transcode
 from llmexport.results import ChangedLinear, PrequantizedSummary, PrequantizedTable
-from llmexport.spec import LinearRole, LinearSpec, QuantInfo
+from llmexport.spec import LinearRole, LinearSpec, PrequantizedStore, QuantInfo
 
-ALPHA_NOTE = ("transcoded records keep MLX's integers; their alpha [zero, scale] is stored in fp32 "
-              "(zero = bias + 2^(bits-1) * scale needs more mantissa than fp16 has, and bf16 scales can "
-              "exceed fp16's range)")
 #: the option that sets each tower's bits
 TOWER_BITS: dict[str, Callable[[ExportOptions], int]] = {
     "visual": lambda o: o.visual_quant_bit,
@@ -104,15 +109,20 @@ class Schemes:
                  record_bytes: Callable[[LinearSpec, QuantScheme], int] | None = None):
         """``record_bytes``: the target's bytes of one linear, which ``--target_bpw`` spends."""
         self.arch, self.options = arch, options
-        weights = arch.checkpoint.weights
-        self.mlx = weights if isinstance(weights, MlxWeights) else None
+        weights = unmerged(arch.checkpoint.weights)
+        self.imported = imported_store(weights)  # an MLX, GPTQ or AWQ checkpoint's store
         self.choices: dict[str, Choice] = {}
-        for flag, on in (("--calib_data", options.calibration is not None), ("--target_bpw", options.target_bpw)):
-            if self.mlx is not None and on and not options.requantize:
-                raise UsageError(f"{flag}: this MLX checkpoint keeps its stored integers; {flag} chooses how the "
-                                 "weights are rounded afresh, so it needs --requantize")
-        if self.mlx is not None:
-            self.choices = {spec.name: self._choose(self.mlx, spec) for spec in arch.linears()}
+        if self.imported is not None and options.lora is not None and not options.requantize:
+            raise UsageError("--lora_path: this pre-quantized checkpoint keeps its stored integers; an adapter "
+                             "changes the weights before they are quantized, so it needs --requantize")
+        if self.imported is not None and options.calibration is not None and not options.requantize:
+            raise UsageError("--calib_data: this pre-quantized checkpoint keeps its stored integers; calibration "
+                             "rounds the weights afresh, so it needs --requantize")
+        if self.imported is not None and options.target_bpw is not None and not options.requantize:
+            raise UsageError("--target_bpw: this pre-quantized checkpoint keeps its stored integers; the budget "
+                             "chooses how the weights are rounded afresh, so it needs --requantize")
+        if self.imported is not None:
+            self.choices = {spec.name: self._choose(self.imported, spec) for spec in arch.linears()}
         self.budget: BudgetSummary | None = None
         self.budgeted: dict[str, QuantScheme] = {}
         if options.target_bpw is not None:
@@ -140,15 +150,19 @@ class Schemes:
         choice = self.choices.get(name)
         return choice is not None and choice.scheme.method is QuantMethod.STORED
 
-    def _choose(self, mlx: MlxWeights, spec: LinearSpec) -> Choice:
-        infos = mlx.quantization(self.arch.linear_source(spec.name).weight)
+    def _choose(self, store: PrequantizedStore, spec: LinearSpec) -> Choice:
+        weight = self.arch.linear_source(spec.name).weight
+        infos = store.quantization(weight)
         reason = self._requested(spec) or self._unfit(spec, infos)
+        if reason is None and infos[0] is not None:
+            reason = store.unfit(weight)  # the source's own reasons (GPTQ's act-order)
         if reason is not None:
             return Choice(requested_scheme(self.options, spec), stored_format(infos), reason)
-        if infos[0] is None:  # float in MLX: kept as fp16
+        if infos[0] is None:  # float in the checkpoint: kept as fp16
             return Choice(QuantScheme(FP16_BITS), stored_format(infos))
         info = infos[0]
-        return Choice(QuantScheme(info.bits, info.group, method=QuantMethod.STORED), str(info))
+        block = info.group if info.group in BLOCKS else 0  # else one group per row (_unfit)
+        return Choice(QuantScheme(info.bits, block, info.sym, QuantMethod.STORED), str(info))
 
     def _requested(self, spec: LinearSpec) -> str | None:
         """Why the user's options take this linear off "as stored", if they do."""
@@ -171,7 +185,7 @@ class Schemes:
             return None
         if info.bits not in LINEAR_BITS:
             return f"{info.bits}-bit: MNN linears take {', '.join(map(str, LINEAR_BITS))} bits"
-        if info.group not in BLOCKS:
+        if info.group not in BLOCKS and info.group != spec.in_features:  # a whole row is block 0
             return f"group {info.group}: MNN blocks are {', '.join(map(str, BLOCKS[1:]))}"
         if spec.role is LinearRole.LM_HEAD and self.arch.tied_embedding and info.bits not in QUANTIZED_TABLE_BITS:
             return f"{info.bits}-bit tied lm_head: the runtime reads it as the token embedding, at 4 or 8 bits only"
@@ -182,7 +196,7 @@ class Schemes:
         o = self.options
         bits = requested_table_bits(o)
         plain = TableChoice(bits, o.quant.block, lazy.row_chunks)
-        if self.mlx is None or not isinstance(lazy, MlxLazy):
+        if self.imported is None or not isinstance(lazy, MlxLazy):
             return plain
         info = lazy.quantization[0]
         reason = None
@@ -221,7 +235,7 @@ class Schemes:
     def prequantized(self) -> PrequantizedSummary | None:
         """What keeps its stored form and what does not, with reasons (plan and manifest);
         None for a checkpoint that is not pre-quantized."""
-        if self.mlx is None:
+        if self.imported is None:
             return None
         specs = {spec.name: spec for spec in self.arch.linears()}
 
@@ -231,9 +245,9 @@ class Schemes:
 
         off = [changed(n, c) for n, c in self.choices.items() if c.reason is not None]
         tables = {name: PrequantizedTable(t.stored, t.bits, t.block, t.reason is None, t.reason)
-                  for name, (_, t) in self.tables().items()}
+                  for name, (_, t) in self.tables().items() if t.stored is not None}  # GPTQ/AWQ: float tables
         return PrequantizedSummary(
-            format="mlx-affine", default="as stored", alpha=ALPHA_NOTE,
+            format=self.imported.format, default="as stored", alpha=self.imported.alpha_note,
             transcoded=sum(c.scheme.method is QuantMethod.STORED for c in self.choices.values()),
             kept_float=tuple(n for n, c in self.choices.items() if c.reason is None and c.scheme.is_fp16),
             requantized=tuple(e for e in off if e.stored != "unquantized"),

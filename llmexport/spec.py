@@ -121,13 +121,16 @@ Quantizer = Callable[[torch.Tensor, int, int, bool], QuantizedTensor]
 
 @dataclass(frozen=True)
 class QuantInfo:
-    """Bits and group size of one tensor quantized by its source (MLX's affine format)."""
+    """Bits and group size of one tensor quantized by its source (MLX, GPTQ, AWQ); ``sym``: every
+    group's value at level ``2^(bits-1)`` is 0 (a GPTQ ``sym`` checkpoint), so MNN's symmetric
+    record (scales only) holds it."""
 
     bits: int
     group: int
+    sym: bool = False
 
     def __str__(self) -> str:
-        return f"{self.bits}-bit group {self.group}"
+        return f"{self.bits}-bit group {self.group}{' sym' if self.sym else ''}"
 
 
 @dataclass(frozen=True)
@@ -186,6 +189,11 @@ class Prequantized:
     def info(self) -> QuantInfo:
         return QuantInfo(self.bits, self.group)
 
+    @property
+    def symmetric(self) -> bool:
+        """Every group's value at level ``2^(bits-1)`` is exactly 0 (``biases = -2^(bits-1) * scales``)."""
+        return torch.equal(self.biases.float(), -float(1 << (self.bits - 1)) * self.scales.float())
+
     def __getitem__(self, key: int | slice) -> "Prequantized":
         return Prequantized(self.levels[key], self.scales[key], self.biases[key], self.bits, self.group)
 
@@ -210,7 +218,7 @@ class Prequantized:
 # --- what readers and writers see of checkpoints and exports --------------------------------------
 class WeightStore(Protocol):
     """Named tensors of a checkpoint, left on disk until read: what ``SafetensorsIndex`` offers and
-    an importer (``llmexport.importers.mlx``) offers in HF names over another format."""
+    an importer (``llmexport.importers``) offers in HF names over another format."""
 
     #: the folder the tensors are read from (None for stores built in memory)
     folder: Path | None
@@ -226,6 +234,34 @@ class WeightStore(Protocol):
     def lazy(self, name: str) -> "LazyTensor": ...
 
     def tensor(self, name: str) -> torch.Tensor: ...
+
+
+class PrequantizedStore(WeightStore, Protocol):
+    """A ``WeightStore`` over a checkpoint another tool quantized (``llmexport.importers``): values
+    come back dequantized (fp32); these methods tell which tensors were stored as integers, in which
+    format, and hand those integers over."""
+
+    #: the source format, for plans and reports ("mlx-affine", "gptq", "gptq_v2", "awq-gemm")
+    format: str
+    #: how the records that keep its integers store their alpha, and why (plans and manifests)
+    alpha_note: str
+
+    def quantization(self, name: str) -> tuple[QuantInfo | None, ...]:
+        """The stored format of each source tensor joined into ``name`` (None: stored as floats)."""
+        ...
+
+    def unfit(self, name: str) -> str | None:
+        """Why the stored integers of ``name`` cannot be one MNN record at any bits and block
+        (GPTQ's act-order); None when they can."""
+        ...
+
+    def stored(self, name: str, expert: int | None = None) -> Prequantized | torch.Tensor:
+        """A tensor (or one expert of a stacked one) as stored: integers, or floats."""
+        ...
+
+    def prequantized(self, name: str, expert: int | None = None) -> Prequantized:
+        """The integers of a 2-D weight (or of one expert of a stacked 3-D one)."""
+        ...
 
 
 class ReferenceTensors(Protocol):

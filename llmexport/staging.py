@@ -43,11 +43,13 @@ _TAG = "llmexport"
 _SIGNALS = {signal.SIGINT, signal.SIGTERM, signal.SIGHUP}
 
 
-def resolve_destination(dst: str | os.PathLike, src: str | os.PathLike) -> Path:
+def resolve_destination(dst: str | os.PathLike, src: str | os.PathLike | None) -> Path:
     """The folder the export will replace (symlinks followed), refused before any work when
-    replacing it could destroy the checkpoint or unrelated files."""
-    real_dst, real_src = Path(os.path.realpath(dst)), Path(os.path.realpath(src))
-    if real_dst == real_src or real_dst in real_src.parents or real_src in real_dst.parents:
+    replacing it could destroy the checkpoint or unrelated files (``src`` None: the checks that
+    need no checkpoint, made before a hub repo is downloaded)."""
+    real_dst = Path(os.path.realpath(dst))
+    real_src = Path(os.path.realpath(src)) if src is not None else None
+    if real_src is not None and (real_dst == real_src or real_dst in real_src.parents or real_src in real_dst.parents):
         raise UsageError(f"--dst_path {dst}: overlaps --path {src} (resolved: {real_dst} and {real_src}); "
                          "the export replaces --dst_path, so the two must be separate folders")
     cwd = Path(os.path.realpath(os.getcwd()))

@@ -20,7 +20,7 @@ from torch import nn
 from llmexport.calibration_data import read_texts
 from llmexport.checkpoint import Checkpoint, CheckpointTensors
 from llmexport.errors import InputError, UsageError, VerificationFailed
-from llmexport.importers.mlx import compare_with_source
+from llmexport.importers import compare_with_source
 from llmexport.loading import open_architecture
 from llmexport.memory_plan import exact_kernels_refusal
 from llmexport.mnn.config import EXACT_KERNELS, LLM_WEIGHT, RuntimeProfile, profile_of
@@ -96,7 +96,8 @@ def default_prompt(tokenizer, min_tokens: int) -> list[int]:
 
 def verify_export(export_dir: Path, model_path: Path, steps: int = 24, prompt_ids: list[int] | None = None,
                   raise_on_failure: bool = False, trust_remote_code: bool = False,
-                  approximate_ignore_merges: bool = False, text: VerifyText | None = None) -> VerifyReport:
+                  approximate_ignore_merges: bool = False, text: VerifyText | None = None,
+                  lora: Path | None = None) -> VerifyReport:
     """Verification report of ``export_dir`` against the checkpoint at ``model_path`` (also
     written to ``export_dir/verify.json``).
 
@@ -111,10 +112,11 @@ def verify_export(export_dir: Path, model_path: Path, steps: int = 24, prompt_id
     ``approximate_ignore_merges``: the export was made with that flag; its measured difference is
     recorded and samples the runtime encodes as HF does without the whole-word lookup do not fail.
     ``text``: windows of a user's text also scored against HF fp32 (``VerifyReport.text_quality``).
+    ``lora``: the PEFT adapter the export merged; HF's references carry the same merged weights.
     """
     with mapped_blocks():
         return _verify_export(export_dir, model_path, steps, prompt_ids, raise_on_failure, trust_remote_code,
-                              approximate_ignore_merges, text)
+                              approximate_ignore_merges, text, lora)
 
 
 def _tokenizer_check(model_path: Path, tok_cases: dict[str, tuple[list[int], list[int]]],
@@ -138,10 +140,10 @@ def _tokenizer_check(model_path: Path, tok_cases: dict[str, tuple[list[int], lis
 
 def _verify_export(export_dir: Path, model_path: Path, steps: int, prompt_ids: list[int] | None,
                    raise_on_failure: bool, trust_remote_code: bool, approximate_ignore_merges: bool,
-                   text: VerifyText | None) -> VerifyReport:
+                   text: VerifyText | None, lora: Path | None) -> VerifyReport:
     from transformers import AutoTokenizer
 
-    arch = open_architecture(Checkpoint.open(model_path))
+    arch = open_architecture(Checkpoint.open(model_path), lora)
     if arch.reference_is_remote_code and not trust_remote_code:
         raise UsageError(f"{model_path}: verifying a {arch.describe().family} export runs the checkpoint's "
                          "own modeling code; allow it with --trust_remote_code (trust_remote_code=True)")
@@ -151,7 +153,7 @@ def _verify_export(export_dir: Path, model_path: Path, steps: int, prompt_ids: l
     prompt = prompt_ids or default_prompt(tokenizer, window + 8)
     stored = stored_tensors(export_dir, arch)
     profile = profile_of(json.loads((export_dir / "config.json").read_text()))
-    # MLX checkpoints: which weights kept their integers
+    # pre-quantized (MLX, GPTQ, AWQ) checkpoints: which weights kept their integers
     prequantized = compare_with_source(arch, arch.checkpoint.weights, stored)
     bounds = bounds_for_export(stored_bits(stored, prequantized), profile)
     # MNN's exact kernels hold every linear in fp32 (E4B: 20 GB): run only where that fits

@@ -1,5 +1,5 @@
 """Where each exported linear's weights come from: the family's checkpoint tensors; for a linear
-an MLX-quantized checkpoint keeps as stored (llmexport.schemes), MLX's own integers; for a linear
+a pre-quantized (MLX, GPTQ, AWQ) checkpoint keeps as stored (llmexport.schemes), its own integers; for a linear
 GPTQ calibration rounded (llmexport.calibration), its precomputed levels."""
 
 from __future__ import annotations
@@ -24,9 +24,9 @@ class WeightSources:
         integers (each with its bias), else the family's weights."""
         if self.calibrated is not None and name in self.calibrated:
             return self.calibrated.weight(name), self.arch.linear_weight(name)[1]
-        mlx = self.schemes.mlx
-        if mlx is None or not self.schemes.stored(name):
+        imported = self.schemes.imported
+        if imported is None or not self.schemes.stored(name):
             return self.arch.linear_weight(name)
         source = self.arch.linear_source(name)
-        bias = mlx.tensor(source.bias) if source.bias else None
-        return mlx.prequantized(source.weight, source.expert), bias
+        bias = imported.tensor(source.bias) if source.bias else None
+        return imported.prequantized(source.weight, source.expert), bias

@@ -22,9 +22,14 @@ ALLOWED: dict[str, tuple[str, ...]] = {
     "llmexport.errors": (),
     "llmexport.input_files": ("llmexport.errors",),
     "llmexport.checkpoint": ("llmexport.errors", "llmexport.input_files", "llmexport.spec"),
+    # a hub repo id as --path: huggingface_hub's cache and download, the index read defensively
+    "llmexport.hub": ("llmexport.errors", "llmexport.input_files", "llmexport.progress"),
     "llmexport.quant": ("llmexport.quant", "llmexport.spec", "llmexport.errors", "llmexport.mnn.limits"),
     "llmexport.importers": ("llmexport.importers", "llmexport.spec", "llmexport.errors", "llmexport.checkpoint",
                             "llmexport.quant"),
+    # a PEFT LoRA adapter as a WeightStore over the checkpoint's (merged as the tensors are read)
+    "llmexport.lora": ("llmexport.lora", "llmexport.spec", "llmexport.errors", "llmexport.checkpoint",
+                       "llmexport.input_files"),
     "llmexport.mnn": ("llmexport.mnn", "llmexport.spec", "llmexport.errors", "llmexport.quant",
                       "llmexport.input_files", "llmexport.ops"),
     # MNN's format limits and config keys, read by the options that are checked against them
@@ -37,6 +42,8 @@ ALLOWED: dict[str, tuple[str, ...]] = {
                          "llmexport.input_files", "llmexport.ops", "llmexport.media", "llmexport.reference"),
     "llmexport.tiny": ("llmexport.tiny", "llmexport.reference", "llmexport.mnn.tokenizer_pipeline",
                        "llmexport.mnn.byte_level", "llmexport.quality"),
+    # make demo: trains with tiny/, exports through the command line, generates with MNN's runtime
+    "llmexport.demo": ("llmexport.tiny", "llmexport.mnn"),
     # llama.cpp's quality numbers: numpy only (the trainer scores its held-out text with them)
     "llmexport.quality": (),
     # the user's text files (--calib_data, --verify_text)
@@ -45,7 +52,8 @@ ALLOWED: dict[str, tuple[str, ...]] = {
                           "llmexport.mnn.limits", "llmexport.mnn.config"),
 }
 #: what nothing below the entry points may import
-ENTRY_POINTS = {"llmexport.cli": 0, "llmexport.run_cli": 0, "llmexport.api": 1, "llmexport.pipeline": 2}
+ENTRY_POINTS = {"llmexport.cli": 0, "llmexport.run_cli": 0, "llmexport.demo": 0, "llmexport.api": 1,
+                "llmexport.pipeline": 2}
 #: import circles older than their check, to be broken (a new circle fails; so does one of these once
 #: it is gone, until it leaves this list): the tokenizer writer asks the runtime's streaming model
 #: how a piece decodes, and that model converts the tokenizer with the writer

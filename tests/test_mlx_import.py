@@ -314,3 +314,29 @@ def test_explicit_options_override_as_stored(mlx_checkpoints):
     assert reasons["model.language_model.layers.0.self_attn.o_proj"] == "quant_config rule '*.self_attn.o_proj'"
     result = CliRunner().invoke(main, ["--path", str(mlx_path), "--dst_path", "unused", "--dry-run", "--requantize"])
     assert result.exit_code == 0 and "requantize requested" in result.output and "0 linear(s) keep" in result.output
+
+
+def test_lora_on_an_mlx_checkpoint_needs_requantize(mlx_checkpoints, tmp_path):
+    """An adapter changes the weights before they are quantized: MLX's stored integers cannot be kept."""
+    from safetensors.torch import save_file
+
+    from llmexport.checkpoint import Checkpoint
+    from llmexport.errors import UsageError
+    from llmexport.loading import open_architecture
+
+    path, _ = mlx_checkpoints("qwen2:q4")
+    q = "model.layers.0.self_attn.q_proj"
+    base = open_architecture(Checkpoint.open(path)).linear_weight(q)[0]  # MLX's values, dequantized
+    adapter = tmp_path / "adapter"
+    adapter.mkdir()
+    (adapter / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": 2, "lora_alpha": 4}))
+    torch.manual_seed(0)
+    a, b = torch.randn(2, base.shape[1]), torch.randn(base.shape[0], 2)
+    save_file({f"base_model.model.{q}.lora_A.weight": a, f"base_model.model.{q}.lora_B.weight": b},
+              adapter / "adapter_model.safetensors")
+    with pytest.raises(UsageError, match="--lora_path: this pre-quantized checkpoint keeps its stored integers"):
+        plan(path, ExportOptions(lora=adapter))
+    planned = plan(path, ExportOptions(lora=adapter, requantize=True))
+    assert not any(linear.method is QuantMethod.STORED for linear in planned.linears)
+    merged = open_architecture(Checkpoint.open(path), adapter).linear_weight(q)[0]
+    assert (merged - (base.double() + 2 * b.double() @ a.double()).float()).abs().max() < 1e-6

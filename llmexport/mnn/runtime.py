@@ -83,16 +83,26 @@ def run_media_prompt(export_dir: Path, prompt: str, forced_ids: list[int] | None
         return MediaRun(meta["ids"], np.load(Path(tmp) / "forced.npy"), meta["greedy"])
 
 
+#: config.json's names of MNN's BackendConfig modes (include/MNN/MNNForwardType.h)
+_PRECISION = {"normal": 0, "high": 1, "low": 2}
+_MEMORY = {"normal": 0, "high": 1, "low": 2}
+_DYNAMIC_QUANT_OPTIONS = 5  # Interpreter::HintMode, what the LLM engine sets from "dynamic_option"
+
+
 def run_module(model: Path, inputs: list[dict[str, np.ndarray]], outputs: list[str], thread_num: int = 2,
-               timeout: float = 600) -> list[dict[str, np.ndarray]]:
+               timeout: float = 600, settings: dict[str, Any] | None = None) -> list[dict[str, np.ndarray]]:
     """Run one exported graph (e.g. ``visual.mnn``) with fp32 activations on each of several input
-    sets (one child process, one module load); returns the named outputs per input set."""
+    sets (one child process, one module load); returns the named outputs per input set.
+
+    ``settings`` (config.json's ``precision``, ``memory``, ``dynamic_option``) runs the graph on a
+    runtime built from them and ``thread_num``, as the LLM engine builds one; without it the module
+    loads at precision and memory normal on pymnn's default runtime (which ignores ``thread_num``)."""
     with tempfile.TemporaryDirectory(prefix="llmexport-mnn-") as tmp:
         for r, feed in enumerate(inputs):
             for i, value in enumerate(feed.values()):
                 np.save(Path(tmp) / f"in{r}_{i}.npy", value)
         request = {"mode": "module", "model": str(model), "inputs": list(inputs[0]), "outputs": outputs,
-                   "runs": len(inputs), "thread_num": thread_num, "out": tmp}
+                   "runs": len(inputs), "thread_num": thread_num, "settings": settings, "out": tmp}
         _run_child(request, str(model), timeout)
         return [{name: np.load(Path(tmp) / f"out{r}_{i}.npy") for i, name in enumerate(outputs)}
                 for r in range(len(inputs))]
@@ -320,9 +330,16 @@ def _module_child(request: dict[str, Any]) -> None:
     import MNN.nn as nn
 
     out = Path(request["out"])
+    settings = request.get("settings")
+    runtime = None
+    if settings is not None:
+        runtime = nn.create_runtime_manager(({"backend": "CPU", "numThread": int(request["thread_num"]),
+                                              "precision": _PRECISION[settings.get("precision", "normal")],
+                                              "memory": _MEMORY[settings.get("memory", "normal")]},))
+        runtime.set_hint(_DYNAMIC_QUANT_OPTIONS, int(settings.get("dynamic_option", 0)))
     module = nn.load_module_from_file(request["model"], request["inputs"], request["outputs"],
                                       precision_mode=F.PrecisionMode.Normal, memory_mode=F.MemoryMode.Normal,
-                                      thread_num=int(request["thread_num"]))
+                                      thread_num=int(request["thread_num"]), runtime_manager=runtime)
     for r in range(int(request["runs"])):
         args = []
         for i in range(len(request["inputs"])):

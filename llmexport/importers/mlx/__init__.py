@@ -28,9 +28,8 @@ comes from ``Architecture.mlx_layout``; which linears keep their integers is dec
 """
 
 from llmexport.importers.mlx.checkpoint import MlxCheckpoint, adapt_checkpoint
-from llmexport.importers.mlx.compare import compare_with_source
 from llmexport.importers.mlx.format import MlxQuantConfig, mlx_quantization, stored_format, unpack_levels
 from llmexport.importers.mlx.weights import MlxLazy, MlxWeights, tables_format
 
-__all__ = ["MlxCheckpoint", "MlxLazy", "MlxQuantConfig", "MlxWeights", "adapt_checkpoint", "compare_with_source",
+__all__ = ["MlxCheckpoint", "MlxLazy", "MlxQuantConfig", "MlxWeights", "adapt_checkpoint",
            "mlx_quantization", "stored_format", "tables_format", "unpack_levels"]

@@ -5,13 +5,12 @@ from __future__ import annotations
 
 from typing import Any
 
-import numpy as np
-import torch
-
 from llmexport.errors import InputError
+from llmexport.importers.bitstream import unpack_levels
 from llmexport.spec import QuantInfo
 
 MLX_KEYS = ("quantization", "quantization_config")
+__all__ = ["MLX_KEYS", "MlxQuantConfig", "mlx_quantization", "stored_format", "unpack_levels"]
 
 
 def mlx_quantization(config: dict[str, Any]) -> dict[str, Any] | None:
@@ -53,25 +52,6 @@ class MlxQuantConfig:
         if isinstance(entry, dict):
             return self._info(entry, self.default, path)
         return self.default
-
-
-def unpack_levels(packed: torch.Tensor, bits: int) -> torch.Tensor:
-    """MLX uint32 words ``[..., words]`` -> unsigned levels uint8 ``[..., words * 32 // bits]``.
-
-    ``packed`` holds the file's bytes (a safetensors read viewed as uint32), so viewing it as bytes
-    gives the little-endian stream on any host."""
-    raw = packed.contiguous().view(torch.uint8).numpy()
-    lead = raw.shape[:-1]
-    if bits == 8:
-        levels = raw
-    elif 8 % bits == 0:  # 2 and 4 bits: whole values per byte, the first in the low bits
-        shifts = np.arange(0, 8, bits, dtype=np.uint8)
-        levels = ((raw[..., None] >> shifts) & np.uint8((1 << bits) - 1)).reshape(*lead, -1)
-    else:  # 3, 5, 6, 7 bits straddle bytes: regroup the little-endian bit stream
-        stream = np.unpackbits(raw, axis=-1, bitorder="little")
-        stream = stream.reshape(*lead, stream.shape[-1] // bits, bits)
-        levels = np.packbits(stream, axis=-1, bitorder="little")[..., 0]
-    return torch.from_numpy(np.ascontiguousarray(levels, dtype=np.uint8))
 
 
 def stored_format(infos: tuple[QuantInfo | None, ...]) -> str:

@@ -122,6 +122,11 @@ class MlxWeights:
     """The checkpoint's tensors under their HF names (the ``WeightStore`` interface): values
     come back in fp32, dequantized; ``prequantized`` hands over the stored integers."""
 
+    format = "mlx-affine"
+    alpha_note = ("transcoded records keep MLX's integers; their alpha [zero, scale] is stored in fp32 "
+                  "(zero = bias + 2^(bits-1) * scale needs more mantissa than fp16 has, and bf16 scales can "
+                  "exceed fp16's range)")
+
     def __init__(self, raw: WeightStore, layout: MlxLayout, quant: MlxQuantConfig, where: str):
         self.where = where
         self.folder = raw.folder
@@ -195,6 +200,10 @@ class MlxWeights:
     def quantization(self, name: str) -> tuple[QuantInfo | None, ...]:
         """The stored format of each MLX tensor joined into ``name`` (None: stored as floats)."""
         return tuple(p.info for p in self._get(name).parts)
+
+    def unfit(self, name: str) -> str | None:
+        """None: every MLX group is a run of consecutive inputs, as an MNN block is."""
+        return None
 
     def stored(self, name: str, expert: int | None = None) -> Prequantized | torch.Tensor:
         """A tensor (or one expert of a stacked one) as stored: integers, or floats."""

@@ -1,4 +1,4 @@
-"""Verification evidence for MLX checkpoints: do the stored records equal the source's values?"""
+"""Verification evidence for pre-quantized checkpoints: do the stored records equal the source's values?"""
 
 from __future__ import annotations
 
@@ -6,16 +6,18 @@ from typing import Any
 
 import torch
 
+from llmexport.importers.formats import imported_store
 from llmexport.importers.mlx.format import stored_format
-from llmexport.importers.mlx.weights import MlxLazy, MlxWeights, tables_format
+from llmexport.importers.mlx.weights import MlxLazy, tables_format
 from llmexport.spec import Prequantized, SourcedModel, StoredModel, WeightStore
 
 
-def compare_with_source(arch: SourcedModel, weights: WeightStore, stored: StoredModel) -> dict[str, Any] | None:
-    """Verification evidence for pre-quantized (MLX) checkpoints: how many read-back linears and
-    tables equal the source's fp32 values exactly, and how far the others moved (None when
-    ``weights``, the checkpoint's store, is not an MLX one)."""
-    if not isinstance(weights, MlxWeights):
+def compare_with_source(arch: SourcedModel, store: WeightStore, stored: StoredModel) -> dict[str, Any] | None:
+    """Verification evidence for pre-quantized checkpoints: how many read-back linears and tables
+    equal the source's fp32 values exactly, and how far the others moved (None when ``store``, the
+    checkpoint's store, is not an importer's)."""
+    weights = imported_store(store)
+    if weights is None:
         return None
     exact, changed = 0, {}
     for name in sorted(stored.text_linears()):
@@ -38,3 +40,4 @@ def compare_with_source(arch: SourcedModel, weights: WeightStore, stored: Stored
         tables["embedding"] = {"stored": tables_format(lazies[name] for name in names), "exact": diff == 0.0,
                                "max_abs_diff": diff}
     return {"linears_exact": exact, "linears_changed": changed, "tables": tables}
+
