@@ -14,7 +14,7 @@ runtime here instead. Reported per (model, scheme, profile), with llama.cpp's de
 (llmexport/quality.py): PPL of HF fp32 and of MNN, KLD(HF fp32 || MNN) mean and 99th percentile,
 top-1 agreement, the weight files' size and bits per weight (8 x those bytes / the model's
 parameter count). The ``-gptq``, ``-awq`` and ``-smooth`` schemes calibrate (``--calib_data``, with
-``--calib_method``) on the training text.
+``--calib_method``) on the training text (and ``bpw5.04-gptq`` measures its sensitivities there too).
 """
 
 from __future__ import annotations
@@ -58,6 +58,10 @@ SCHEMES: dict[str, list[str]] = {
     "q4-smooth": ["--quant_bit", "4", *CALIBRATION, "--calib_method", "smooth"],
     "q4-lm8": ["--quant_bit", "4", "--lm_quant_bit", "8"],
     "q4-gptq-lm8": ["--quant_bit", "4", "--lm_quant_bit", "8", *CALIBRATION],
+    # a size budget 12% above uniform q4's 4.5 bits per weight (block 64: 4 bits + an fp16 scale and
+    # zero per 64 weights), each linear's scheme chosen by measured KLD (llmexport/size_budget.py)
+    "bpw5.04": ["--quant_bit", "4", "--target_bpw", "5.04"],
+    "bpw5.04-gptq": ["--quant_bit", "4", "--target_bpw", "5.04", *CALIBRATION],
 }
 MIB = 2**20
 

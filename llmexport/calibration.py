@@ -107,17 +107,26 @@ def _targets(arch: Architecture, model: nn.Module, head_name: str, scheme_of: Ca
     targets: dict[str, LinearSpec] = {}
     for spec in arch.linears():
         scheme = scheme_of(spec)
-        source = arch.linear_source(spec.name)
-        reference, index = arch.reference_slot(source.weight)
-        head = spec.role is LinearRole.LM_HEAD
-        module = head_name if head else reference.removesuffix(".weight")
+        module = reference_linear(arch, spec, head_name, linears)
         if scheme.is_fp16 or scheme.method not in quantizers:
             out.skipped[spec.name] = "not quantized by a calibratable method"
-        elif not head and (source.expert is not None or index != ()) or module not in linears or module in targets:
+        elif module is None or module in targets:
             out.skipped[spec.name] = "not one nn.Linear of the reference"
         else:
             targets[module] = spec
     return targets
+
+
+def reference_linear(arch: Architecture, spec: LinearSpec, head_name: str, linears: set[str]) -> str | None:
+    """The reference's ``nn.Linear`` (module name, among ``linears``) whose weight is ``spec``'s
+    whole weight; None for an expert row, a slice of a stacked parameter or no such module.
+    The lm_head is the reference's output embedding (``head_name``), tied or not."""
+    source = arch.linear_source(spec.name)
+    reference, index = arch.reference_slot(source.weight)
+    if spec.role is LinearRole.LM_HEAD:
+        return head_name if head_name in linears else None
+    module = reference.removesuffix(".weight")
+    return None if source.expert is not None or index != () or module not in linears else module
 
 
 def _calibrate_block(arch: Architecture, block: nn.Module, block_name: str, targets: dict[str, LinearSpec],

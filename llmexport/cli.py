@@ -70,6 +70,7 @@ class ExportCommand:
     verify_windows: int = 16
     lora_path: str | None = None
     revision: str | None = None
+    target_bpw: float | None = None
 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
@@ -146,6 +147,10 @@ class ExportCommand:
                    "before quantization; --verify compares with HF carrying the same merge (docs/lora.md).")
 @click.option("--revision", default=None, metavar="REV",
               help="With a hub repo id: the branch, tag or commit to export (default: main).")
+@click.option("--target_bpw", type=float, default=None, metavar="BITS",
+              help="A size budget instead of a recipe: each text linear's scheme (from --quant_bit/--quant_block up "
+                   "to a smaller block or 8 bits) chosen by sensitivity per byte until the linears' records average "
+                   "BITS bits per weight (docs/quantization.md).")
 @click.version_option(__version__, "--version", prog_name="llmexport")
 def main(**flags: Any) -> None:
     """Export a HuggingFace LLM checkpoint to MNN (or ONNX), optionally verified."""
@@ -270,7 +275,7 @@ def export_options(command: ExportCommand) -> ExportOptions:
                             verify_text=None if command.verify_text is None else VerifyText(
                                 Path(command.verify_text), command.verify_windows),
                             lora=None if command.lora_path is None else Path(command.lora_path),
-                            revision=command.revision)
+                            revision=command.revision, target_bpw=command.target_bpw)
     quant_config = command.quant_config
     if quant_config is None:
         return options

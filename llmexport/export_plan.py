@@ -14,6 +14,7 @@ from llmexport.lora import LoraAdapter
 from llmexport.memory_plan import memory_plan, summary_line
 from llmexport.models.base import Architecture
 from llmexport.options import ExportOptions
+from llmexport.quant.budget import BudgetSummary
 from llmexport.quant.scheme import QuantScheme
 from llmexport.results import AdjustedBlock, ExportPlan, PlannedLinear, PlannedTable, PlannedTower, PrequantizedSummary
 from llmexport.schemes import Schemes
@@ -35,7 +36,7 @@ def export_plan(arch: Architecture, options: ExportOptions, schemes: Schemes, ta
         tables[name] = PlannedTable(rows, dim, choice.bits)
         total += target.table_bytes(rows, dim, choice.bits, choice.block)
     plan = ExportPlan(arch.describe(), linears, adjusted, tables, total,
-                      schemes.prequantized(), towers=towers)
+                      schemes.prequantized(), towers=towers, budget=schemes.budget)
     return dataclasses.replace(plan, memory=memory_plan(arch, options, plan, records, target))
 
 
@@ -65,6 +66,7 @@ def plan_summary(plan: ExportPlan) -> str:
     for name, t in plan.tables.items():
         lines.append(f"table {name}: {t.rows} x {t.dim} at {t.bits} bits")
     lines += _prequantized_lines(plan.prequantized)
+    lines += budget_lines(plan.budget)
     lines.append(f"estimated size: {plan.estimated_bytes / 2**20:.1f} MiB")
     for name, tower in plan.towers.items():
         lines.append(f"tower {name}: {len(tower.linears)} linears, records {tower.record_bytes / 2**20:.1f} MiB "
@@ -107,6 +109,19 @@ def _prequantized_lines(pre: PrequantizedSummary | None) -> list[str]:
     return lines
 
 
+def budget_lines(budget: BudgetSummary | None) -> list[str]:
+    """What ``--target_bpw`` chose: the target and what was reached, then every linear in upgrade order."""
+    if budget is None:
+        return []
+    lines = [f"size budget: target {budget.target_bpw:g} bits/weight over the text linears' records (lm_head "
+             f"included, tables not), reached {budget.achieved_bpw:.3f} (possible {budget.min_bpw:.3f} to "
+             f"{budget.max_bpw:.3f}); sensitivity {budget.proxy}",
+             "  linear: chosen bits/block, score (loss at the base scheme) -> loss chosen, first upgrade's gain/byte"]
+    lines += [f"  {c.name}: {c.bits} bits, block {c.block}, score {c.score:.4g} -> {c.loss:.4g}, "
+              f"gain/byte {c.gain_per_byte:.4g}" for c in budget.choices]
+    return lines
+
+
 def _versions() -> dict[str, str]:
     out = {}
     for package in ("llmexport", "torch", "transformers", "MNN", "onnx", "safetensors"):
@@ -142,6 +157,8 @@ def write_manifest(out: Path, options: ExportOptions, plan: ExportPlan, adapter:
         manifest["lora"] = {**adapter.summary(), "sha256": {p.name: file_sha256(p) for p in adapter.files()}}
     if source is not None:
         manifest["source"] = source
+    if plan.budget is not None:
+        manifest["budget"] = plan.budget.to_json()
     (out / "manifest.json").write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
 
 

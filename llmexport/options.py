@@ -9,6 +9,7 @@ from pathlib import Path
 from llmexport.errors import UsageError
 from llmexport.mnn.config import RuntimeProfile
 from llmexport.mnn.limits import TABLE_BITS
+from llmexport.quant.budget import check_target
 from llmexport.quant.recipes import QuantPlan, QuantRule
 from llmexport.quant.scheme import QuantScheme
 
@@ -139,6 +140,10 @@ class ExportOptions:
 
     ``revision`` (``--revision``): the branch, tag or commit of a hub repo id given as the path
     (llmexport.hub); manifest.json records it, with the commit it resolved to, under ``source``.
+
+    ``target_bpw`` (``--target_bpw``) chooses each text linear's scheme, from ``quant`` upwards, by
+    sensitivity per byte until the linears' records average that many bits per weight
+    (llmexport.quant.budget, llmexport.size_budget). manifest.json records it only when set.
     """
 
     export: ExportFormat = ExportFormat.MNN
@@ -164,6 +169,7 @@ class ExportOptions:
     verify_text: VerifyText | None = None
     lora: Path | None = None
     revision: str | None = None
+    target_bpw: float | None = None
 
     #: fields that change how the export talks or runs, never what it writes (left out of manifest.json)
     PRESENTATION = ("quiet", "keep_failed", "max_memory", "verify_text")
@@ -204,10 +210,29 @@ class ExportOptions:
                 raise UsageError("--calib_data: only the MNN export stores quantized levels")
         if self.revision is not None and not self.revision.strip():
             raise UsageError("--revision: must name a branch, tag or commit, got an empty string")
+        if self.target_bpw is not None:
+            self._validate_budget()
         if not isinstance(self.chat_thinking, ChatThinking):
             raise UsageError(f"--chat_thinking: {self.chat_thinking!r} is not one of "
                              f"{', '.join(t.value for t in ChatThinking)}")
         return self
+
+    def _validate_budget(self) -> None:
+        """``--target_bpw`` is a number of bits the budget can spend, and nothing else chooses per linear."""
+        assert self.target_bpw is not None
+        try:
+            check_target(self.target_bpw)
+        except ValueError as exc:
+            raise UsageError(f"--target_bpw: {exc}") from None
+        if self.quant.is_fp16:
+            raise UsageError("--target_bpw: the budget upgrades linears from a quantized --quant_bit; 16 leaves none")
+        if self.export is not ExportFormat.MNN:
+            raise UsageError("--target_bpw: the budget counts MNN's quantized records; --export onnx writes floats")
+        for flag, conflict in (("--quant_config rules", self.rules), ("--lm_quant_bit/--lm_quant_block",
+                                                                     self.lm_quant)):
+            if conflict:
+                raise UsageError(f"--target_bpw: the budget chooses every linear's scheme; {flag} choose some "
+                                 "too (use one or the other)")
 
     def manifest_fields(self) -> dict:
         """The options that decide the exported bytes, as recorded in manifest.json."""
@@ -221,6 +246,8 @@ class ExportOptions:
             del fields["lora"]
         else:
             fields["lora"] = str(self.lora)
+        if self.target_bpw is None:  # likewise
+            del fields["target_bpw"]
         if self.calibration is None:
             del fields["calibration"]
         else:

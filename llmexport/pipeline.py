@@ -53,7 +53,7 @@ def run_export(path: Path, out: Path, options: ExportOptions, source: dict[str, 
     target = target_for(options.export)
     _, arch, prepared = _load(path, options, target)  # reading only: input errors, never output errors
     graph = arch.build_graph()
-    schemes = Schemes(arch, options)
+    schemes = Schemes(arch, options, target.record_bytes)
     timings["load"] = round(time.perf_counter() - start, 3)
     plan = export_plan(arch, options, schemes, target)
     assert plan.memory is not None  # export_plan estimates it
@@ -102,4 +102,4 @@ def dry_run(path: Path, options: ExportOptions) -> ExportPlan:
     """The plan of an export, computed without writing anything (after the same input checks)."""
     target = target_for(options.export)
     _, arch, _ = _load(path, options, target)
-    return export_plan(arch, options, Schemes(arch, options), target)
+    return export_plan(arch, options, Schemes(arch, options, target.record_bytes), target)

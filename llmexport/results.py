@@ -17,6 +17,7 @@ from typing import Any, Mapping, Sequence, TypeVar
 
 from llmexport.mnn.config import RuntimeProfile
 from llmexport.quality import QualityStats
+from llmexport.quant.budget import BudgetSummary
 from llmexport.quant.scheme import QuantMethod
 from llmexport.spec import ArchitectureSummary, LinearRole
 
@@ -165,7 +166,7 @@ class ExportPlan:
     """What an export writes (``--dry-run`` prints it): the architecture, each linear's scheme, the
     adjusted blocks, the tables and the exact size of the weight files; ``prequantized``: what a
     pre-quantized (MLX) checkpoint keeps as stored (llmexport.schemes.Schemes.prequantized); ``towers``:
-    each multimodal tower's linears and record bytes;
+    each multimodal tower's linears and record bytes; ``budget``: what ``--target_bpw`` chose and why;
     ``memory``: the expected peak memory of the export and its verification."""
 
     architecture: ArchitectureSummary
@@ -176,17 +177,19 @@ class ExportPlan:
     prequantized: PrequantizedSummary | None = None
     memory: MemoryPlan | None = None
     towers: Mapping[str, PlannedTower] = field(default_factory=dict)
+    budget: BudgetSummary | None = None
 
     @classmethod
     def from_json(cls, data: Mapping[str, Any]) -> ExportPlan:
-        memory, pre = data.get("memory"), data.get("prequantized")
+        memory, pre, budget = data.get("memory"), data.get("prequantized"), data.get("budget")
         return cls(ArchitectureSummary.from_json(data["architecture"]),
                    tuple(PlannedLinear.from_json(x) for x in data["linears"]),
                    tuple(AdjustedBlock.from_json(x) for x in data["adjusted_blocks"]),
                    {name: PlannedTable.from_json(t) for name, t in data["tables"].items()},
                    data["estimated_bytes"], None if pre is None else PrequantizedSummary.from_json(pre),
                    None if memory is None else MemoryPlan.from_json(memory),
-                   {name: PlannedTower.from_json(t) for name, t in data.get("towers", {}).items()})
+                   {name: PlannedTower.from_json(t) for name, t in data.get("towers", {}).items()},
+                   None if budget is None else BudgetSummary.from_json(budget))
 
     def to_json(self) -> dict[str, Any]:
         out = {"architecture": self.architecture.to_json(), "linears": [x.to_json() for x in self.linears],
@@ -199,6 +202,8 @@ class ExportPlan:
             out["prequantized"] = self.prequantized.to_json()
         if self.memory is not None:
             out["memory"] = self.memory.to_json()
+        if self.budget is not None:
+            out["budget"] = self.budget.to_json()
         return out
 
 

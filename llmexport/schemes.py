@@ -2,7 +2,8 @@
 
 * **text linears**: the options' default scheme, ``--quant_config`` / recipe rules (first match,
   llmexport.quant.recipes) and ``--lm_quant_bit``/``--lm_quant_block`` for lm_head; for a
-  pre-quantized (MLX, GPTQ, AWQ) checkpoint, its stored integers where MNN can hold them (below);
+  pre-quantized (MLX, GPTQ, AWQ) checkpoint, its stored integers where MNN can hold them (below); with
+  ``--target_bpw``, the size budget's choice from the scheme above upwards (llmexport.size_budget);
 * **tower linears**: ``--visual_quant_bit`` / ``--audio_quant_bit`` with the default's block, sym
   and method;
 * **the token table**: ``--embed_bit`` (else the recipe's, else bf16) at the default's block, or
@@ -46,6 +47,7 @@ from llmexport.mnn.limits import BLOCKS, FP16_BITS, LINEAR_BITS, QUANTIZED_TABLE
 from llmexport.mnn.token_table import JoinedColumns, token_table
 from llmexport.models.base import Architecture
 from llmexport.options import ExportOptions
+from llmexport.quant.budget import BudgetSummary
 from llmexport.quant.recipes import QuantPlan
 from llmexport.quant.scheme import QuantMethod, QuantScheme
 from llmexport.quant.transcode import transcode
@@ -103,7 +105,9 @@ def tower_scheme(options: ExportOptions, tower: str) -> QuantScheme:
 class Schemes:
     """The scheme of every linear (text and towers) and table of one export (module docstring)."""
 
-    def __init__(self, arch: Architecture, options: ExportOptions):
+    def __init__(self, arch: Architecture, options: ExportOptions,
+                 record_bytes: Callable[[LinearSpec, QuantScheme], int] | None = None):
+        """``record_bytes``: the target's bytes of one linear, which ``--target_bpw`` spends."""
         self.arch, self.options = arch, options
         weights = unmerged(arch.checkpoint.weights)
         self.imported = imported_store(weights)  # an MLX, GPTQ or AWQ checkpoint's store
@@ -114,12 +118,26 @@ class Schemes:
         if self.imported is not None and options.calibration is not None and not options.requantize:
             raise UsageError("--calib_data: this pre-quantized checkpoint keeps its stored integers; calibration "
                              "rounds the weights afresh, so it needs --requantize")
+        if self.imported is not None and options.target_bpw is not None and not options.requantize:
+            raise UsageError("--target_bpw: this pre-quantized checkpoint keeps its stored integers; the budget "
+                             "chooses how the weights are rounded afresh, so it needs --requantize")
         if self.imported is not None:
             self.choices = {spec.name: self._choose(self.imported, spec) for spec in arch.linears()}
+        self.budget: BudgetSummary | None = None
+        self.budgeted: dict[str, QuantScheme] = {}
+        if options.target_bpw is not None:
+            from llmexport.quant.methods import quantizers
+            from llmexport.size_budget import budget_schemes
+
+            assert record_bytes is not None, "--target_bpw spends the target's record bytes"
+            self.budget, self.budgeted = budget_schemes(arch, options, functools.partial(requested_scheme, options),
+                                                        record_bytes, quantizers(options.use_gpu))
 
     # --- linears ---------------------------------------------------------------------------------
     def linear(self, spec: LinearSpec) -> QuantScheme:
         """The scheme of one text-graph linear."""
+        if spec.name in self.budgeted:
+            return self.budgeted[spec.name]
         choice = self.choices.get(spec.name)
         return choice.scheme if choice is not None else requested_scheme(self.options, spec)
 
