@@ -112,15 +112,15 @@ class Schemes:
         weights = unmerged(arch.checkpoint.weights)
         self.imported = imported_store(weights)  # an MLX, GPTQ or AWQ checkpoint's store
         self.choices: dict[str, Choice] = {}
-        if self.imported is not None and options.lora is not None and not options.requantize:
-            raise UsageError("--lora_path: this pre-quantized checkpoint keeps its stored integers; an adapter "
-                             "changes the weights before they are quantized, so it needs --requantize")
-        if self.imported is not None and options.calibration is not None and not options.requantize:
-            raise UsageError("--calib_data: this pre-quantized checkpoint keeps its stored integers; calibration "
-                             "rounds the weights afresh, so it needs --requantize")
-        if self.imported is not None and options.target_bpw is not None and not options.requantize:
-            raise UsageError("--target_bpw: this pre-quantized checkpoint keeps its stored integers; the budget "
-                             "chooses how the weights are rounded afresh, so it needs --requantize")
+        if self.imported is not None and not options.requantize:
+            # options that change or re-round the weights: the stored integers cannot be kept
+            for flag, asked, why in (
+                    ("--lora_path", options.lora, "an adapter changes the weights before they are quantized"),
+                    ("--calib_data", options.calibration, "calibration rounds the weights afresh"),
+                    ("--target_bpw", options.target_bpw, "the budget chooses how the weights are rounded afresh")):
+                if asked is not None:
+                    raise UsageError(f"{flag}: this pre-quantized checkpoint keeps its stored integers; {why}, "
+                                     "so it needs --requantize")
         if self.imported is not None:
             self.choices = {spec.name: self._choose(self.imported, spec) for spec in arch.linears()}
         self.budget: BudgetSummary | None = None
