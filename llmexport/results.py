@@ -218,12 +218,18 @@ class StepStats(_PlainFields):
     top1_match: bool
     mnn_top1: int
     ref_top1: int
+    #: the reference's logit of its top-1 minus its logit of the runtime's top-1 (0 when they agree)
+    ref_gap: float
+    #: how far the step's noise can close that gap: what the two logits involved moved, each counted
+    #: up to the largest error measured on the rest of the vocabulary (llmexport.verification_logits)
+    noise_explains: float
 
     @property
     def flipped(self) -> bool:
-        """A top-1 disagreement that counts: the reference's own top-2 margin is not below the
-        error measured at this step (below it, the step is a near-tie)."""
-        return not self.top1_match and self.ref_top2_margin >= self.max_abs_err
+        """A top-1 disagreement that counts: the gap between the two logits involved is more than
+        their movements explain, as far as the step's noise elsewhere accounts for them (within
+        it, the step is a near-tie the measured noise flipped)."""
+        return not self.top1_match and self.ref_gap > self.noise_explains
 
 
 @dataclass(frozen=True)

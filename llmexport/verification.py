@@ -256,7 +256,7 @@ def stored_bits(stored: StoredTensors, prequantized: dict[str, Any] | None) -> s
 def judge(bounds: Bounds, oracle: LogitStats, tokenizer: TokenizerCheck, exact_kernels: LogitStats | None = None,
           towers: Mapping[str, TowerReport] | None = None) -> tuple[str, ...]:
     """The failures of a verification. A run passes when every teacher-forced step agrees on top-1
-    (unless the oracle's own top-2 margin is below the error measured at that step: a near-tie)
+    (unless the step's noise explains the flip: llmexport/verification_logits.py)
     and errors stay in bounds; judged for the shipped run and (fast profile) the exact-kernels run."""
     failures = run_failures("", oracle, bounds.max_abs_err, bounds.mean_abs_err)
     if exact_kernels is not None:

@@ -97,8 +97,7 @@ def compare_prompt(run: MediaRun, prompt_ids: list[int], greedy_ref: list[int], 
     prompt's label, fields and BOS count are ``check_media_prompts``'s to fill in).
 
     Failures follow the text verification's rule (llmexport/verification_logits.py): a
-    teacher-forced top-1 disagreement counts unless the oracle's own top-2 margin is below the
-    error measured at that step (a near-tie).
+    teacher-forced top-1 disagreement counts unless the step's noise explains it (a near-tie).
     """
     ids_match = run.ids == prompt_ids
     failures, forced, fp32 = [], None, None

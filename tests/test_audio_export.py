@@ -159,7 +159,7 @@ def test_summary_line_reports_a_failed_audio_prompt():
     )
     from llmexport.verification import judge
 
-    text = LogitStats(1.0, 1e-5, 1e-6, (StepStats(1e-5, 1e-6, 1.0, True, 1, 1),))
+    text = LogitStats(1.0, 1e-5, 1e-6, (StepStats(1e-5, 1e-6, 1.0, True, 1, 1, 0.0, 0.0),))
     prompt = MediaPromptReport(20, True, (3, 4), (3, 5), ("greedy tokens differ",),
                                LogitStats(0.5, 0.7, 0.1, ()), label="16017 samples")
     towers = {"audio": TowerReport(("audio prompt 16017 samples (HF framing): greedy tokens differ",), 1e-3, "clips",

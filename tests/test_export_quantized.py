@@ -35,7 +35,7 @@ def test_quantized_export_agrees_with_read_back_oracle(tiny_gemma4, tmp_path, sh
     print(f"\n{shape} {variant}: {summary_line(report)}")
     for stats in (report.oracle, report.exact_kernels):  # the shipped fast profile, and the exact kernels
         for step in stats.per_step:
-            assert step.top1_match or step.ref_top2_margin < step.max_abs_err, (stats, step)
+            assert not step.flipped, (stats, step)
     assert report.exact_kernels.max_abs_err < 0.2
     assert report.passed
 

@@ -72,19 +72,22 @@ def test_bounds_per_profile(bits, profile, expected):
     assert bounds_for_export(bits, profile) == expected
 
 
-def _run(max_abs: float, mean_abs: float, flips: int = 0, margin: float = 1.0) -> LogitStats:
-    steps = tuple(StepStats(max_abs, mean_abs, margin, i >= flips, 1, 2) for i in range(4))
+def _run(max_abs: float, mean_abs: float, flips: int = 0, gap: float = 1.0, explains: float = 0.0) -> LogitStats:
+    """Four steps, the first ``flips`` of them flipped with the reference's ``gap`` between the two
+    logits involved, of which the step's noise ``explains`` so much."""
+    steps = tuple(StepStats(max_abs, mean_abs, gap, i >= flips, 1, 2, gap if i < flips else 0.0,
+                            explains if i < flips else 0.0) for i in range(4))
     return LogitStats((4 - flips) / 4, max_abs, mean_abs, steps)
 
 
 @pytest.mark.parametrize("oracle, kernels, failing", [
     (_run(1.5, 0.2), _run(1e-4, 1e-5), []),                       # fast noise, exact graph: pass
-    (_run(1.5, 0.2, flips=2, margin=0.1), _run(1e-4, 1e-5), []),  # near-ties flipped by the noise
+    (_run(1.5, 0.2, flips=2, gap=0.1, explains=1.2), _run(1e-4, 1e-5), []),  # near-ties flipped by the noise
     (_run(0.5, 0.05), _run(0.3, 0.01), ["exact kernels: max abs"]),  # a wrong graph hiding in the noise
-    (_run(0.5, 0.05), _run(0.01, 0.001, flips=1, margin=0.5), ["exact kernels: step 0"]),
+    (_run(0.5, 0.05), _run(0.01, 0.001, flips=1, gap=0.5, explains=0.02), ["exact kernels: step 0"]),
     (_run(FAST_MAX_ABS_ERR, 0.1), _run(1e-4, 1e-5), ["max abs"]),
     (_run(2.0, FAST_MEAN_ABS_ERR), _run(1e-4, 1e-5), ["mean abs"]),
-    (_run(2.0, 0.2, flips=1, margin=3.0), _run(1e-4, 1e-5), ["step 0"]),
+    (_run(2.0, 0.2, flips=1, gap=3.0, explains=2.5), _run(1e-4, 1e-5), ["step 0"]),
 ])
 def test_judge_bounds_both_runs_of_a_fast_export(oracle, kernels, failing):
     bounds = bounds_for_export({4}, FAST)

@@ -27,28 +27,50 @@ def _unchanged(dst: Path) -> bool:
     return sorted(p.name for p in dst.iterdir()) == ["previous.txt"] and (dst / "previous.txt").read_text() == SENTINEL
 
 
-def _start_export(model: Path, dst: Path) -> subprocess.Popen:
-    return subprocess.Popen([*CLI, "--path", str(model), "--dst_path", str(dst), "--quant_bit", "4", "--hqq",
-                             "--quiet"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+#: the command line, held after its first weight record until a signal arrives: a marker file says the
+#: run is inside its staging folder with weights written, so no signal races the end of the export
+_HELD_EXPORT = textwrap.dedent("""
+    import sys, time
+    from pathlib import Path
+    from llmexport.mnn.weights import WeightFileWriter
+    marker, real_write = Path(sys.argv[1]), WeightFileWriter.write_linear
+    def write_and_hold(self, *args, **kwargs):
+        record = real_write(self, *args, **kwargs)
+        if not marker.exists():
+            self._file.flush()
+            marker.write_text("held")
+            time.sleep(600)  # the test's signal ends this
+        return record
+    WeightFileWriter.write_linear = write_and_hold
+    sys.argv = ["llmexport", *sys.argv[2:]]
+    from llmexport.cli import main
+    main()
+""")
 
 
-def _wait_for_weights(proc: subprocess.Popen, dst: Path, timeout: float = 180) -> bool:
-    """True once the run is writing weights into its staging folder."""
+def _start_export(model: Path, dst: Path, marker: Path) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-c", _HELD_EXPORT, str(marker), "--path", str(model), "--dst_path",
+                             str(dst), "--quant_bit", "4", "--hqq", "--quiet"], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+
+
+def _wait_until_held(proc: subprocess.Popen, dst: Path, marker: Path, timeout: float = 300) -> None:
+    """Returns once the run is held inside its first weight record, in its staging folder."""
     deadline = time.time() + timeout
-    while time.time() < deadline and proc.poll() is None:
-        partial = list(dst.parent.glob(f".{dst.name}.*.partial/llm.mnn.weight"))
-        if partial and partial[0].stat().st_size > 0:
-            return True
-        time.sleep(0.002)
-    return False
+    while not marker.exists():
+        assert proc.poll() is None, f"the export ended before it was held: {proc.communicate()}"
+        assert time.time() < deadline, "the export never reached its first weight record"
+        time.sleep(0.01)
+    partial = list(dst.parent.glob(f".{dst.name}.*.partial/llm.mnn.weight"))
+    assert partial and partial[0].stat().st_size > 0
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT, signal.SIGHUP])
 def test_termination_signals_clean_up_and_leave_dst_unchanged(wide_model, tmp_path, signum):
-    dst = make_old_dst(tmp_path)
-    proc = _start_export(wide_model, dst)
-    assert _wait_for_weights(proc, dst), "the export finished before it could be interrupted"
+    dst, marker = make_old_dst(tmp_path), tmp_path / "held"
+    proc = _start_export(wide_model, dst, marker)
+    _wait_until_held(proc, dst, marker)
     proc.send_signal(signum)
     _, err = proc.communicate(timeout=120)
     assert proc.returncode == 128 + signum, err
@@ -58,9 +80,9 @@ def test_termination_signals_clean_up_and_leave_dst_unchanged(wide_model, tmp_pa
 
 @pytest.mark.slow
 def test_sigkill_leftovers_are_reaped_by_the_next_run(wide_model, tiny_gemma4, tmp_path):
-    dst = make_old_dst(tmp_path)
-    proc = _start_export(wide_model, dst)
-    assert _wait_for_weights(proc, dst)
+    dst, marker = make_old_dst(tmp_path), tmp_path / "held"
+    proc = _start_export(wide_model, dst, marker)
+    _wait_until_held(proc, dst, marker)
     proc.kill()
     proc.wait()
     left = _leftovers(dst)

@@ -58,13 +58,13 @@ def test_a_verification_that_disagrees_still_discards_the_export(tiny_decoder, t
     assert not dst.exists()
 
 
-_FAILURE = "step 0: top-1 3 != 4 (margin 0.5000)"
+_FAILURE = "step 0: top-1 3 != 4 (gap 0.5000 > the 0.2000 the step's noise explains)"
 
 
 def _disagreeing(export_dir, model_path, raise_on_failure=False, **kwargs) -> VerifyReport:
     """verify_export whose verification ran and disagreed: verify.json written, then raised unless
     the caller keeps the report (``raise_on_failure=False``)."""
-    step = StepStats(1.5, 0.5, 0.5, False, 3, 4)
+    step = StepStats(1.5, 0.5, 0.5, False, 3, 4, 0.5, 0.2)
     stats = LogitStats(0.0, 1.5, 0.5, (step,))
     report = VerifyReport(40, 1, TokenizerCheck(True, 7, ()), RuntimeProfile.EXACT, RunComparison.of(stats, [4], [3]),
                           stats, Bounds("exact", 0.2), (_FAILURE,))
