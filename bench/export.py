@@ -87,13 +87,13 @@ def kernel_floor(checkpoint: Path, bits: int, block: int, embed_bit: int) -> flo
     """Bare quantization of every linear and table as the writers run it, reading excluded."""
     import torch
 
-    from llmexport.checkpoint import Checkpoint
-    from llmexport.loading import open_architecture
     from llmexport.mnn.token_table import token_table
     from llmexport.mnn.weights import _row_slices
     from llmexport.quant.rtn import quantize_rtn
     from llmexport.quant.scheme import QuantScheme
     from llmexport.quant.workers import map_ordered
+    from llmexport.source.checkpoint import Checkpoint
+    from llmexport.source.loading import open_architecture
 
     def timed(weight, bits: int, block: int, scale_dtype) -> float:
         start = time.perf_counter()

@@ -46,7 +46,7 @@ def bench_config(quick: bool, tiny: bool = False) -> dict:
 
 def export_pair(checkpoint: Path, work: Path, bits: int) -> dict[str, Path]:
     from llmexport import ExportOptions, export
-    from llmexport.models.k2_horizon import K2Horizon
+    from llmexport.models.k2_horizon.family import K2Horizon
     from llmexport.quant.scheme import QuantScheme
 
     outs = {}

@@ -86,7 +86,7 @@ def debug_graph(export_dir: Path, out: Path, head_dims: dict[int, int], scale: f
 
 
 def rewrite(arch, export_dir: Path, dtype: torch.dtype):
-    from llmexport.eager import placeholders
+    from llmexport.trace.eager import placeholders
 
     graph = arch.build_graph()
     by_name = {linear.name: linear for linear in placeholders(graph)}
@@ -125,11 +125,11 @@ def local_outputs(arch, export_dir: Path, args, mnn_layers: list[np.ndarray], dt
 
 
 def main(argv: list[str] | None = None) -> None:
-    from llmexport.checkpoint import Checkpoint
-    from llmexport.eager import prompt_inputs
-    from llmexport.loading import open_architecture
     from llmexport.mnn.runtime import run_module
     from llmexport.mnn.token_table import token_table
+    from llmexport.source.checkpoint import Checkpoint
+    from llmexport.source.loading import open_architecture
+    from llmexport.trace.eager import prompt_inputs
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("export", type=Path)

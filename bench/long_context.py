@@ -121,7 +121,7 @@ def fp64_upcasts():
     position and fp32 inverse frequency (HF computes them in fp32, and so does the graph: both
     runtimes get the same angles), and their cos/sin are taken in fp64. Attention is computed
     QUERY_CHUNK queries at a time (same math)."""
-    import llmexport.ops as ops
+    import llmexport.trace.ops as ops
 
     to_float, reference = torch.Tensor.float, ops.attention_reference
     cos, sin = torch.Tensor.cos, torch.Tensor.sin
@@ -167,7 +167,7 @@ class _ChunkedHead(torch.nn.Module):
 
 def exact_graph(arch, export_dir: Path, tables):
     """The family's rewrite in fp64 with the export's stored weights: (graph, embedding, PLE)."""
-    from llmexport.eager import placeholders
+    from llmexport.trace.eager import placeholders
 
     graph = arch.build_graph()
     by_name = {linear.name: linear for linear in placeholders(graph)}
@@ -188,7 +188,7 @@ def exact_graph(arch, export_dir: Path, tables):
 
 
 def exact_logits(arch, graph, embedding, ple, ids: list[int], n: int) -> np.ndarray:
-    from llmexport.eager import prompt_inputs
+    from llmexport.trace.eager import prompt_inputs
 
     args = list(prompt_inputs(arch, torch.tensor(ids), embedding, ple, all_logits=False))
     args[3] = torch.tensor([len(ids) - n], dtype=torch.int32)  # logits of the last n positions
@@ -210,11 +210,11 @@ class _LastPositions(torch.nn.Module):
 
 
 def load_hf(arch, export_dir: Path):
-    """HF's model in fp32 carrying the stored weights, streamed (llmexport.streamed_reference: one
+    """HF's model in fp32 carrying the stored weights, streamed (llmexport.reference.streamed: one
     layer's weights in memory at a time)."""
-    from llmexport.checkpoint import CheckpointTensors
     from llmexport.mnn.readback import StoredTensors
-    from llmexport.streamed_reference import streamed_reference
+    from llmexport.reference.streamed import streamed_reference
+    from llmexport.source.checkpoint import CheckpointTensors
 
     return streamed_reference(arch, StoredTensors(export_dir, arch, CheckpointTensors(arch.checkpoint.weights)))
 
@@ -237,8 +237,8 @@ def compare(a: np.ndarray, b: np.ndarray) -> dict:
 
 def measure(checkpoint: Path, export_dir: Path, lengths: list[int], forced: int, attentions: list[str],
             eager_max: int) -> dict:
-    from llmexport.checkpoint import Checkpoint
-    from llmexport.loading import open_architecture
+    from llmexport.source.checkpoint import Checkpoint
+    from llmexport.source.loading import open_architecture
 
     arch = open_architecture(Checkpoint.open(checkpoint))
     tables = stored_tables(export_dir, arch)

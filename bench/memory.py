@@ -4,7 +4,7 @@
 
 - the export runs as ``llmexport`` in a child process; the resident memory of its process tree
   (the export and the converter it starts) is sampled every 10 ms, and its peak is reported per
-  stage (from the stage log lines) beside ``plan.memory.export_bytes`` (llmexport/memory_plan.py);
+  stage (from the stage log lines) beside ``plan.memory.export_bytes`` (llmexport/planning/memory_plan.py);
 - ``--runtime``: MNN's runtime child (llmexport/mnn/runtime.py, as verification runs it: a
   ``--prompt``-token prompt, 24 forced and 24 greedy steps) on the export, with the shipped
   config.json and on the exact kernels, beside ``memory_plan.plan_runtime_bytes``.
@@ -92,7 +92,7 @@ def main() -> None:
     parser.add_argument("--runtime", action="store_true")
     parser.add_argument("--prompt", type=int, default=520)
     args, flags = parser.parse_known_args()
-    from llmexport.memory_plan import plan_runtime_bytes
+    from llmexport.planning.memory_plan import plan_runtime_bytes
 
     plan = _plan(args.checkpoint, flags)
     out = Path(tempfile.mkdtemp(prefix="llmexport-bench-")) / "out"

@@ -34,8 +34,8 @@ from quality import CALIBRATION_TEXT, SCHEMES, export, reference_logits, weight_
 
 from llmexport.mnn.config import PROFILE_KEYS, RuntimeProfile  # noqa: E402
 from llmexport.mnn.runtime import run_windows  # noqa: E402
-from llmexport.quality import compare, windows  # noqa: E402
 from llmexport.tiny.trained import RECIPES, bos_id, default_corpus, encode, trained_checkpoint  # noqa: E402
+from llmexport.verification.quality import compare, windows  # noqa: E402
 
 #: norm -> the linears it feeds, in a Llama decoder layer
 FEEDS = {"input_layernorm": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),

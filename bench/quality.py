@@ -11,7 +11,7 @@ windows, each window in a fresh runtime instance (first token, then one token at
 both runtime profiles. The exports are made once per scheme: ``--runtime_profile`` only writes
 the memory mode into config.json (llmexport/mnn/config.py PROFILE_KEYS), which is given to the
 runtime here instead. Reported per (model, scheme, profile), with llama.cpp's definitions
-(llmexport/quality.py): PPL of HF fp32 and of MNN, KLD(HF fp32 || MNN) mean and 99th percentile,
+(llmexport/verification/quality.py): PPL of HF fp32 and of MNN, KLD(HF fp32 || MNN) mean and 99th percentile,
 top-1 agreement, the weight files' size and bits per weight (8 x those bytes / the model's
 parameter count). The ``-gptq``, ``-awq`` and ``-smooth`` schemes calibrate (``--calib_data``, with
 ``--calib_method``) on the training text (and ``bpw5.04-gptq`` measures its sensitivities there too).
@@ -35,9 +35,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from llmexport.mnn.config import LLM_WEIGHT, PROFILE_KEYS, RuntimeProfile  # noqa: E402
 from llmexport.mnn.runtime import run_windows  # noqa: E402
-from llmexport.quality import QualityStats, compare, windows  # noqa: E402
 from llmexport.tiny.corpus import CorpusError  # noqa: E402
 from llmexport.tiny.trained import RECIPES, bos_id, default_corpus, encode, trained_checkpoint  # noqa: E402
+from llmexport.verification.quality import QualityStats, compare, windows  # noqa: E402
 
 #: GPTQ calibration on 32 windows of 128 tokens of the *training* text (CALIBRATION_TEXT is the
 #: file's place in the flags; the held-out text that is scored is never calibrated on)
@@ -59,7 +59,7 @@ SCHEMES: dict[str, list[str]] = {
     "q4-lm8": ["--quant_bit", "4", "--lm_quant_bit", "8"],
     "q4-gptq-lm8": ["--quant_bit", "4", "--lm_quant_bit", "8", *CALIBRATION],
     # a size budget 12% above uniform q4's 4.5 bits per weight (block 64: 4 bits + an fp16 scale and
-    # zero per 64 weights), each linear's scheme chosen by measured KLD (llmexport/size_budget.py)
+    # zero per 64 weights), each linear's scheme chosen by measured KLD (llmexport/calibration/size_budget.py)
     "bpw5.04": ["--quant_bit", "4", "--target_bpw", "5.04"],
     "bpw5.04-gptq": ["--quant_bit", "4", "--target_bpw", "5.04", *CALIBRATION],
 }

@@ -19,7 +19,7 @@ Everything is measured in this one run, side by side, and printed as ratios:
 - fidelity on a fixed chat-templated prompt: each export teacher-forced along the greedy
   continuation of the HF model carrying exactly the weights the export stored (max |dlogit|, mean,
   top-1 agreement), and against the fp32 HF model. Both are streamed references
-  (llmexport.streamed_reference: one decoder layer in memory at a time).
+  (llmexport.reference.streamed: one decoder layer in memory at a time).
   MNN's exporter names its records its own way, and a variant stores other weights, so those are
   compared with fp32 HF only.
 """
@@ -134,14 +134,14 @@ def _fidelity(checkpoint: Path, exports: dict[str, Path], work: Path, steps: int
     import torch
     from transformers import AutoTokenizer
 
-    from llmexport.checkpoint import Checkpoint, CheckpointTensors
-    from llmexport.loading import open_architecture
     from llmexport.mnn.readback import StoredTensors
     from llmexport.mnn.runtime import run_runtime
-    from llmexport.streamed_reference import streamed_reference
-    from llmexport.verification import default_prompt
-    from llmexport.verification_logits import compare_logits
-    from llmexport.verification_media import reference_greedy
+    from llmexport.reference.streamed import streamed_reference
+    from llmexport.source.checkpoint import Checkpoint, CheckpointTensors
+    from llmexport.source.loading import open_architecture
+    from llmexport.verification.logits import compare_logits
+    from llmexport.verification.media import reference_greedy
+    from llmexport.verification.verify import default_prompt
 
     arch = open_architecture(Checkpoint.open(checkpoint))
     prompt = default_prompt(AutoTokenizer.from_pretrained(checkpoint), PROMPT_TOKENS)
@@ -199,7 +199,7 @@ def _report(result: dict) -> None:
 
 
 def main() -> None:
-    from llmexport.export_plan import file_sha256
+    from llmexport.planning.export_plan import file_sha256
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("checkpoint", type=Path, nargs="?", default=Path("/work/ckpt/e2b-12"))

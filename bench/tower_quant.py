@@ -85,8 +85,8 @@ def build_model(seed: int):
 
 def tower_linears(model, tower: str) -> list[str]:
     """Checkpoint names of the weights the export quantizes for ``tower`` (its own list)."""
-    from llmexport.models.gemma4_audio import audio_linears, parse_audio_args
-    from llmexport.models.gemma4_vision import parse_vision_args, vision_linears
+    from llmexport.models.gemma4.audio import audio_linears, parse_audio_args
+    from llmexport.models.gemma4.vision import parse_vision_args, vision_linears
 
     weights = _Weights(model.state_dict())
     config = model.config.to_dict()

@@ -8,7 +8,7 @@ sampled every 50 ms (/proc: the process alone, and with every process it starts:
 during the export, MNN's runtime during verification):
 - the export: ``llmexport --path CHECKPOINT --dst_path OUT`` with the given scheme, no ``--verify``;
 - the verification of that export: ``llmexport.verify(OUT, CHECKPOINT)``, what ``--verify`` runs
-  after an export (the streamed HF references, llmexport/streamed_reference.py; the runtime's
+  after an export (the streamed HF references, llmexport/reference/streamed.py; the runtime's
   single-prompt runs, the conversation, the towers);
 - the report: wall times and their ratio, peak RSS of each process alone and of its tree, the
   verification's peak above the export's, and the verification's own summary line.
@@ -37,7 +37,7 @@ _VERIFY = """
 import json, sys, time
 import llmexport
 report = llmexport.verify(sys.argv[1], sys.argv[2])
-from llmexport.verification import summary_line
+from llmexport.verification.verify import summary_line
 print("SUMMARY " + summary_line(report))
 print("PASSED " + json.dumps(report.passed))
 """

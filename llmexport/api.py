@@ -1,7 +1,7 @@
 """Python API: ``export(path, dst, options)``, ``plan(path, options)`` and ``verify(dst, path)``.
 
 The export is built in a folder beside ``dst`` and swapped into place only when every stage (and
-verification, if asked) succeeded, so ``dst`` never holds a half-written model (llmexport.staging).
+verification, if asked) succeeded, so ``dst`` never holds a half-written model (llmexport.targets.staging).
 The results are typed (llmexport.results): ``ExportResult``, ``ExportPlan`` and ``VerifyReport``,
 each with ``to_json()``.
 """
@@ -24,7 +24,7 @@ def export(path: str | os.PathLike, dst: str | os.PathLike, options: ExportOptio
 
     ``path`` is a folder, or a hub repo id (``org/name``, at ``options.revision``) that is not an
     existing path: its safetensors, configs and tokenizer files are downloaded into huggingface_hub's
-    cache first (llmexport.hub), and manifest.json records the repo and the commit.
+    cache first (llmexport.source.hub), and manifest.json records the repo and the commit.
 
     ``dst`` must not overlap ``path`` (nor be the current folder, one of its parents, the home or
     the root folder): that is refused before any work. The export is built beside ``dst`` and
@@ -34,9 +34,9 @@ def export(path: str | os.PathLike, dst: str | os.PathLike, options: ExportOptio
     ``keep_failed``, a verification that disagrees does not raise: the export is kept and the
     result's ``verification.passed`` is False.
     """
-    from llmexport.hub import resolve_source
     from llmexport.pipeline import run_export
-    from llmexport.staging import StagedExport, resolve_destination
+    from llmexport.source.hub import resolve_source
+    from llmexport.targets.staging import StagedExport, resolve_destination
 
     options = (options or ExportOptions()).validate()
     resolve_destination(dst, None)  # a destination refused for itself is refused before any download
@@ -51,9 +51,9 @@ def export(path: str | os.PathLike, dst: str | os.PathLike, options: ExportOptio
 def plan(path: str | os.PathLike, options: ExportOptions | None = None) -> ExportPlan:
     """What ``export`` would do (architecture, per-module schemes, exact size); writes nothing. For
     a hub repo id only the small files are downloaded (into huggingface_hub's cache) and each
-    weight file's header is read with Range requests (llmexport.hub.planning_folder)."""
-    from llmexport.hub import planning_folder
+    weight file's header is read with Range requests (llmexport.source.hub.planning_folder)."""
     from llmexport.pipeline import dry_run
+    from llmexport.source.hub import planning_folder
 
     options = (options or ExportOptions()).validate()
     with planning_folder(path, options.revision, options.quiet) as folder:
@@ -64,7 +64,7 @@ def verify(dst: str | os.PathLike, path: str | os.PathLike, revision: str | None
     """Run an exported folder in MNN's runtime beside the HF checkpoint it came from; the report is
     also written to ``dst/verify.json`` (``path`` may be a hub repo id, at ``revision``;
     ``trust_remote_code=True`` is needed for families whose reference is the checkpoint's own code)."""
-    from llmexport.hub import resolve_source
-    from llmexport.verification import verify_export
+    from llmexport.source.hub import resolve_source
+    from llmexport.verification.verify import verify_export
 
     return verify_export(Path(dst), resolve_source(path, revision).folder, **kwargs)

@@ -203,8 +203,8 @@ def _run(command: ExportCommand) -> ExportResult | None:
 
     options = export_options(command)
     if command.dry_run:
-        from llmexport.export_plan import plan_summary
-        from llmexport.memory_plan import fit_line
+        from llmexport.planning.export_plan import plan_summary
+        from llmexport.planning.memory_plan import fit_line
 
         planned = plan(command.path, options)
         click.echo(plan_summary(planned))
@@ -314,6 +314,6 @@ def _report(result: ExportResult, quiet: bool) -> None:
     click.echo(f"exported {arch.family} ({arch.layers} layers) to {result.dst}")
     click.echo("stages (s): " + json.dumps(result.timings))
     if result.verification is not None:
-        from llmexport.verification import summary_line
+        from llmexport.verification.verify import summary_line
 
         click.echo("verify: " + summary_line(result.verification))

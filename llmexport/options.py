@@ -21,7 +21,7 @@ class ExportFormat(str, Enum):
 
 class ChatThinking(str, Enum):
     """The chat template's thinking mode, written to llm_config.json as ``jinja.context.enable_thinking``
-    (the variable Gemma4's and Qwen3's templates read; see llmexport.models.gemma4_chat_template).
+    (the variable Gemma4's and Qwen3's templates read; see llmexport.models.gemma4.chat_template).
     ``DEFAULT`` writes nothing: the template's own default (Gemma4: off, its generation prompt ends
     with an empty thought channel; Qwen3: on). The runtime can switch it later with
     ``Llm.set_config({"jinja": {"context": {"enable_thinking": ...}}})``."""
@@ -38,7 +38,7 @@ class ChatThinking(str, Enum):
 class CalibMethod(str, Enum):
     """What ``--calib_data`` drives (``--calib_method``): per-channel scales folded into the op
     before each group of linears, chosen by AWQ's search or SmoothQuant's rule
-    (llmexport.activation_scaling), then, or instead, GPTQ's rounding (llmexport.calibration)."""
+    (llmexport.calibration.activation_scaling), then, or instead, GPTQ's rounding (llmexport.calibration.gptq)."""
 
     GPTQ = "gptq"
     AWQ = "awq"
@@ -60,7 +60,7 @@ class CalibMethod(str, Enum):
 @dataclass(frozen=True)
 class Calibration:
     """Calibration (``--calib_data``): ``samples`` windows of ``seq_len`` tokens cut from the text
-    of ``data`` (plain text, or JSONL with a "text" field per line; llmexport.calibration_data),
+    of ``data`` (plain text, or JSONL with a "text" field per line; llmexport.calibration.data),
     used as ``method`` says; ``smooth_alpha``: SmoothQuant's migration strength."""
 
     data: Path
@@ -90,7 +90,7 @@ class Calibration:
 @dataclass(frozen=True)
 class VerifyText:
     """``--verify_text``: ``windows`` windows of ``length`` tokens of a text the user gives, scored
-    by ``--verify`` in MNN's runtime and HF fp32 (perplexity, KLD, top-1: llmexport.quality)."""
+    by ``--verify`` in MNN's runtime and HF fp32 (perplexity, KLD, top-1: llmexport.verification.quality)."""
 
     path: Path
     windows: int = 16
@@ -114,7 +114,7 @@ class ExportOptions:
     ``runtime_profile`` picks the runtime's kernels for quantized linears (written to config.json).
 
     An already-quantized (MLX, GPTQ, AWQ) checkpoint keeps its stored integers per module by default (see
-    llmexport.schemes): explicit rules, ``lm_quant`` and ``embed_bit`` override that for
+    llmexport.planning.schemes): explicit rules, ``lm_quant`` and ``embed_bit`` override that for
     what they name, and ``requantize`` dequantizes everything and applies the scheme above.
 
     ``trust_remote_code`` lets ``verify`` run a checkpoint's own modeling code where the family's
@@ -123,27 +123,27 @@ class ExportOptions:
     ``keep_failed`` keeps an export whose verification ran and disagreed (swapped into place,
     ``verify.json`` holding the failures) instead of discarding it. ``max_memory`` (GiB) replaces
     the machine's available memory in the check that refuses an export (or its verification)
-    whose estimated peak would not fit (llmexport.memory_plan).
+    whose estimated peak would not fit (llmexport.planning.memory_plan).
 
     ``calibration`` (``--calib_data``) rounds the quantized text linears with GPTQ on the
-    checkpoint's own activations over that text (llmexport.calibration); None: the scheme's method alone.
+    checkpoint's own activations over that text (llmexport.calibration.gptq); None: the scheme's method alone.
 
     ``verify_text`` (``--verify_text``) adds perplexity, KLD and top-1 on the user's text to the
     verification (not a pass/fail criterion).
 
     ``lora`` (``--lora_path``): a PEFT LoRA adapter folder merged into the weights as they stream,
-    before quantization; ``--verify``'s HF reference carries the same merged weights (llmexport.lora).
+    before quantization; ``--verify``'s HF reference carries the same merged weights (llmexport.source.lora).
 
     ``approximate_ignore_merges`` exports a tokenizer whose ``ignore_merges`` words MNN's runtime
     cannot reach (Llama-3) instead of refusing it; the measured difference is logged and recorded
-    in verify.json (llmexport/mnn/tokenizer_whole_words.py). manifest.json records it only when set.
+    in verify.json (llmexport/mnn/tokenizer/whole_words.py). manifest.json records it only when set.
 
     ``revision`` (``--revision``): the branch, tag or commit of a hub repo id given as the path
-    (llmexport.hub); manifest.json records it, with the commit it resolved to, under ``source``.
+    (llmexport.source.hub); manifest.json records it, with the commit it resolved to, under ``source``.
 
     ``target_bpw`` (``--target_bpw``) chooses each text linear's scheme, from ``quant`` upwards, by
     sensitivity per byte until the linears' records average that many bits per weight
-    (llmexport.quant.budget, llmexport.size_budget). manifest.json records it only when set.
+    (llmexport.quant.budget, llmexport.calibration.size_budget). manifest.json records it only when set.
     """
 
     export: ExportFormat = ExportFormat.MNN

@@ -1,6 +1,6 @@
 """The export, in order, writing into a staging folder.
 
-HF folder -> Architecture -> every scheme decided (llmexport/schemes.py) -> the plan and its
+HF folder -> Architecture -> every scheme decided (llmexport/planning/schemes.py) -> the plan and its
 memory check -> the target of ``--export`` writes its files (llmexport/targets/: MNN or ONNX)
 -> ``--verify`` -> manifest.json.
 """
@@ -14,16 +14,16 @@ import time
 from pathlib import Path
 from typing import Any
 
-from llmexport.checkpoint import Checkpoint
 from llmexport.errors import ConversionError, ResourceError, UsageError
-from llmexport.export_plan import export_plan, write_manifest
-from llmexport.loading import open_architecture
-from llmexport.lora import adapter_of
-from llmexport.memory_plan import check_fits
 from llmexport.models.base import Architecture
 from llmexport.options import ExportOptions
+from llmexport.planning.export_plan import export_plan, write_manifest
+from llmexport.planning.memory_plan import check_fits
+from llmexport.planning.schemes import Schemes
 from llmexport.results import ExportPlan, ExportResult, VerifyReport
-from llmexport.schemes import Schemes
+from llmexport.source.checkpoint import Checkpoint
+from llmexport.source.loading import open_architecture
+from llmexport.source.lora import adapter_of
 from llmexport.targets import ExportJob, OutputTarget, stage, target_for
 
 log = logging.getLogger(__name__)
@@ -47,7 +47,7 @@ def _load(path: Path, options: ExportOptions, target: OutputTarget) -> tuple[Che
 
 def run_export(path: Path, out: Path, options: ExportOptions, source: dict[str, Any] | None = None) -> ExportResult:
     """The export of the checkpoint folder ``path`` into ``out``; ``source``: where the folder came
-    from (a hub repo and commit, llmexport.hub), recorded in manifest.json."""
+    from (a hub repo and commit, llmexport.source.hub), recorded in manifest.json."""
     timings: dict[str, float] = {}
     start = time.perf_counter()
     target = target_for(options.export)
@@ -82,7 +82,7 @@ def _verify(out: Path, path: Path, options: ExportOptions) -> tuple[VerifyReport
     """The verification report, or why it could not run: a finished export is never discarded
     for that (verify.json records the reason); a verification that ran and disagreed raises,
     unless ``keep_failed`` (then the failing report comes back and the export is kept)."""
-    from llmexport.verification import verify_export
+    from llmexport.verification.verify import verify_export
 
     try:
         return verify_export(out, path, raise_on_failure=not options.keep_failed,

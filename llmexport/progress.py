@@ -25,7 +25,7 @@ def _in_notebook() -> bool:
 
 def bars_wanted(quiet: bool) -> bool:
     """Whether progress is drawn as bars (a terminal or a notebook, not ``--quiet``); also asked for
-    huggingface_hub's download bars (llmexport.hub)."""
+    huggingface_hub's download bars (llmexport.source.hub)."""
     return not quiet and (sys.stderr.isatty() or _in_notebook())
 
 

@@ -16,10 +16,10 @@ from pathlib import Path
 from typing import Any, Mapping, Sequence, TypeVar
 
 from llmexport.mnn.config import RuntimeProfile
-from llmexport.quality import QualityStats
 from llmexport.quant.budget import BudgetSummary
 from llmexport.quant.scheme import QuantMethod
 from llmexport.spec import ArchitectureSummary, LinearRole
+from llmexport.verification.quality import QualityStats
 
 __all__ = ["ArchitectureSummary"]  # the families make it (llmexport.spec); the plan carries it
 
@@ -106,7 +106,7 @@ class PrequantizedTable(_PlainFields):
 @dataclass(frozen=True)
 class PrequantizedSummary:
     """What a pre-quantized (MLX) checkpoint keeps as stored and what it does not, with the reasons
-    (llmexport.schemes.Schemes.prequantized; the plan, ``--dry-run`` and the manifest)."""
+    (llmexport.planning.schemes.Schemes.prequantized; the plan, ``--dry-run`` and the manifest)."""
 
     format: str
     default: str
@@ -133,7 +133,7 @@ class PrequantizedSummary:
 
 @dataclass(frozen=True)
 class MemoryPlan(_PlainFields):
-    """Expected peak resident memory, in bytes (llmexport.memory_plan): of the export, of
+    """Expected peak resident memory, in bytes (llmexport.planning.memory_plan): of the export, of
     ``--verify`` (None when the export is not verified) and of its optional run on MNN's exact
     kernels (a fast export with quantized linears; skipped, and reported, where it does not fit)."""
 
@@ -165,7 +165,7 @@ class PlannedTower:
 class ExportPlan:
     """What an export writes (``--dry-run`` prints it): the architecture, each linear's scheme, the
     adjusted blocks, the tables and the exact size of the weight files; ``prequantized``: what a
-    pre-quantized (MLX) checkpoint keeps as stored (llmexport.schemes.Schemes.prequantized); ``towers``:
+    pre-quantized (MLX) checkpoint keeps as stored (llmexport.planning.schemes.Schemes.prequantized); ``towers``:
     each multimodal tower's linears and record bytes; ``budget``: what ``--target_bpw`` chose and why;
     ``memory``: the expected peak memory of the export and its verification."""
 
@@ -221,7 +221,7 @@ class StepStats(_PlainFields):
     #: the reference's logit of its top-1 minus its logit of the runtime's top-1 (0 when they agree)
     ref_gap: float
     #: how far the step's noise can close that gap: what the two logits involved moved, each counted
-    #: up to the largest error measured on the rest of the vocabulary (llmexport.verification_logits)
+    #: up to the largest error measured on the rest of the vocabulary (llmexport.verification.logits)
     noise_explains: float
 
     @property
@@ -296,7 +296,7 @@ class TokenizerCheck:
     """The runtime's tokenizer against HF's on the sample texts and the prompt.
 
     ``ignore_merges``: with ``--approximate_ignore_merges``, the accepted difference measured at
-    export (llmexport/mnn/tokenizer_whole_words.py) and ``approximated``: the samples on which the
+    export (llmexport/mnn/tokenizer/whole_words.py) and ``approximated``: the samples on which the
     runtime gives HF's ids without the whole-word lookup (not counted as mismatches)."""
 
     agree: bool
@@ -321,7 +321,7 @@ class TokenizerCheck:
 @dataclass(frozen=True)
 class Bounds(_PlainFields):
     """Pass criteria against the stored-weights oracle, for the runtime profile an export ships
-    (chosen by llmexport.verification.bounds_for_export, calibrated in docs/verification.md).
+    (chosen by llmexport.verification.verify.bounds_for_export, calibrated in docs/verification.md).
 
     ``max_abs_err`` / ``mean_abs_err`` bound the run with the shipped config.json;
     ``kernels_max_abs_err`` bounds the run on MNN's exact kernels that a fast export with
@@ -346,7 +346,7 @@ class ConversationTurn:
     tokenization of the history differs from HF's (None: equal); ``streamed_text``: what the
     runtime streams for its answer; ``decoded_text``: HF's ``decode(answer, skip_special_tokens=True)``
     of the same ids; ``text_difference``: the kinds of a difference between the two
-    (llmexport.mnn.tokenizer_stream: known ones, or ``unexplained``; empty when equal);
+    (llmexport.mnn.tokenizer.stream: known ones, or ``unexplained``; empty when equal);
     ``oracle``: greedy answers (the stored-weights oracle's, the runtime's) and the teacher-forced
     statistics on the oracle's answer; ``fp32``: the same run against the fp32 HF model;
     ``exact_kernels``: the exact-kernels run of a fast export with quantized linears.
@@ -440,7 +440,7 @@ class ConversationCheck:
 @dataclass(frozen=True)
 class MediaPromptReport:
     """One media prompt through MNN's runtime against HF's full model on it
-    (llmexport/verification_media.py).
+    (llmexport/verification/media.py).
 
     ``ids_match``: the runtime's prompt ids are HF's processor's; ``greedy_ref`` / ``greedy_mnn``:
     each side's greedy tokens, through the first media token (``stopped_at_media_token``: that ended
@@ -497,7 +497,7 @@ class MediaPromptReport:
 
 @dataclass(frozen=True)
 class TowerReport:
-    """One tower's section of ``verify.json`` (llmexport/verification_towers.py), ``passed`` when
+    """One tower's section of ``verify.json`` (llmexport/verification/towers.py), ``passed`` when
     nothing failed: the tower graph alone on each case of its ``TowerCheck`` against HF's features
     (``cases``, written under ``cases_key``: each case's own fields, then its measures, as the
     check names them), and its media prompts; ``notes``: the check's fields, reported as they are.

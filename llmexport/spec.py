@@ -2,9 +2,9 @@
 quantized weights, the quantizer type, a family's summary of itself, and the small protocols by
 which a weight store and an exported model's tables are read.
 
-This module imports nothing of llmexport at run time (``LazyTensor`` only for type checking), so
-that the checkpoint readers, importers, model families, quantizers, the MNN writer and
-verification may all depend on it without depending on each other.
+This module imports nothing of llmexport, so that the checkpoint readers, importers, model
+families, quantizers, the MNN writer and verification may all depend on it without depending on
+each other.
 """
 
 from __future__ import annotations
@@ -13,13 +13,10 @@ import re
 from dataclasses import dataclass, field
 from enum import Enum
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Mapping, Optional, Protocol
+from typing import Any, Callable, Iterator, Mapping, Optional, Protocol
 
 import torch
 from torch import nn
-
-if TYPE_CHECKING:
-    from llmexport.checkpoint import LazyTensor
 
 
 # --- linears of the graph -----------------------------------------------------------------------
@@ -65,7 +62,7 @@ class NormFormula(str, Enum):
 @dataclass(frozen=True)
 class ScaleGroup:
     """Linears of one layer that read the same input, and the op before them that can absorb a
-    per-channel scale of that input (activation-aware scaling, llmexport/folding.py).
+    per-channel scale of that input (activation-aware scaling, llmexport/calibration/folding.py).
 
     ``linears``: the placeholder linears reading the input. The input is the output of ``norm``
     (the checkpoint tensor of its weight, applied by ``formula``), or, with ``producer``, of the
@@ -166,7 +163,7 @@ class QuantInfo:
 @dataclass(frozen=True)
 class Precomputed:
     """A linear whose levels and alpha were chosen before the writer reached it (GPTQ calibration,
-    llmexport.calibration): the writer stores ``result`` as it is, row slice by row slice."""
+    llmexport.calibration.gptq): the writer stores ``result`` as it is, row slice by row slice."""
 
     result: QuantizedTensor
 
@@ -246,9 +243,29 @@ class Prequantized:
 
 
 # --- what readers and writers see of checkpoints and exports --------------------------------------
+class LazyRows(Protocol):
+    """A tensor left on disk, read whole, by rows or in row chunks on demand (what a weight store
+    offers for its big tables; ``llmexport.source.checkpoint.LazyTensor`` is the safetensors one)."""
+
+    name: str
+    shape: torch.Size
+    dtype: torch.dtype
+
+    @property
+    def row_bytes(self) -> int: ...
+
+    def read(self) -> torch.Tensor: ...
+
+    def rows(self, start: int, stop: int) -> torch.Tensor: ...
+
+    def row_chunks(self, max_bytes: int = 64 << 20) -> Iterator[torch.Tensor]: ...
+
+    def take(self, ids: torch.Tensor) -> torch.Tensor: ...
+
+
 class WeightStore(Protocol):
     """Named tensors of a checkpoint, left on disk until read: what ``SafetensorsIndex`` offers and
-    an importer (``llmexport.importers``) offers in HF names over another format."""
+    an importer (``llmexport.source.importers``) offers in HF names over another format."""
 
     #: the folder the tensors are read from (None for stores built in memory)
     folder: Path | None
@@ -261,13 +278,13 @@ class WeightStore(Protocol):
 
     def dtype(self, name: str) -> torch.dtype: ...
 
-    def lazy(self, name: str) -> "LazyTensor": ...
+    def lazy(self, name: str) -> LazyRows: ...
 
     def tensor(self, name: str) -> torch.Tensor: ...
 
 
 class PrequantizedStore(WeightStore, Protocol):
-    """A ``WeightStore`` over a checkpoint another tool quantized (``llmexport.importers``): values
+    """A ``WeightStore`` over a checkpoint another tool quantized (``llmexport.source.importers``): values
     come back dequantized (fp32); these methods tell which tensors were stored as integers, in which
     format, and hand those integers over."""
 
@@ -346,9 +363,9 @@ class ModelTables(Protocol):
     @property
     def tied_embedding(self) -> bool: ...
 
-    def embedding_table(self) -> "LazyTensor": ...
+    def embedding_table(self) -> LazyRows: ...
 
-    def ple_table(self) -> "LazyTensor | None": ...
+    def ple_table(self) -> LazyRows | None: ...
 
 
 class SourcedModel(ModelTables, Protocol):

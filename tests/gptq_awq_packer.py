@@ -1,5 +1,5 @@
 """GPTQ and AWQ checkpoints written by hand, from the published formats (test-side; independent of
-llmexport's reader in llmexport/importers/gptq_awq).
+llmexport's reader in llmexport/source/importers/gptq_awq).
 
 * a word stream: each row's values, value j at bit offset ``j * bits`` of a little-endian stream
   of 32-bit words (low bits first, a value crossing a word boundary split over both words);

@@ -27,8 +27,8 @@ def assert_reference_onnx_matches_eager(arch, graph, path: Path, vocab: int = 51
     traced and with both logits_index modes, equals the eager graph within 1e-4."""
     import onnxruntime as ort
 
-    from llmexport.eager import prompt_inputs
-    from llmexport.onnx_export import export_onnx
+    from llmexport.trace.eager import prompt_inputs
+    from llmexport.trace.onnx_export import export_onnx
 
     export_onnx(graph, arch.graph_inputs(3), path, for_mnn=False)
     session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
@@ -71,7 +71,7 @@ def custom_nodes(arch, path: Path) -> dict[str, list[dict]]:
     Attention and MoE placeholder ops."""
     import onnx
 
-    from llmexport.onnx_export import export_onnx
+    from llmexport.trace.onnx_export import export_onnx
 
     export_onnx(arch.build_graph(), arch.graph_inputs(3), path, for_mnn=True)
     nodes = [n for n in onnx.load(str(path)).graph.node if n.domain == "LlmExport"]

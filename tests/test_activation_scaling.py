@@ -1,6 +1,6 @@
 """Activation-aware scaling (``--calib_method awq|smooth[+gptq]``): the scales (llmexport/quant/scales.py),
-the exact fold into the model (llmexport/folding.py) and the export that stores it
-(llmexport/activation_scaling.py)."""
+the exact fold into the model (llmexport/calibration/folding.py) and the export that stores it
+(llmexport/calibration/activation_scaling.py)."""
 
 from __future__ import annotations
 
@@ -13,24 +13,31 @@ from click.testing import CliRunner
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from llmexport.activation_scaling import scale_and_fold
 from llmexport.api import export
-from llmexport.checkpoint import Checkpoint, CheckpointTensors
+from llmexport.calibration.activation_scaling import scale_and_fold
+from llmexport.calibration.folding import (
+    FoldedWeights,
+    fold,
+    fold_refusal,
+    folded_architecture,
+    folded_norm,
+    tensor_readers,
+)
 from llmexport.cli import main
-from llmexport.folding import FoldedWeights, fold, fold_refusal, folded_architecture, folded_norm, tensor_readers
-from llmexport.loading import open_architecture
 from llmexport.mnn.config import FOLDED_NORMS
 from llmexport.options import CalibMethod, Calibration, ExportOptions
+from llmexport.planning.schemes import Schemes
 from llmexport.quant.methods import quantizers
 from llmexport.quant.rtn import quantize_rtn
 from llmexport.quant.scales import Rounded, awq_scales, group_loss, smooth_scales
 from llmexport.quant.scheme import QuantMethod, QuantScheme
-from llmexport.schemes import Schemes
+from llmexport.reference.streamed import mapped_blocks, streamed_reference
+from llmexport.source.checkpoint import Checkpoint, CheckpointTensors
+from llmexport.source.loading import open_architecture
 from llmexport.spec import NormFormula
-from llmexport.streamed_reference import mapped_blocks, streamed_reference
 from llmexport.tiny.byte_level_tokenizer import EXTRA_CORPUS
 from llmexport.tiny.tokenizer import TRAINING_CORPUS
-from llmexport.verification import stored_tensors, verify_export
+from llmexport.verification.verify import stored_tensors, verify_export
 
 # --- the scales -------------------------------------------------------------------------------------
 

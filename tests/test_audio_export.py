@@ -11,8 +11,6 @@ import PIL  # noqa: E402,F401  (pillow is a dependency)
 import pytest
 
 from llmexport import ExportOptions, export
-from llmexport.checkpoint import Checkpoint
-from llmexport.loading import open_architecture
 from llmexport.media.audio import (
     HOP,
     RUNTIME_TAIL,
@@ -24,12 +22,14 @@ from llmexport.media.audio import (
     write_wav,
 )
 from llmexport.mnn.runtime import run_media_prompt
-from llmexport.models.gemma4_tower_checks import PROMPT_HEAD
+from llmexport.models.gemma4.tower_checks import PROMPT_HEAD
 from llmexport.quant.scheme import QuantScheme
+from llmexport.source.checkpoint import Checkpoint
+from llmexport.source.loading import open_architecture
 from llmexport.tiny.gemma4_towers import build_tiny_multimodal
 from llmexport.tiny.tokenizer import SPECIAL_TOKENS
-from llmexport.verification import reference_pair, stored_tensors, summary_line, verify_export
-from llmexport.verification_towers import verify_tower
+from llmexport.verification.towers import verify_tower
+from llmexport.verification.verify import reference_pair, stored_tensors, summary_line, verify_export
 
 # frames = 1 mod 4 (the runtime's unpadded framing loses a token), samples % 160 in 1..31 (it loses
 # two frames), 1 s, and several attention chunks
@@ -157,7 +157,7 @@ def test_summary_line_reports_a_failed_audio_prompt():
         TowerReport,
         VerifyReport,
     )
-    from llmexport.verification import judge
+    from llmexport.verification.verify import judge
 
     text = LogitStats(1.0, 1e-5, 1e-6, (StepStats(1e-5, 1e-6, 1.0, True, 1, 1, 0.0, 0.0),))
     prompt = MediaPromptReport(20, True, (3, 4), (3, 5), ("greedy tokens differ",),

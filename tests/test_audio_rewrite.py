@@ -7,12 +7,9 @@ import numpy as np
 import pytest
 import torch
 
-from llmexport.checkpoint import Checkpoint
-from llmexport.eager import bind_weights
 from llmexport.errors import InputError
-from llmexport.loading import open_architecture
 from llmexport.media.audio import log_mel, samples_for_tokens, synthetic_clip
-from llmexport.models.gemma4_audio import (
+from llmexport.models.gemma4.audio import (
     AUDIO_TOKENS,
     audio_features,
     chunked_attention,
@@ -20,9 +17,12 @@ from llmexport.models.gemma4_audio import (
     relative_position_table,
     window_mask,
 )
-from llmexport.models.gemma4_towers import token_ids
-from llmexport.models.gemma4_vision import VISION_TOKENS
+from llmexport.models.gemma4.towers import token_ids
+from llmexport.models.gemma4.vision import VISION_TOKENS
+from llmexport.source.checkpoint import Checkpoint
+from llmexport.source.loading import open_architecture
 from llmexport.tiny.gemma4_towers import AUDIO_SMALL, build_tiny_multimodal
+from llmexport.trace.eager import bind_weights
 
 # encoder lengths: shorter than a chunk, not a multiple of it, several chunks
 ATTENTION_CASES = [  # (chunk, context_left, context_right)
@@ -102,7 +102,7 @@ def test_rewrite_matches_hf_audio_features(tiny, tokens):
 def test_onnx_matches_torch_at_other_lengths(tiny, tmp_path):
     import onnxruntime as ort
 
-    from llmexport.onnx_export import export_onnx
+    from llmexport.trace.onnx_export import export_onnx
 
     _, _, tower, graph, _ = tiny
     assert tower.graph_inputs().args[0].shape[1] == 37
@@ -120,7 +120,7 @@ def test_onnx_matches_torch_at_other_lengths(tiny, tmp_path):
 def test_mnn_graph_is_gather_based(tiny, tmp_path):
     import onnx
 
-    from llmexport.onnx_export import export_onnx
+    from llmexport.trace.onnx_export import export_onnx
 
     _, _, tower, _, _ = tiny
     export_onnx(tower.build_graph(), tower.graph_inputs(), tmp_path / "audio.onnx", for_mnn=True)

@@ -12,9 +12,9 @@ import struct
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from llmexport.checkpoint import Checkpoint
 from llmexport.errors import LlmExportError
-from llmexport.loading import open_architecture
+from llmexport.source.checkpoint import Checkpoint
+from llmexport.source.loading import open_architecture
 
 JUNK = st.one_of(st.none(), st.booleans(), st.integers(-3, 10**6), st.floats(allow_nan=True),
                  st.text(max_size=6), st.lists(st.integers(-1, 4), max_size=3),

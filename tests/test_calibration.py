@@ -1,5 +1,5 @@
 """GPTQ calibration (``--calib_data``): the rounding (llmexport/quant/gptq.py), the calibration text
-(llmexport/calibration_data.py) and the export that stores GPTQ's levels (llmexport/calibration.py)."""
+(llmexport/calibration/data.py) and the export that stores GPTQ's levels (llmexport/calibration/gptq.py)."""
 
 from __future__ import annotations
 
@@ -13,24 +13,24 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from llmexport.api import export
-from llmexport.calibration import calibrate
-from llmexport.calibration_data import calibration_windows, read_texts
-from llmexport.checkpoint import Checkpoint
+from llmexport.calibration.data import calibration_windows, read_texts
+from llmexport.calibration.gptq import calibrate
 from llmexport.cli import main
 from llmexport.errors import InputError
-from llmexport.loading import open_architecture
 from llmexport.options import Calibration, ExportOptions
+from llmexport.planning.schemes import Schemes
 from llmexport.quant.gptq import calibration_loss, quantize_gptq
 from llmexport.quant.hqq import quantize_hqq
 from llmexport.quant.methods import quantizers
 from llmexport.quant.rtn import dequantize, quantize_rtn
 from llmexport.quant.scheme import QuantScheme
-from llmexport.schemes import Schemes
+from llmexport.source.checkpoint import Checkpoint
+from llmexport.source.loading import open_architecture
 from llmexport.spec import LinearRole
 from llmexport.tiny.byte_level_tokenizer import EXTRA_CORPUS
 from llmexport.tiny.registry import TINY_BUILDERS
 from llmexport.tiny.tokenizer import TRAINING_CORPUS
-from llmexport.verification import stored_tensors, verify_export
+from llmexport.verification.verify import stored_tensors, verify_export
 
 BASES = {"rtn": quantize_rtn, "hqq": quantize_hqq}
 

@@ -9,9 +9,9 @@ import struct
 import pytest
 import torch
 
-from llmexport.checkpoint import Checkpoint
 from llmexport.errors import InputError
-from llmexport.loading import open_architecture
+from llmexport.source.checkpoint import Checkpoint
+from llmexport.source.loading import open_architecture
 
 from helpers import rewrite_safetensors_header
 

@@ -14,7 +14,7 @@ from click.testing import CliRunner
 from llmexport.cli import main
 from llmexport.mnn.config import RuntimeProfile
 from llmexport.results import VerifyReport
-from llmexport.verification import summary_line
+from llmexport.verification.verify import summary_line
 
 
 def _run(*args: str):

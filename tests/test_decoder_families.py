@@ -12,14 +12,14 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from llmexport.checkpoint import Checkpoint
-from llmexport.eager import bind_weights, prompt_inputs
 from llmexport.errors import InputError, LlmExportError
-from llmexport.loading import open_architecture
 from llmexport.quant.recipes import recipe
 from llmexport.quant.scheme import QuantScheme
+from llmexport.source.checkpoint import Checkpoint
+from llmexport.source.loading import open_architecture
 from llmexport.spec import LinearRole
 from llmexport.tiny.decoders import FAMILIES, VARIANTS, build_decoder_checkpoint, random_config
+from llmexport.trace.eager import bind_weights, prompt_inputs
 
 from families import parametrize
 from helpers import assert_reference_onnx_matches_eager, custom_nodes, edit_checkpoint
@@ -241,7 +241,7 @@ def test_mutated_config_gives_typed_errors(tiny_decoder, tmp_path_factory, varia
 def _parse(family_class, config: dict):
     import transformers
 
-    from llmexport.models.decoder_args import parse_decoder_args, resolve_config
+    from llmexport.models.decoder.args import parse_decoder_args, resolve_config
 
     cfg = resolve_config(getattr(transformers, family_class.config_class), config, "config.json")
     return parse_decoder_args(cfg, "config.json", qk_norm=False, rope_types=("default",), sliding=family_class.sliding,

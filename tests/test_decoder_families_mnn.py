@@ -22,7 +22,7 @@ from llmexport.results import VerifyReport
 from llmexport.tiny.byte_level_tokenizer import STYLES
 from llmexport.tiny.decoders import FAMILIES, VARIANTS, build_decoder_checkpoint, random_config
 from llmexport.tiny.k2_horizon import build_tiny_k2_horizon
-from llmexport.verification import summary_line, verify_export
+from llmexport.verification.verify import summary_line, verify_export
 
 from families import parametrize
 

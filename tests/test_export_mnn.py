@@ -10,7 +10,7 @@ import pytest
 from llmexport import ExportOptions, export
 from llmexport.mnn.config import RuntimeProfile
 from llmexport.quant.scheme import QuantScheme
-from llmexport.verification import summary_line, verify_export
+from llmexport.verification.verify import summary_line, verify_export
 
 from conftest import GEMMA4_SHAPES
 from families import parametrize

@@ -9,11 +9,11 @@ import pytest
 import torch
 
 from llmexport import ExportOptions, export
-from llmexport.checkpoint import Checkpoint
-from llmexport.loading import open_architecture
 from llmexport.mnn.embeddings import read_embedding_table, write_embedding_table
 from llmexport.quant.scheme import QuantMethod, QuantScheme
-from llmexport.verification import summary_line, verify_export
+from llmexport.source.checkpoint import Checkpoint
+from llmexport.source.loading import open_architecture
+from llmexport.verification.verify import summary_line, verify_export
 
 VARIANTS = {
     "q8": dict(quant=QuantScheme(8, 64)),

@@ -14,10 +14,10 @@ import sys
 import pytest
 
 from llmexport import models
-from llmexport.checkpoint import Checkpoint
-from llmexport.loading import open_architecture
 from llmexport.models import registered_families
 from llmexport.models.base import Architecture
+from llmexport.source.checkpoint import Checkpoint
+from llmexport.source.loading import open_architecture
 from llmexport.tiny.registry import TINY_BUILDERS
 
 import families

@@ -10,11 +10,11 @@ import pytest
 import torch
 from test_decoder_families import _logits, _rewrite_and_reference
 
-from llmexport.checkpoint import Checkpoint
-from llmexport.eager import bind_weights
 from llmexport.errors import InputError
-from llmexport.loading import open_architecture
+from llmexport.source.checkpoint import Checkpoint
+from llmexport.source.loading import open_architecture
 from llmexport.tiny.gemma3 import VARIANTS, build_gemma3_checkpoint, random_config
+from llmexport.trace.eager import bind_weights
 
 from families import parametrize
 from helpers import assert_reference_onnx_matches_eager, custom_nodes, edit_checkpoint

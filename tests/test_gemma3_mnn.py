@@ -14,7 +14,7 @@ from test_decoder_families_mnn import _assert_agrees
 from llmexport import ExportOptions, export
 from llmexport.quant.scheme import QuantScheme
 from llmexport.tiny.gemma3 import VARIANTS
-from llmexport.verification import summary_line, verify_export
+from llmexport.verification.verify import summary_line, verify_export
 
 from families import parametrize
 

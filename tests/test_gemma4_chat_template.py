@@ -3,7 +3,7 @@
 The real template (``tokenizer.chat_template`` of llama.cpp's ``ggml-vocab-gemma-4.gguf``, from the
 llama-cpp-python sdist: tests/real_vocab.py) is rendered by transformers
 (``tokenizer.apply_chat_template(..., add_generation_prompt=True)``) and, in its runtime form
-(llmexport.models.gemma4_chat_template), by the runtime (``Llm.apply_chat_template`` in a child
+(llmexport.models.gemma4.chat_template), by the runtime (``Llm.apply_chat_template`` in a child
 process that loads a dummy model: tests/mnn_dummy.py). Every conversation of the corpus (fixed
 cases plus seeded random ones) is compared in both thinking modes.
 """
@@ -22,8 +22,8 @@ from transformers import AutoTokenizer
 
 from llmexport.errors import InputError
 from llmexport.mnn.config import llm_config
-from llmexport.mnn.tokenizer import write_mnn_tokenizer
-from llmexport.models.gemma4_chat_template import (
+from llmexport.mnn.tokenizer.writer import write_mnn_tokenizer
+from llmexport.models.gemma4.chat_template import (
     ASCII_WHITESPACE,
     MINJA_CHAT_TEMPLATE,
     REWRITES,
@@ -483,8 +483,8 @@ def test_gemma4_llm_config_writes_the_checkpoints_template(tiny_gemma4, tmp_path
     and ``enable_thinking`` from --chat_thinking (``mnn.config.llm_config``)."""
     import shutil
 
-    from llmexport.checkpoint import Checkpoint
-    from llmexport.loading import open_architecture
+    from llmexport.source.checkpoint import Checkpoint
+    from llmexport.source.loading import open_architecture
 
     tiny = tiny_gemma4("e2b", text_only=True)
     arch = open_architecture(Checkpoint.open(tiny))

@@ -15,7 +15,7 @@ from transformers.models.gemma4.configuration_gemma4 import Gemma4TextConfig
 from transformers.models.gemma4.modeling_gemma4 import Gemma4TextRotaryEmbedding
 
 from llmexport.errors import InputError
-from llmexport.models.gemma4_args import FULL, SLIDING, parse_text_args
+from llmexport.models.gemma4.args import FULL, SLIDING, parse_text_args
 from llmexport.tiny.gemma4 import SHAPES, text_config_dict
 
 WHERE = "/models/gemma4/config.json"

@@ -6,10 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from llmexport.checkpoint import Checkpoint
-from llmexport.eager import bind_weights, prompt_inputs
-from llmexport.loading import open_architecture
+from llmexport.source.checkpoint import Checkpoint
+from llmexport.source.loading import open_architecture
 from llmexport.tiny.gemma4 import build_gemma4_checkpoint
+from llmexport.trace.eager import bind_weights, prompt_inputs
 
 from gemma4_variants import random_text_config
 
@@ -35,7 +35,7 @@ def test_random_variant_rewrite_matches_hf(tmp_path, seed):
 def test_random_variant_runs_in_mnn(tmp_path, seed):
     from llmexport import ExportOptions, export
     from llmexport.quant.scheme import QuantScheme
-    from llmexport.verification import verify_export
+    from llmexport.verification.verify import verify_export
 
     path = build_gemma4_checkpoint(tmp_path / "model", random_text_config(seed), seed=seed)
     export(path, tmp_path / "out", ExportOptions(quant=QuantScheme(16)))

@@ -32,14 +32,14 @@ from hypothesis import strategies as st
 from safetensors.torch import load_file, save_file
 
 from llmexport import ExportOptions, export, plan
-from llmexport.checkpoint import SafetensorsIndex
 from llmexport.cli import main
 from llmexport.errors import InputError
-from llmexport.importers.gptq_awq import PackedWeights, packed_format
 from llmexport.mnn.readback import linear_records
 from llmexport.mnn.weight_reader import read_levels, read_linear
 from llmexport.mnn.weights import WeightFileWriter
 from llmexport.quant.scheme import QuantMethod, QuantScheme
+from llmexport.source.checkpoint import SafetensorsIndex
+from llmexport.source.importers.gptq_awq import PackedWeights, packed_format
 
 from hostile import assert_refused, snapshot
 
@@ -279,7 +279,7 @@ def tiny_gemma4_text(tmp_path_factory):
 ])
 def test_gptq_awq_checkpoint_exports_and_verifies(tiny_llama, tiny_gemma4_text, tmp_path, model, method, kwargs,
                                                   kept):
-    from llmexport.verification import summary_line, verify_export
+    from llmexport.verification.verify import summary_line, verify_export
 
     hf = tiny_llama if model == "llama" else tiny_gemma4_text
     path, reference = _checkpoint(hf, tmp_path, method, **kwargs)

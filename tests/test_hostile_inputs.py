@@ -311,7 +311,7 @@ def test_huge_layer_count_with_kv_sharing_is_refused_quickly(case):
 def test_kv_sharing_map_of_many_layers_is_linear():
     """50k shared layers of 100k: the map of sources is computed in one pass (the quadratic
     version took minutes); checked on the function directly, bounded by the hang guard."""
-    from llmexport.models.gemma4_args import _kv_sources
+    from llmexport.models.gemma4.args import _kv_sources
 
     n = 100_000
     types = ["sliding_attention", "full_attention"] * (n // 2)
@@ -338,7 +338,7 @@ def test_tokenizer_vocab_id_far_beyond_the_vocabulary_is_an_input_error(case):
     ("tokenizer.json", "{\"model\": {\"type\": \"WordPiece\", \"vocab\": {}}}"),
 ])
 def test_broken_tokenizer_files_are_named_before_any_heavy_stage(case, monkeypatch, name, content):
-    from llmexport import onnx_export
+    from llmexport.trace import onnx_export
 
     def no_onnx(*args, **kwargs):
         raise AssertionError("the ONNX stage ran before the tokenizer was checked")

@@ -19,7 +19,7 @@ import pytest
 from hub_server import HubServer, Repo
 
 from llmexport.errors import InputError, UsageError
-from llmexport.hub import ModelSource, is_repo_id, resolve_source
+from llmexport.source.hub import ModelSource, is_repo_id, resolve_source
 
 ROOT = Path(__file__).resolve().parents[1]
 #: what the export reads of the tiny Llama checkpoint (all of its files)
@@ -35,7 +35,7 @@ import huggingface_hub.constants as constants
 if sys.argv[3]:  # huggingface_hub resumes from the last whole chunk it wrote (10 MiB): smaller for tiny files
     constants.DOWNLOAD_CHUNK_SIZE = int(sys.argv[3])
 from llmexport.errors import LlmExportError
-from llmexport.hub import planning_folder, resolve_source
+from llmexport.source.hub import planning_folder, resolve_source
 try:
     if sys.argv[4] == "plan":  # the folder --dry-run plans from: its files and their sizes, while it exists
         with planning_folder(sys.argv[1], sys.argv[2] or None, quiet=True) as folder:
@@ -101,7 +101,8 @@ def test_a_refused_destination_is_refused_before_any_download(tmp_path, monkeypa
     import llmexport
 
     monkeypatch.chdir(tmp_path)
-    monkeypatch.setattr("llmexport.hub.resolve_source", lambda *args: pytest.fail("fetched before --dst_path's checks"))
+    monkeypatch.setattr("llmexport.source.hub.resolve_source",
+                        lambda *args: pytest.fail("fetched before --dst_path's checks"))
     with pytest.raises(UsageError, match=r"^--dst_path \.: is the current folder"):
         llmexport.export("org/never-fetched", ".")
     assert list(tmp_path.iterdir()) == []
@@ -263,7 +264,7 @@ def test_a_failed_run_leaves_finished_files_for_the_next(tiny, tmp_path):
 def test_hub_export_matches_the_folder_export(tiny, tmp_path):
     """The CLI on a hub id, through a cut connection, then offline from the cache: the same files
     as an export of the folder, and a manifest naming the repo and commit."""
-    from llmexport.export_plan import file_sha256
+    from llmexport.planning.export_plan import file_sha256
 
     chunk_patch = "import huggingface_hub.constants as c; c.DOWNLOAD_CHUNK_SIZE = 1 << 16; "
     with HubServer({"org/tiny": Repo.from_folder(tiny, DECOYS)}, cut_after={"model.safetensors": 150_000}) as hub:
@@ -383,7 +384,8 @@ def test_progress_bars_on_a_terminal_unless_quiet(tiny, tmp_path):
         with HubServer({"org/tiny": Repo.from_folder(tiny)}) as hub:
             master, slave = pty.openpty()
             fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 40, 120, 0, 0))  # a width for the bars
-            code = "import sys; from llmexport.hub import resolve_source; resolve_source('org/tiny', quiet=%s)" % quiet
+            code = ("import sys; from llmexport.source.hub import resolve_source; "
+                    "resolve_source('org/tiny', quiet=%s)" % quiet)
             proc = subprocess.run([sys.executable, "-c", code], env=_clean_env(hub.url, tmp_path / str(quiet)),
                                   stderr=slave, timeout=120)
             os.close(slave)

@@ -15,12 +15,12 @@ import pytest
 from llmexport import ExportOptions, export
 from llmexport.mnn.convert import mnn_to_json
 from llmexport.mnn.readback import linear_records
-from llmexport.models.k2_horizon import K2Horizon
+from llmexport.models.k2_horizon.family import K2Horizon
 from llmexport.quant.recipes import recipe
 from llmexport.quant.scheme import QuantScheme
 from llmexport.results import VerifyReport
 from llmexport.tiny.k2_horizon import build_k2_horizon_checkpoint, random_config
-from llmexport.verification import summary_line, verify_export
+from llmexport.verification.verify import summary_line, verify_export
 
 from families import parametrize
 

@@ -8,12 +8,12 @@ from unittest import mock
 import pytest
 import torch
 
-from llmexport.checkpoint import Checkpoint
-from llmexport.eager import bind_weights, prompt_inputs
 from llmexport.errors import InputError
-from llmexport.loading import open_architecture
-from llmexport.models.k2_horizon import K2Horizon
+from llmexport.models.k2_horizon.family import K2Horizon
+from llmexport.source.checkpoint import Checkpoint
+from llmexport.source.loading import open_architecture
 from llmexport.tiny.k2_horizon import build_k2_horizon_checkpoint, random_config
+from llmexport.trace.eager import bind_weights, prompt_inputs
 
 from families import parametrize
 from helpers import assert_reference_onnx_matches_eager, custom_nodes, edit_checkpoint

@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from llmexport.errors import InputError
-from llmexport.models.k2_horizon_args import DEFAULT_ROPE_THETA, parse_args
+from llmexport.models.k2_horizon.args import DEFAULT_ROPE_THETA, parse_args
 from llmexport.reference.k2_horizon.configuration_k2_horizon import K2HorizonConfig
 from llmexport.tiny.k2_horizon import variant_config
 

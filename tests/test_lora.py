@@ -1,4 +1,4 @@
-"""--lora_path: a PEFT LoRA adapter merged into the weights as they stream (llmexport/lora/).
+"""--lora_path: a PEFT LoRA adapter merged into the weights as they stream (llmexport/source/lora/).
 
 The adapters are trained nowhere: PEFT itself builds them on the tiny checkpoints' HF models with
 random factors (``init_lora_weights=False``) and saves them as it saves any adapter, and PEFT's
@@ -21,17 +21,17 @@ from hypothesis import strategies as st
 from safetensors.torch import load_file, save_file
 
 from llmexport.api import export
-from llmexport.checkpoint import Checkpoint, CheckpointTensors
 from llmexport.errors import InputError
-from llmexport.loading import open_architecture
-from llmexport.lora import LoraConfig, merged
 from llmexport.options import ExportOptions
 from llmexport.quant.scheme import QuantScheme
-from llmexport.streamed_reference import mapped_blocks, streamed_reference
+from llmexport.reference.streamed import mapped_blocks, streamed_reference
+from llmexport.source.checkpoint import Checkpoint, CheckpointTensors
+from llmexport.source.loading import open_architecture
+from llmexport.source.lora import LoraConfig, merged
 from llmexport.tiny.decoders import build_tiny_decoder
 from llmexport.tiny.gemma4_towers import build_tiny_multimodal
 from llmexport.tiny.phi3 import build_tiny_phi3
-from llmexport.verification import stored_tensors, summary_line, verify_export
+from llmexport.verification.verify import stored_tensors, summary_line, verify_export
 
 
 def _adapter(path: Path, out: Path, seed: int = 0, trust_remote_code: bool = False,
@@ -162,7 +162,7 @@ def test_gemma3_text(tiny_gemma3, tmp_path):
 def test_embedding_lora_merges_as_the_table_streams(tmp_path, monkeypatch):
     path = build_tiny_decoder(tmp_path / "m", "llama3", dtype=torch.float32)
     reference = _adapter(path, tmp_path / "a", r=4, lora_alpha=4, target_modules=["embed_tokens"])
-    monkeypatch.setattr("llmexport.lora.merge.BLOCK_VALUES", 1000)
+    monkeypatch.setattr("llmexport.source.lora.merge.BLOCK_VALUES", 1000)
     arch = open_architecture(Checkpoint.open(path), tmp_path / "a")
     table = arch.embedding_table()
     full = reference["model.embed_tokens.weight"]
@@ -173,7 +173,7 @@ def test_embedding_lora_merges_as_the_table_streams(tmp_path, monkeypatch):
 
 @pytest.mark.parametrize("block", [1 << 22, 100])  # one block, and 100-value blocks (a big lm_head's case)
 def test_bf16_checkpoint_rounds_once(tmp_path, monkeypatch, block):
-    monkeypatch.setattr("llmexport.lora.merge.BLOCK_VALUES", block)
+    monkeypatch.setattr("llmexport.source.lora.merge.BLOCK_VALUES", block)
     path = build_tiny_decoder(tmp_path / "m", "llama3")  # bf16
     _adapter(path, tmp_path / "a", r=4, lora_alpha=8, target_modules=["up_proj"])
     arch = open_architecture(Checkpoint.open(path), tmp_path / "a")

@@ -12,7 +12,7 @@ import pytest
 
 import llmexport
 from llmexport import ExportOptions
-from llmexport.export_plan import plan_summary
+from llmexport.planning.export_plan import plan_summary
 from llmexport.quant.scheme import QuantScheme
 from llmexport.spec import LinearRole
 

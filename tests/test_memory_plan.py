@@ -16,8 +16,8 @@ import llmexport.pipeline as pipeline
 import llmexport.targets.mnn_target as mnn_target
 from llmexport.cli import main
 from llmexport.errors import ResourceError
-from llmexport.memory_plan import GIB, MIB, available_bytes, gib
 from llmexport.options import ExportOptions
+from llmexport.planning.memory_plan import GIB, MIB, available_bytes, gib
 from llmexport.results import ExportPlan, MemoryPlan
 
 

@@ -27,14 +27,14 @@ mlx_convert = pytest.importorskip("mlx_lm.convert", reason="mlx-lm cannot be ins
 
 from llmexport import ExportOptions, export, plan  # noqa: E402
 from llmexport.errors import InputError  # noqa: E402
-from llmexport.importers.mlx import MlxQuantConfig, mlx_quantization, unpack_levels  # noqa: E402
 from llmexport.mnn.readback import linear_records  # noqa: E402
 from llmexport.mnn.weight_reader import read_levels, read_linear  # noqa: E402
 from llmexport.mnn.weights import WeightFileWriter  # noqa: E402
 from llmexport.quant.recipes import QuantRule  # noqa: E402
 from llmexport.quant.scheme import QuantMethod, QuantScheme  # noqa: E402
+from llmexport.source.importers.mlx import MlxQuantConfig, mlx_quantization, unpack_levels  # noqa: E402
 from llmexport.spec import Prequantized  # noqa: E402
-from llmexport.verification import summary_line, verify_export  # noqa: E402
+from llmexport.verification.verify import summary_line, verify_export  # noqa: E402
 
 
 def _np(array) -> np.ndarray:
@@ -320,9 +320,9 @@ def test_lora_on_an_mlx_checkpoint_needs_requantize(mlx_checkpoints, tmp_path):
     """An adapter changes the weights before they are quantized: MLX's stored integers cannot be kept."""
     from safetensors.torch import save_file
 
-    from llmexport.checkpoint import Checkpoint
     from llmexport.errors import UsageError
-    from llmexport.loading import open_architecture
+    from llmexport.source.checkpoint import Checkpoint
+    from llmexport.source.loading import open_architecture
 
     path, _ = mlx_checkpoints("qwen2:q4")
     q = "model.layers.0.self_attn.q_proj"

@@ -1,4 +1,4 @@
-"""The near-tie rule (llmexport/verification_logits.py) in both directions.
+"""The near-tie rule (llmexport/verification/logits.py) in both directions.
 
 1. It never counts a flip that the step's measured noise explains: both deciding logits moving,
    in opposite directions, by as much as the rest of the vocabulary moved (what MNN's AVX-512
@@ -18,7 +18,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
-from llmexport.verification_logits import compare_logits, run_failures, step_failures
+from llmexport.verification.logits import compare_logits, run_failures, step_failures
 
 VOCAB = st.integers(3, 64)
 LOGIT = st.floats(-30, 30, width=32)
@@ -111,13 +111,13 @@ def runtime_and_oracle(trained_llama, tmp_path_factory):
     from transformers import AutoModelForCausalLM
 
     from llmexport import ExportOptions, export
-    from llmexport.checkpoint import Checkpoint
-    from llmexport.loading import open_architecture
     from llmexport.mnn.config import RuntimeProfile
     from llmexport.mnn.runtime import run_runtime
     from llmexport.options import QuantScheme
+    from llmexport.source.checkpoint import Checkpoint
+    from llmexport.source.loading import open_architecture
     from llmexport.tiny.trained import encode
-    from llmexport.verification import stored_tensors
+    from llmexport.verification.verify import stored_tensors
 
     out = tmp_path_factory.mktemp("near-tie") / "out"
     export(trained_llama, out, ExportOptions(quant=QuantScheme(4, 32), runtime_profile=RuntimeProfile.EXACT))
@@ -140,7 +140,7 @@ def _oracle_logits(model, ids: list[int], first: int, attention_mask: torch.Tens
 
 
 def test_the_trained_model_agrees_with_its_oracle_under_the_rule(runtime_and_oracle):
-    from llmexport.verification import QUANT_MAX_ABS_ERR
+    from llmexport.verification.verify import QUANT_MAX_ABS_ERR
 
     mnn, model, ids, first = runtime_and_oracle
     stats = compare_logits(mnn, _oracle_logits(model, ids, first))
@@ -160,7 +160,7 @@ def _swap_layers(model):
 def test_a_planted_graph_defect_fails_the_verification(runtime_and_oracle, defect):
     import copy
 
-    from llmexport.verification import QUANT_MAX_ABS_ERR
+    from llmexport.verification.verify import QUANT_MAX_ABS_ERR
 
     mnn, model, ids, first = runtime_and_oracle
     model = copy.deepcopy(model)

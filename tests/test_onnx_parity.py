@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import onnx
 
-from llmexport.checkpoint import Checkpoint
-from llmexport.eager import bind_weights
-from llmexport.loading import open_architecture
-from llmexport.onnx_export import export_onnx
+from llmexport.source.checkpoint import Checkpoint
+from llmexport.source.loading import open_architecture
+from llmexport.trace.eager import bind_weights
+from llmexport.trace.onnx_export import export_onnx
 
 from conftest import GEMMA4_SHAPES
 from families import parametrize

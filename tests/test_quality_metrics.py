@@ -1,4 +1,4 @@
-"""llmexport/quality.py: llama.cpp's perplexity, KLD and top-1 definitions, checked as properties."""
+"""llmexport/verification/quality.py: llama.cpp's perplexity, KLD and top-1 definitions, checked as properties."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra.numpy import arrays
 
-from llmexport.quality import compare, kld, log_softmax, perplexity, token_nll, top1_agreement, windows
+from llmexport.verification.quality import compare, kld, log_softmax, perplexity, token_nll, top1_agreement, windows
 
 _FINITE = st.floats(-30, 30, allow_nan=False, width=32)
 

@@ -9,9 +9,9 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from llmexport.options import ExportOptions
+from llmexport.planning.schemes import requested_scheme, requested_table_bits, tower_scheme
 from llmexport.quant.recipes import QuantPlan, QuantRule, load_quant_config, recipe
 from llmexport.quant.scheme import QuantMethod, QuantScheme
-from llmexport.schemes import requested_scheme, requested_table_bits, tower_scheme
 from llmexport.spec import LinearRole, LinearSpec
 
 DEFAULT = QuantScheme(4, 64)

@@ -14,7 +14,7 @@ from hostile import assert_refused, copy_model, make_old_dst, snapshot
 
 
 def test_verify_of_a_remote_code_family_needs_trust_remote_code(tiny_k2_horizon, tmp_path, monkeypatch):
-    from llmexport import onnx_export
+    from llmexport.trace import onnx_export
 
     def no_onnx(*args, **kwargs):
         raise AssertionError("work started before the remote-code check")
@@ -29,7 +29,7 @@ def test_verify_of_a_remote_code_family_needs_trust_remote_code(tiny_k2_horizon,
 
 def test_verify_api_refuses_remote_code_unless_trusted(tiny_k2_horizon, tmp_path):
     import llmexport
-    import llmexport.verification  # noqa: F401  (an export with --verify imports it: the API must stay callable)
+    import llmexport.verification.verify  # noqa: F401  (an export with --verify imports it: the API must stay callable)
 
     with pytest.raises(UsageError, match="trust_remote_code"):
         llmexport.verify(tmp_path, tiny_k2_horizon("dense"))

@@ -15,11 +15,9 @@ from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
 import llmexport
-from llmexport.checkpoint import Checkpoint
-from llmexport.export_plan import plan_summary
-from llmexport.loading import open_architecture
 from llmexport.mnn.config import RuntimeProfile
 from llmexport.options import ExportOptions
+from llmexport.planning.export_plan import plan_summary
 from llmexport.quant.scheme import QuantMethod, QuantScheme
 from llmexport.results import (
     AdjustedBlock,
@@ -44,10 +42,12 @@ from llmexport.results import (
     TowerReport,
     VerifyReport,
 )
+from llmexport.source.checkpoint import Checkpoint
+from llmexport.source.loading import open_architecture
 from llmexport.spec import LinearRole
 from llmexport.tiny.registry import TINY_BUILDERS
-from llmexport.verification import judge, summary_line
-from llmexport.verification_logits import compare_logits
+from llmexport.verification.logits import compare_logits
+from llmexport.verification.verify import judge, summary_line
 
 # verify.json's keys, in the order it is written (docs/verification.md); [optional] ones in brackets
 REPORT_KEYS = ["prompt_tokens", "steps", "tokenizer", "runtime_profile", "oracle", "fp32", "towers",
@@ -309,7 +309,7 @@ def test_the_api_re_exports_the_results_and_the_pipeline_does_not_import_the_api
 
     for name in ("ExportPlan", "ExportResult", "VerifyReport"):
         assert getattr(llmexport, name) is getattr(api, name) is getattr(results, name)
-    code = ("import sys, llmexport.pipeline, llmexport.results, llmexport.export_plan; "
+    code = ("import sys, llmexport.pipeline, llmexport.results, llmexport.planning.export_plan; "
             "print(sorted(m for m in ('llmexport.api', 'llmexport.cli') if m in sys.modules))")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr[-2000:]
@@ -319,7 +319,7 @@ def test_the_api_re_exports_the_results_and_the_pipeline_does_not_import_the_api
 def test_quality_sections_round_trip_and_print():
     from dataclasses import replace
 
-    from llmexport.quality import QualityStats
+    from llmexport.verification.quality import QualityStats
 
     steps = QualityStats(3, 40.0, 41.0, 2.5e-3, 9e-3, 2 / 3)
     text = QualityStats(254, 12.5, 12.75, 1.25e-3, 4e-3, 0.9375)

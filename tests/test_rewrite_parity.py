@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from llmexport.checkpoint import Checkpoint
-from llmexport.eager import bind_weights, prompt_inputs
-from llmexport.loading import open_architecture
+from llmexport.source.checkpoint import Checkpoint
+from llmexport.source.loading import open_architecture
+from llmexport.trace.eager import bind_weights, prompt_inputs
 
 from conftest import GEMMA4_SHAPES
 from families import parametrize

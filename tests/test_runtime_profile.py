@@ -12,7 +12,7 @@ from llmexport.errors import UsageError
 from llmexport.mnn.config import PROFILE_KEYS, RuntimeProfile, profile_of, runtime_config
 from llmexport.quant.scheme import QuantScheme
 from llmexport.results import Bounds, LogitStats, StepStats, TokenizerCheck, VerifyReport
-from llmexport.verification import (
+from llmexport.verification.verify import (
     FAST_MAX_ABS_ERR,
     FAST_MEAN_ABS_ERR,
     FP16_MAX_ABS_ERR,
@@ -135,7 +135,7 @@ def test_a_wrong_graph_fails_fast_verification(tiny_gemma4, tmp_path, monkeypatc
     """Deliberately broken exports (the graph, not the weights, is wrong) shipped with the fast
     profile: verification fails. RMSNorm epsilons 100x too large move the logits by less than the
     fast kernels' own noise (measured 0.88 max, 0.11 mean), so only the exact-kernels run catches it."""
-    from llmexport.models import gemma4_graph
+    from llmexport.models.gemma4 import graph as gemma4_graph
 
     attr, owner, broken = breakage(gemma4_graph)
     with monkeypatch.context() as patch:

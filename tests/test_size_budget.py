@@ -160,7 +160,7 @@ def test_a_non_numeric_budget_is_refused_by_the_parser(span, tmp_path):
 @pytest.mark.slow
 def test_export_writes_the_budgets_choices(span, tmp_path):
     from llmexport.mnn.readback import linear_records
-    from llmexport.verification import verify_export
+    from llmexport.verification.verify import verify_export
 
     path, low, high = span
     target = round(low + (high - low) / 4, 2)

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from llmexport.staging import StagedExport, reap_stale
+from llmexport.targets.staging import StagedExport, reap_stale
 
 from hostile import CLI, SENTINEL, make_old_dst
 
@@ -117,7 +117,7 @@ def test_foreign_files_beside_dst_are_never_touched(tmp_path):
 _KILL_DURING_SWAP = textwrap.dedent("""
     import os, signal, sys
     from pathlib import Path
-    import llmexport.staging as staging
+    import llmexport.targets.staging as staging
     dst, mode = Path(sys.argv[1]), sys.argv[2]
     real_rename, real_exchange = os.rename, staging._exchange
     def dying_rename(a, b):

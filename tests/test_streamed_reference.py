@@ -1,4 +1,4 @@
-"""The streamed reference (llmexport/streamed_reference.py) computes what the full HF model computes.
+"""The streamed reference (llmexport/reference/streamed.py) computes what the full HF model computes.
 
 On every tiny family and variant -- Gemma4's four shapes with and without towers, random points of
 its feature space, Llama/Qwen3/Qwen3-MoE (per-expert checkpoint tensors that transformers stacks),
@@ -17,16 +17,16 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from llmexport import ExportOptions, export
-from llmexport.checkpoint import Checkpoint, CheckpointTensors
-from llmexport.loading import open_architecture
 from llmexport.quant.scheme import QuantScheme
+from llmexport.reference.streamed import ReferenceLayout, reference_footprint, streamed_reference
+from llmexport.source.checkpoint import Checkpoint, CheckpointTensors
+from llmexport.source.loading import open_architecture
 from llmexport.spec import rows_at
-from llmexport.streamed_reference import ReferenceLayout, reference_footprint, streamed_reference
 from llmexport.tiny.decoders import VARIANTS as DECODER_VARIANTS
 from llmexport.tiny.gemma4 import build_gemma4_checkpoint
 from llmexport.tiny.gemma4_towers import build_tiny_multimodal
 from llmexport.tiny.k2_horizon import VARIANTS as K2_VARIANTS
-from llmexport.verification import stored_tensors
+from llmexport.verification.verify import stored_tensors
 
 from conftest import GEMMA4_SHAPES
 from gemma4_variants import random_text_config

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from llmexport.models.gemma4 import Gemma4
-from llmexport.models.k2_horizon import K2Horizon
+from llmexport.models.gemma4.family import Gemma4
+from llmexport.models.k2_horizon.family import K2Horizon
 from llmexport.models.tensor_names import LinearList, NameTable, match, rename_rule, weight_name
 from llmexport.spec import LinearRole, LinearSource, MlxLayout
 

@@ -21,8 +21,8 @@ if str(_ROOT) not in sys.path:  # allow running without installing the package
 
 from transformers import AutoTokenizer  # noqa: E402
 
-from llmexport.mnn.tokenizer import write_mnn_tokenizer  # noqa: E402
-from llmexport.models.gemma4 import END_OF_TURN_TOKENS, MINJA_CHAT_TEMPLATE  # noqa: E402
+from llmexport.mnn.tokenizer.writer import write_mnn_tokenizer  # noqa: E402
+from llmexport.models.gemma4.family import END_OF_TURN_TOKENS, MINJA_CHAT_TEMPLATE  # noqa: E402
 from llmexport.tiny.tokenizer import (  # noqa: E402
     BYTE_TOKEN_OFFSET,
     SPECIAL_TOKENS,

@@ -24,10 +24,10 @@ from real_vocab_tokenizers import SPECS, rebuild
 from test_tokenizer import FIXED_TEXTS
 from tokenizers import Tokenizer
 
-from llmexport.mnn.tokenizer import STRIP_DIFFERENCES, convert_tokenizer, write_mnn_tokenizer
-from llmexport.mnn.tokenizer_pipeline import NFC_NOTE
-from llmexport.mnn.tokenizer_stream import StreamModel, streamed_text_difference
-from llmexport.mnn.tokenizer_whole_words import APPROXIMATE_FLAG, random_piece_strings
+from llmexport.mnn.tokenizer.pipeline import NFC_NOTE
+from llmexport.mnn.tokenizer.stream import StreamModel, streamed_text_difference
+from llmexport.mnn.tokenizer.whole_words import APPROXIMATE_FLAG, random_piece_strings
+from llmexport.mnn.tokenizer.writer import STRIP_DIFFERENCES, convert_tokenizer, write_mnn_tokenizer
 from llmexport.tiny.byte_level_tokenizer import EXTRA_CORPUS
 from llmexport.tiny.tokenizer import TRAINING_CORPUS
 
@@ -212,7 +212,7 @@ def test_verify_records_the_approximation(tmp_path):
     """verify.json's tokenizer section: the measured difference, and samples that the runtime
     encodes as HF does without the whole-word lookup are approximated, not mismatches."""
     from llmexport.results import TokenizerCheck
-    from llmexport.verification import _tokenizer_check
+    from llmexport.verification.verify import _tokenizer_check
 
     folder = rebuild("llama-bpe", tmp_path)
     hf = Tokenizer.from_file(str(folder / "tokenizer.json"))

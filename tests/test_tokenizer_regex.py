@@ -13,11 +13,11 @@ from pathlib import Path
 import pytest
 from tokenizers import Tokenizer
 
-from llmexport.mnn import tokenizer_pipeline
-from llmexport.mnn.byte_level import byte_level_chars
-from llmexport.mnn.tokenizer import write_mnn_tokenizer
-from llmexport.mnn.tokenizer_pipeline import GPT2_PATTERN
-from llmexport.mnn.tokenizer_regex import RegexCheck, UnsupportedRegex, check_split_regex, class_differences
+from llmexport.mnn.tokenizer import pipeline as tokenizer_pipeline
+from llmexport.mnn.tokenizer.byte_level import byte_level_chars
+from llmexport.mnn.tokenizer.pipeline import GPT2_PATTERN
+from llmexport.mnn.tokenizer.regex import RegexCheck, UnsupportedRegex, check_split_regex, class_differences
+from llmexport.mnn.tokenizer.writer import write_mnn_tokenizer
 from llmexport.tiny.byte_level_tokenizer import LLAMA3_PATTERN, QWEN_PATTERN
 
 from mnn_tokenizer_server import MnnTokenizer

@@ -4,7 +4,7 @@ Per vocabulary (SentencePiece styles of Llama-2 and Phi-3 with their Strip decod
 without it, the GPT-2 / Llama-3 / Qwen ByteLevel styles, and two probes with added tokens that
 the runtime's single-id decode would rewrite), one runtime child:
 * decodes every id with ``Llm::tokenizer_decode`` (raw bytes), which must equal
-  ``StreamModel.piece_bytes`` (llmexport/mnn/tokenizer_stream.py);
+  ``StreamModel.piece_bytes`` (llmexport/mnn/tokenizer/stream.py);
 * streams scripted answers through ``response()`` (a dummy graph whose logits pick the next id
   of a script by position) with stdout captured, which must equal ``StreamModel.stream_bytes``:
   each generated id's piece, then "\\n" for a stop id.
@@ -26,9 +26,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from transformers import AutoTokenizer
 
-from llmexport.mnn.byte_level import byte_level_chars
-from llmexport.mnn.tokenizer import write_mnn_tokenizer
-from llmexport.mnn.tokenizer_stream import StreamModel, hf_piece_bytes, runtime_piece_bytes, streamed_text_difference
+from llmexport.mnn.tokenizer.byte_level import byte_level_chars
+from llmexport.mnn.tokenizer.pieces import hf_piece_bytes, runtime_piece_bytes
+from llmexport.mnn.tokenizer.stream import StreamModel, streamed_text_difference
+from llmexport.mnn.tokenizer.writer import write_mnn_tokenizer
 from llmexport.tiny.byte_level_tokenizer import build_byte_level_tokenizer
 from llmexport.tiny.tokenizer import build_tiny_gemma_tokenizer, build_tiny_sentencepiece_tokenizer
 

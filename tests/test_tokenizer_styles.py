@@ -24,9 +24,9 @@ from hypothesis import strategies as st
 from test_tokenizer import CHATS, FIXED_TEXTS
 from transformers import AutoTokenizer
 
-from llmexport.mnn.byte_level import byte_level_chars
-from llmexport.mnn.tokenizer import write_mnn_tokenizer
-from llmexport.mnn.tokenizer_pipeline import NFC_NOTE
+from llmexport.mnn.tokenizer.byte_level import byte_level_chars
+from llmexport.mnn.tokenizer.pipeline import NFC_NOTE
+from llmexport.mnn.tokenizer.writer import write_mnn_tokenizer
 from llmexport.tiny.byte_level_tokenizer import EXTRA_CORPUS, STYLES, build_byte_level_tokenizer
 from llmexport.tiny.tokenizer import TRAINING_CORPUS
 
@@ -277,7 +277,7 @@ def _add_unreachable_word(tj: dict) -> None:
 
 
 def test_ignore_merges_with_an_unreachable_word_is_refused(styles, tmp_path, monkeypatch):
-    from llmexport.mnn import tokenizer_pipeline
+    from llmexport.mnn.tokenizer import pipeline as tokenizer_pipeline
 
     style = styles("llama3")
     folder = _mutated(style, tmp_path, _add_unreachable_word)
@@ -297,7 +297,7 @@ def test_ignore_merges_with_an_unreachable_word_is_refused(styles, tmp_path, mon
 
 
 def test_ignore_merges_without_unreachable_words_is_accepted(styles):
-    from llmexport.mnn.tokenizer_pipeline import unreachable_words
+    from llmexport.mnn.tokenizer.pipeline import unreachable_words
 
     tj = json.loads((styles("llama3").root / "trained" / "tokenizer.json").read_text(encoding="utf-8"))
     assert tj["model"]["ignore_merges"] and unreachable_words(tj) == []

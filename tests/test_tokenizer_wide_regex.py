@@ -17,10 +17,10 @@ from test_tokenizer_regex import Probe, byte_spec, removing
 from tokenizers import Regex
 from tokenizers.pre_tokenizers import Split
 
-from llmexport.mnn import tokenizer_pipeline
-from llmexport.mnn.tokenizer import convert_tokenizer
-from llmexport.mnn.tokenizer_regex import LINE_END, UnsupportedRegex, end_of_line_as_lookahead
-from llmexport.mnn.tokenizer_wide_regex import WREGEX_NOTE, atom_members, class_text, rewrite_for_wregex, uses_wregex
+from llmexport.mnn.tokenizer import pipeline as tokenizer_pipeline
+from llmexport.mnn.tokenizer.regex import LINE_END, UnsupportedRegex, end_of_line_as_lookahead
+from llmexport.mnn.tokenizer.wide_regex import WREGEX_NOTE, atom_members, class_text, rewrite_for_wregex, uses_wregex
+from llmexport.mnn.tokenizer.writer import convert_tokenizer
 
 EVERY_CODE_POINT = "".join(chr(cp) for cp in range(0x110000) if not 0xD800 <= cp < 0xE000)
 WIDE_DEEPSEEK = sorted({p for p in DEEPSEEK_LLM_SPLITS + DEEPSEEK_CODER_SPLITS if not p.isascii()})

@@ -164,8 +164,8 @@ def test_quality_of_an_fp16_export_in_mnn(corpus, tmp_path):
 
     import llmexport
     from llmexport.mnn.runtime import run_windows
-    from llmexport.quality import compare, windows
     from llmexport.quant.scheme import QuantScheme
+    from llmexport.verification.quality import compare, windows
 
     checkpoint = trained.train(replace(RECIPES["llama"], steps=10), corpus, tmp_path / "ckpt").path
     wins = windows(trained.encode(checkpoint, corpus.heldout), 12, 2, trained.bos_id(checkpoint))

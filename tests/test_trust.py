@@ -66,7 +66,7 @@ def test_unwritable_destination(tiny_gemma4, tmp_path):
 
 
 def test_converter_failure_shows_its_log_tail(tiny_gemma4, old_dst, monkeypatch):
-    from llmexport import onnx_export
+    from llmexport.trace import onnx_export
 
     def broken_onnx(graph, inputs, path, for_mnn=True):
         path.write_bytes(b"this is not an onnx file")

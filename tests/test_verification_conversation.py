@@ -1,6 +1,6 @@
 """--verify holds a conversation: several chat turns in one runtime instance (KV cache kept, only
 the new tokens prefilled), ``reset()`` and a new conversation, a history past the sliding window,
-each turn against HF on the same history (llmexport/verification_conversation.py).
+each turn against HF on the same history (llmexport/verification/conversation.py).
 
 Unit tests pin the judging (which turn a failure names, the HF greedy answer read off one
 teacher-forced pass, the report's JSON); the slow ones run every family's export through it and
@@ -18,12 +18,10 @@ import torch
 from click.testing import CliRunner
 
 from llmexport import ExportOptions, export
-from llmexport.checkpoint import Checkpoint
 from llmexport.cli import main
-from llmexport.loading import open_architecture
 from llmexport.mnn.config import RuntimeProfile, profile_of
 from llmexport.mnn.runtime import ChatTurnRun
-from llmexport.mnn.tokenizer_stream import StreamModel
+from llmexport.mnn.tokenizer.stream import StreamModel
 from llmexport.options import ChatThinking
 from llmexport.quant.scheme import QuantScheme
 from llmexport.results import (
@@ -36,10 +34,11 @@ from llmexport.results import (
     TokenizerCheck,
     VerifyReport,
 )
+from llmexport.source.checkpoint import Checkpoint
+from llmexport.source.loading import open_architecture
 from llmexport.tiny.gemma4_towers import build_tiny_multimodal
 from llmexport.tiny.registry import TINY_BUILDERS
-from llmexport.verification import bounds_for_export, reference_pair, stored_tensors, summary_line
-from llmexport.verification_conversation import (
+from llmexport.verification.conversation import (
     USER_TURNS,
     Conversations,
     conversation_failures,
@@ -50,6 +49,7 @@ from llmexport.verification_conversation import (
     script,
     stream_bytes,
 )
+from llmexport.verification.verify import bounds_for_export, reference_pair, stored_tensors, summary_line
 
 TURN_KEYS = ["conversation", "turn", "prompt_tokens", "kept_tokens", "prefilled_tokens", "past_window",
              "prompt_ids_match", "prompt_mismatch_at", "text_match", "streamed_text", "decoded_text",
@@ -277,7 +277,7 @@ def test_verify_fails_a_conversation_whose_history_the_runtime_renders_different
 
 @pytest.mark.slow
 def test_verify_json_holds_the_conversation(tiny_decoder, tmp_path):
-    from llmexport.verification import verify_export
+    from llmexport.verification.verify import verify_export
 
     path, out = tiny_decoder("llama3"), tmp_path / "out"
     export(path, out, ExportOptions(quant=QuantScheme(16, 64)))

@@ -1,4 +1,4 @@
-"""The media-prompt comparison's own rules (llmexport/verification_media.py), without a model."""
+"""The media-prompt comparison's own rules (llmexport/verification/media.py), without a model."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from llmexport.mnn.runtime import MediaRun
 from llmexport.results import MediaPromptReport, TowerReport
-from llmexport.verification_media import compare_prompt, prompt_summary, reference_greedy
+from llmexport.verification.media import compare_prompt, prompt_summary, reference_greedy
 
 VOCAB = 12
 

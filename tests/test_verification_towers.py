@@ -1,4 +1,4 @@
-"""Tower verification (llmexport/verification_towers.py) over any TowerCheck, and the Gemma4
+"""Tower verification (llmexport/verification/towers.py) over any TowerCheck, and the Gemma4
 towers' checks on the tiny checkpoints: what verify.json's tower sections are made of, without MNN
 (the runs in MNN: tests/test_vision_export.py, tests/test_audio_export.py)."""
 
@@ -13,13 +13,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
 
-import llmexport.verification_towers as vt
-from llmexport.checkpoint import Checkpoint
-from llmexport.loading import open_architecture
+import llmexport.verification.towers as vt
 from llmexport.models.base import Tower
-from llmexport.models.gemma4_tower_checks import PROMPT_HEAD
+from llmexport.models.gemma4.tower_checks import PROMPT_HEAD
 from llmexport.models.tower_check import FeatureCase, Measure, PromptCase, TowerCheck
 from llmexport.results import MediaPromptReport, TowerReport
+from llmexport.source.checkpoint import Checkpoint
+from llmexport.source.loading import open_architecture
 from llmexport.spec import LinearRole, LinearSource, LinearSpec
 from llmexport.tiny.gemma4_towers import build_tiny_multimodal
 from llmexport.tiny.tokenizer import SPECIAL_TOKENS

@@ -14,7 +14,7 @@ import subprocess
 import pytest
 from click.testing import CliRunner
 
-import llmexport.verification as verification
+import llmexport.verification.verify as verification
 from llmexport.cli import main
 from llmexport.errors import ConversionError, NotVerified, VerificationFailed
 from llmexport.mnn.config import RuntimeProfile
@@ -99,7 +99,7 @@ def test_exact_kernels_runs_are_skipped_where_they_do_not_fit(tiny_gemma4, tmp_p
     """MNN's exact kernels hold every linear in fp32 (an E4B-shaped export: 20.5 GiB). Where that does
     not fit, a fast export is verified on its shipped kernels alone, and the report says what was left
     out and why; the multimodal model's media prompts (run on the exact kernels) likewise."""
-    import llmexport.memory_plan as memory_plan
+    import llmexport.planning.memory_plan as memory_plan
     from llmexport import ExportOptions, export
     from llmexport.quant.scheme import QuantScheme
 

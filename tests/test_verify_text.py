@@ -1,5 +1,5 @@
 """``--verify_text``: the runtime against HF fp32 on windows of the user's text, with llama.cpp's
-definitions (perplexity, KLD, top-1), and KLD on the verification's own steps (llmexport/verification.py)."""
+definitions (perplexity, KLD, top-1), and KLD on the verification's own steps (llmexport/verification/verify.py)."""
 
 from __future__ import annotations
 
@@ -12,12 +12,12 @@ from click.testing import CliRunner
 from llmexport.api import export
 from llmexport.cli import main
 from llmexport.options import ExportOptions, VerifyText
-from llmexport.quality import windows
 from llmexport.quant.scheme import QuantScheme
 from llmexport.results import VerifyReport
 from llmexport.tiny.byte_level_tokenizer import EXTRA_CORPUS
 from llmexport.tiny.tokenizer import TRAINING_CORPUS
-from llmexport.verification import verify_export
+from llmexport.verification.quality import windows
+from llmexport.verification.verify import verify_export
 
 
 @pytest.fixture(scope="module")

@@ -14,15 +14,15 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from llmexport.checkpoint import Checkpoint
-from llmexport.eager import bind_weights, prompt_inputs
 from llmexport.errors import InputError
-from llmexport.loading import open_architecture
 from llmexport.media.image import synthetic_image
-from llmexport.models.gemma4_media import MARK_THRESHOLD, MEDIA_MARK, open_media_spans, unmark_media
-from llmexport.models.gemma4_tower_checks import PROMPT_HEAD, FullModel, hf_processor, processor_inputs
-from llmexport.models.gemma4_vision import image_features
+from llmexport.models.gemma4.media import MARK_THRESHOLD, MEDIA_MARK, open_media_spans, unmark_media
+from llmexport.models.gemma4.tower_checks import PROMPT_HEAD, FullModel, hf_processor, processor_inputs
+from llmexport.models.gemma4.vision import image_features
+from llmexport.source.checkpoint import Checkpoint
+from llmexport.source.loading import open_architecture
 from llmexport.tiny.gemma4_towers import build_tiny_multimodal
+from llmexport.trace.eager import bind_weights, prompt_inputs
 
 BIDIRECTIONAL = {"use_bidirectional_attention": "vision"}
 LOWEST = torch.finfo(torch.float32).min

@@ -10,16 +10,16 @@ import PIL  # noqa: E402,F401  (pillow is a dependency)
 import pytest
 
 from llmexport import ExportOptions, export
-from llmexport.checkpoint import Checkpoint
-from llmexport.loading import open_architecture
 from llmexport.media.image import processed_size, runtime_size, save_image_for_runtime, synthetic_image
 from llmexport.mnn.runtime import run_media_prompt
-from llmexport.models.gemma4 import Gemma4
+from llmexport.models.gemma4.family import Gemma4
 from llmexport.quant.scheme import QuantScheme
+from llmexport.source.checkpoint import Checkpoint
+from llmexport.source.loading import open_architecture
 from llmexport.tiny.gemma4_towers import build_tiny_multimodal
 from llmexport.tiny.tokenizer import SPECIAL_TOKENS
-from llmexport.verification import reference_pair, stored_tensors, summary_line, verify_export
-from llmexport.verification_towers import verify_tower
+from llmexport.verification.towers import verify_tower
+from llmexport.verification.verify import reference_pair, stored_tensors, summary_line, verify_export
 
 # name -> (tiny checkpoint, text overrides, text bits, visual bits)
 BIDIRECTIONAL = {"use_bidirectional_attention": "vision"}

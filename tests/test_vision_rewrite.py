@@ -10,15 +10,15 @@ import PIL  # noqa: E402,F401  (pillow is a dependency)
 import pytest
 import torch
 
-from llmexport.checkpoint import Checkpoint
-from llmexport.eager import bind_weights
 from llmexport.errors import InputError
-from llmexport.loading import open_architecture
 from llmexport.media.image import preprocess, resize_to_processed, synthetic_image
-from llmexport.models.gemma4_tower_checks import PROMPT_HEAD, FullModel, hf_processor, processor_inputs
-from llmexport.models.gemma4_vision import RUNTIME_IMAGE_SCALE, image_features, parse_vision_args
+from llmexport.models.gemma4.tower_checks import PROMPT_HEAD, FullModel, hf_processor, processor_inputs
+from llmexport.models.gemma4.vision import RUNTIME_IMAGE_SCALE, image_features, parse_vision_args
+from llmexport.source.checkpoint import Checkpoint
+from llmexport.source.loading import open_architecture
 from llmexport.tiny.gemma4_towers import build_tiny_multimodal
 from llmexport.tiny.tokenizer import SPECIAL_TOKENS
+from llmexport.trace.eager import bind_weights
 
 CONFIGS = ("vision-64", "vision-1536")
 # (size, soft-token budget): square at the default 280, wide and non-multiple-of-48 at 70 (faster)
@@ -69,7 +69,7 @@ def test_onnx_matches_torch_at_another_patch_count(tiny, name, tmp_path):
     """Traced at 45 patches with a dynamic axis, run at 630: no shape was baked in."""
     import onnxruntime as ort
 
-    from llmexport.onnx_export import export_onnx
+    from llmexport.trace.onnx_export import export_onnx
 
     _, _, tower, graph, _ = tiny(name)
     inputs = tower.graph_inputs()
@@ -89,7 +89,7 @@ def test_onnx_matches_torch_at_another_patch_count(tiny, name, tmp_path):
 def test_mnn_graph_has_no_unfold_or_boolean_indexing(tiny, tmp_path):
     import onnx
 
-    from llmexport.onnx_export import export_onnx
+    from llmexport.trace.onnx_export import export_onnx
 
     _, _, tower, _, _ = tiny("vision-64")
     export_onnx(tower.build_graph(), tower.graph_inputs(), tmp_path / "visual.onnx", for_mnn=True)

@@ -15,7 +15,7 @@ if TYPE_CHECKING:  # config.py stays light: the options import it
 LLM_MODEL = "llm.mnn"
 LLM_WEIGHT = "llm.mnn.weight"
 TOKENIZER_FILE = "tokenizer.mtok"
-#: the norm weights an activation-aware scaling folded (llmexport.folding), in checkpoint names: the
+#: the norm weights an activation-aware scaling folded (llmexport.calibration.folding), in checkpoint names: the
 #: graph holds them as constants; verification's stored-weights reference reads them from here
 FOLDED_NORMS = "folded_norms.safetensors"
 

@@ -24,8 +24,8 @@ from pathlib import Path
 from typing import Any
 
 from llmexport.errors import ConversionError, InputError, UsageError
-from llmexport.input_files import check_regular, read_json
 from llmexport.mnn.convert import run_converter
+from llmexport.source.input_files import check_regular, read_json
 
 #: the file names the runtime uses when config.json names none (LlmConfig's defaults)
 DEFAULT_FILES = {"llm_config": "llm_config.json", "llm_model": "llm.mnn", "llm_weight": "llm.mnn.weight",

@@ -100,7 +100,7 @@ class StoredTensors:
     bias into its own tensor); the token table, decoded as the runtime's DiskEmbedding does, into
     the embedding and PLE tensors it joins (mnn/token_table.py); a tied lm_head stored apart from
     that table becomes ``UNTIED_HEAD``; a norm weight that activation-aware scaling folded
-    (llmexport.folding), the folded value the graph holds (``folded_norms``). Every other tensor is
+    (llmexport.calibration.folding), the folded value the graph holds (``folded_norms``). Every other tensor is
     ``base``'s (the checkpoint's own).
     This is the fair oracle's weights; tables are read row by row, so a lookup never decodes a table.
     """

@@ -19,10 +19,10 @@ import torch
 
 from llmexport.errors import ConversionError
 from llmexport.mnn.weights import LinearRecord, WeightFileWriter
-from llmexport.ops import expert_subgraph_name
 from llmexport.quant.rtn import NonFiniteError
 from llmexport.quant.scheme import QuantMethod, QuantScheme
 from llmexport.spec import ExpertTemplate, LinearSpec, Quantizer
+from llmexport.trace.ops import expert_subgraph_name
 
 log = logging.getLogger(__name__)
 

@@ -14,7 +14,7 @@ source/core/OpCommonUtils.cpp):
   stream over the whole tensor (see llmexport.quant.pack);
   alpha in fp16: ``[zero, scale]`` per (row, block) when asymmetric, ``scale`` when symmetric;
   fp32 instead for records that carry a source's own integers (``QuantMethod.STORED``, see
-  llmexport.importers.mlx), with ``scaleStorage FP32``: ``ConvolutionCommon::load`` then reads
+  llmexport.source.importers.mlx), with ``scaleStorage FP32``: ``ConvolutionCommon::load`` then reads
   ``external[2] / 4`` fp32 values; then the fp32 bias, if any.
 * fp16 record (``type 3``): raw fp16 ``[oc, ic]``, no header, no alpha; then the bias.
 

@@ -9,16 +9,16 @@ from __future__ import annotations
 
 import importlib
 
-from llmexport.checkpoint import Checkpoint
 from llmexport.errors import InputError
 from llmexport.models.base import Architecture
+from llmexport.source.checkpoint import Checkpoint
 
 #: config.json ``model_type`` -> the family's class, as "module:Class"
 FAMILIES: dict[str, str] = {
     "gemma3_text": "llmexport.models.gemma3:Gemma3",
-    "gemma4": "llmexport.models.gemma4:Gemma4",
-    "gemma4_text": "llmexport.models.gemma4:Gemma4",
-    "k2_horizon": "llmexport.models.k2_horizon:K2Horizon",
+    "gemma4": "llmexport.models.gemma4.family:Gemma4",
+    "gemma4_text": "llmexport.models.gemma4.family:Gemma4",
+    "k2_horizon": "llmexport.models.k2_horizon.family:K2Horizon",
     "llama": "llmexport.models.llama:Llama",
     "ministral": "llmexport.models.ministral:Ministral",
     "mistral": "llmexport.models.mistral:Mistral",

@@ -14,12 +14,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from llmexport.checkpoint import Checkpoint, LazyTensor
 from llmexport.models.tower_check import TowerCheck
+from llmexport.source.checkpoint import Checkpoint
 from llmexport.spec import (
     ArchitectureSummary,
     ExpertTemplate,
     GraphInputs,
+    LazyRows,
     LinearSource,
     LinearSpec,
     ReferenceTensors,
@@ -65,7 +66,7 @@ class Tower(abc.ABC):
 
     @abc.abstractmethod
     def check(self) -> TowerCheck:
-        """The exported tower's parity checks against HF (llmexport/verification_towers.py runs them)."""
+        """The exported tower's parity checks against HF (llmexport/verification/towers.py runs them)."""
 
 
 class Architecture(abc.ABC):
@@ -97,7 +98,7 @@ class Architecture(abc.ABC):
 
     def scale_groups(self) -> list[ScaleGroup]:
         """Where a per-channel scale of a linear's input can be folded into the op before it
-        (activation-aware scaling, llmexport/folding.py); none by default: such a family's linears
+        (activation-aware scaling, llmexport/calibration/folding.py); none by default: such a family's linears
         are then rounded without it."""
         return []
 
@@ -113,10 +114,10 @@ class Architecture(abc.ABC):
         """True when the runtime reads the token embedding out of the lm_head record."""
 
     @abc.abstractmethod
-    def embedding_table(self) -> LazyTensor:
+    def embedding_table(self) -> LazyRows:
         """The token embedding [vocab, hidden], left on disk until rows are asked for."""
 
-    def ple_table(self) -> LazyTensor | None:
+    def ple_table(self) -> LazyRows | None:
         """A per-layer-embedding table [vocab, layers * dim], if the family has one."""
         return None
 
@@ -166,7 +167,7 @@ class Architecture(abc.ABC):
 
     @abc.abstractmethod
     def empty_reference(self, trust_remote_code: bool = False) -> nn.Module:
-        """The same HF model with its parameters on the meta device (llmexport/streamed_reference.py fills them)."""
+        """The same HF model with its parameters on the meta device (llmexport/reference/streamed.py fills them)."""
 
     @abc.abstractmethod
     def reference_slot(self, tensor: str) -> tuple[str, tuple[Any, ...]]:

@@ -12,9 +12,8 @@ from typing import Any
 
 from torch import nn
 
-from llmexport.checkpoint import Checkpoint
-from llmexport.models.decoder import DecoderFamily
-from llmexport.models.decoder_names import (
+from llmexport.models.decoder.family import DecoderFamily
+from llmexport.models.decoder.names import (
     LLAMA_LAYOUT,
     MLP,
     add_attention,
@@ -27,6 +26,7 @@ from llmexport.models.gemma3_graph import Gemma3TextGraph
 from llmexport.models.layer_types import SLIDING, mix_config, mixed_graph_inputs
 from llmexport.models.tensor_checks import Shapes, count_limit, finite_lookup
 from llmexport.models.tensor_names import LinearList
+from llmexport.source.checkpoint import Checkpoint
 from llmexport.spec import ArchitectureSummary, GraphInputs, LinearRole, MlxLayout, NormFormula, ScaleGroup
 
 NAMES = LLAMA_LAYOUT.extended({

@@ -13,8 +13,8 @@ from typing import Any
 
 from llmexport.errors import InputError
 from llmexport.models.config_values import flag_value, float_value, int_value
-from llmexport.models.decoder import AttentionShape
-from llmexport.models.decoder_args import resolve_config
+from llmexport.models.decoder.args import resolve_config
+from llmexport.models.decoder.family import AttentionShape
 from llmexport.models.layer_types import SLIDING, read_layer_types, rope_specs
 from llmexport.models.rope import RopeSpec
 

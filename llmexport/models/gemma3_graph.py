@@ -15,14 +15,14 @@ import math
 
 from torch import nn
 
-from llmexport.models.decoder_graph import Attention
-from llmexport.models.decoder_names import MLP
+from llmexport.models.decoder.graph import Attention
+from llmexport.models.decoder.names import MLP
 from llmexport.models.gemma3_args import Gemma3Args, LayerSpec
-from llmexport.models.gemma4_graph import Mlp
+from llmexport.models.gemma4.graph import Mlp
 from llmexport.models.graph_parts import Norm, TensorLookup, const, head_outputs
 from llmexport.models.layer_types import layer_masks, layer_ropes, register_ropes
 from llmexport.models.tensor_names import NameTable
-from llmexport.ops import PlaceholderLinear
+from llmexport.trace.ops import PlaceholderLinear
 
 
 def gemma_norm(lookup: TensorLookup, name: str, eps: float) -> Norm:

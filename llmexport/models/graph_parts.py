@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 from llmexport.models.tensor_checks import TensorLookup
-from llmexport.ops import rms_norm
+from llmexport.trace.ops import rms_norm
 
 __all__ = ["TensorLookup", "const", "Norm", "head_outputs"]
 

@@ -8,7 +8,7 @@ them only when no vocabulary word needs that lookup (docs/supported-models.md).
 
 from __future__ import annotations
 
-from llmexport.models.plain_decoder import PlainDecoder
+from llmexport.models.decoder.plain import PlainDecoder
 
 
 class Llama(PlainDecoder):

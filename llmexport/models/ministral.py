@@ -9,8 +9,8 @@ is a different type and not registered. Reference: transformers' ``MinistralForC
 
 from __future__ import annotations
 
-from llmexport.models.decoder_args import BY_LAYER_TYPES
-from llmexport.models.plain_decoder import PlainDecoder
+from llmexport.models.decoder.args import BY_LAYER_TYPES
+from llmexport.models.decoder.plain import PlainDecoder
 
 
 class Ministral(PlainDecoder):

@@ -9,8 +9,8 @@ the runtime's "mix" attention with every layer on the sliding slice. Reference: 
 
 from __future__ import annotations
 
-from llmexport.models.decoder_args import EVERY_LAYER
-from llmexport.models.plain_decoder import PlainDecoder
+from llmexport.models.decoder.args import EVERY_LAYER
+from llmexport.models.decoder.plain import PlainDecoder
 
 
 class Mistral(PlainDecoder):

@@ -16,13 +16,13 @@ from typing import Any
 
 from torch import nn
 
-from llmexport.checkpoint import Checkpoint
-from llmexport.models.decoder import DecoderFamily
-from llmexport.models.decoder_names import LAYER_NORMS, LLAMA_LAYOUT
+from llmexport.models.decoder.family import DecoderFamily
+from llmexport.models.decoder.names import LAYER_NORMS, LLAMA_LAYOUT
 from llmexport.models.phi3_args import Phi3Args, parse_phi3_args
 from llmexport.models.phi3_graph import Phi3Graph
 from llmexport.models.tensor_checks import Shapes, count_limit, finite_lookup
 from llmexport.models.tensor_names import LinearList
+from llmexport.source.checkpoint import Checkpoint
 from llmexport.spec import ArchitectureSummary, LinearRole, MlxLayout
 
 NAMES = LLAMA_LAYOUT.extended({

@@ -12,8 +12,8 @@ import torch
 
 from llmexport.errors import InputError
 from llmexport.models.config_values import flag_value, float_value, int_value, str_value
-from llmexport.models.decoder import AttentionShape
-from llmexport.models.decoder_args import resolve_config
+from llmexport.models.decoder.args import resolve_config
+from llmexport.models.decoder.family import AttentionShape
 
 log = logging.getLogger(__name__)
 

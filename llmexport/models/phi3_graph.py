@@ -7,12 +7,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from llmexport.models.decoder_graph import DecoderStack, PreNormLayer
+from llmexport.models.decoder.graph import DecoderStack, PreNormLayer
 from llmexport.models.graph_parts import Norm, TensorLookup, const
 from llmexport.models.phi3_args import Phi3Args
 from llmexport.models.rope import rotate
 from llmexport.models.tensor_names import NameTable
-from llmexport.ops import FusedAttention, PlaceholderLinear
+from llmexport.trace.ops import FusedAttention, PlaceholderLinear
 
 
 class FusedQkvAttention(nn.Module):

@@ -9,8 +9,8 @@ Reference: transformers' ``Qwen2ForCausalLM``.
 
 from __future__ import annotations
 
-from llmexport.models.decoder_args import BY_LAYER_TYPES
-from llmexport.models.plain_decoder import PlainDecoder
+from llmexport.models.decoder.args import BY_LAYER_TYPES
+from llmexport.models.decoder.plain import PlainDecoder
 
 
 class Qwen2(PlainDecoder):

@@ -14,9 +14,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from llmexport.models.decoder_args import BY_LAYER_TYPES, EVERY_LAYER
-from llmexport.models.decoder_names import LLAMA_LAYOUT
-from llmexport.models.plain_decoder import PlainDecoder
+from llmexport.models.decoder.args import BY_LAYER_TYPES, EVERY_LAYER
+from llmexport.models.decoder.names import LLAMA_LAYOUT
+from llmexport.models.decoder.plain import PlainDecoder
 from llmexport.models.tensor_names import match, weight_name
 
 #: the Llama layout, and where transformers keeps the experts (Qwen3MoeExperts): stacked

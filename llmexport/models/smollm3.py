@@ -10,8 +10,8 @@ makes the NoPE layers sliding with ``use_sliding_window``). Reference: transform
 
 from __future__ import annotations
 
-from llmexport.models.decoder_args import BY_LAYER_TYPES
-from llmexport.models.plain_decoder import PlainDecoder
+from llmexport.models.decoder.args import BY_LAYER_TYPES
+from llmexport.models.decoder.plain import PlainDecoder
 
 
 class SmolLM3(PlainDecoder):

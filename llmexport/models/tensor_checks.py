@@ -14,8 +14,8 @@ from typing import Any, Callable, Mapping
 
 import torch
 
-from llmexport.checkpoint import dtype_name
 from llmexport.errors import InputError
+from llmexport.source.safetensors_file import dtype_name
 
 #: dtypes a checkpoint stores float weights in; integers, booleans and F64 are refused, not cast
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)

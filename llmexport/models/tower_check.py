@@ -1,11 +1,11 @@
 """What verification checks of a multimodal tower, described by the tower and run elsewhere.
 
 A ``Tower`` (models/base.py) returns a ``TowerCheck``: plain data and pure-torch functions of a
-loaded HF model. It never runs MNN nor reads the export back; llmexport/verification_towers.py
+loaded HF model. It never runs MNN nor reads the export back; llmexport/verification/towers.py
 does that, the same way for every tower: each ``FeatureCase`` through the tower's graph alone
 against ``features`` of HF carrying the stored weights (and of the fp32 HF, reported), each
 ``PromptCase`` through MNN's runtime against ``prompt_logits`` of the same two models
-(llmexport/verification_media.py).
+(llmexport/verification/media.py).
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Per-input-channel scales for a group of linears that read one input: AWQ's search and SmoothQuant's rule.
 
 A linear ``y = W x`` computes the same with ``W diag(s)`` on ``x / s``. Where the op before the
-linears can absorb ``1 / s`` exactly (llmexport/folding.py), the export stores ``W diag(s)``, and
+linears can absorb ``1 / s`` exactly (llmexport/calibration/folding.py), the export stores ``W diag(s)``, and
 the choice of ``s`` changes only what rounding does:
 
 - AWQ (Lin et al., "AWQ: Activation-aware Weight Quantization for LLM Compression and

@@ -1,7 +1,7 @@
 """What an output target is: the files one ``--export`` format writes from a loaded architecture.
 
 The pipeline (llmexport/pipeline.py) opens the checkpoint, decides every scheme
-(llmexport/schemes.py), plans, and then hands one ``ExportJob`` to the target of the options'
+(llmexport/planning/schemes.py), plans, and then hands one ``ExportJob`` to the target of the options'
 format (llmexport/targets/__init__.py). A target owns everything about its files: the input
 checks its format needs (``prepare``, before any heavy work), the bytes each linear and table
 takes there and the export's peak memory (``record_bytes``, ``table_bytes``,
@@ -20,13 +20,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator
 
-from llmexport.checkpoint import Checkpoint
 from llmexport.errors import OutputError, ResourceError
 from llmexport.models.base import Architecture
 from llmexport.options import ExportOptions
+from llmexport.planning.schemes import Schemes
 from llmexport.quant.scheme import QuantScheme
 from llmexport.results import ExportPlan
-from llmexport.schemes import Schemes
+from llmexport.source.checkpoint import Checkpoint
 from llmexport.spec import LinearSpec
 
 log = logging.getLogger(__name__)
@@ -86,7 +86,7 @@ class OutputTarget(abc.ABC):
 
     @abc.abstractmethod
     def export_peak_bytes(self, arch: Architecture, plan: ExportPlan) -> int:
-        """The export's expected peak resident memory (llmexport.memory_plan has the calibration)."""
+        """The export's expected peak resident memory (llmexport.planning.memory_plan has the calibration)."""
 
     def table_bytes(self, rows: int, dim: int, bits: int, block: int) -> int:
         """The bytes of a token table written to its own file (0: this format writes none)."""

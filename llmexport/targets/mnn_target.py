@@ -15,25 +15,25 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterator
 
-from llmexport.activation_scaling import scale_and_fold
-from llmexport.calibration import calibrate
-from llmexport.calibration_data import read_texts
-from llmexport.checkpoint import Checkpoint
+from llmexport.calibration.activation_scaling import scale_and_fold
+from llmexport.calibration.data import read_texts
+from llmexport.calibration.gptq import calibrate
 from llmexport.errors import InputError
-from llmexport.memory_plan import mnn_export_peak_bytes
 from llmexport.mnn import config as mnn_config
 from llmexport.mnn.embeddings import table_size
 from llmexport.mnn.weights import record_size
 from llmexport.models.base import Architecture
 from llmexport.options import ExportOptions
+from llmexport.planning.memory_plan import mnn_export_peak_bytes
+from llmexport.planning.weight_sources import WeightSources
 from llmexport.progress import Progress
 from llmexport.quant.methods import quantizers
 from llmexport.quant.rtn import NonFiniteError
 from llmexport.quant.scheme import QuantScheme
 from llmexport.results import ExportPlan
+from llmexport.source.checkpoint import Checkpoint
 from llmexport.spec import GraphInputs, LinearSpec
 from llmexport.targets.base import TRACE_SEQ_LEN, ExportJob, OutputTarget
-from llmexport.weight_sources import WeightSources
 
 log = logging.getLogger(__name__)
 
@@ -43,7 +43,7 @@ class MnnTarget(OutputTarget):
 
     def prepare(self, checkpoint: Checkpoint, arch: Architecture, options: ExportOptions) -> bytes:
         """The runtime's tokenizer file, converted in memory (unsupported tokenizers fail here)."""
-        from llmexport.mnn.tokenizer import mnn_tokenizer_bytes
+        from llmexport.mnn.tokenizer.writer import mnn_tokenizer_bytes
 
         checkpoint.tokenizer_file()
         checkpoint.check_tokenizer_side_files()
@@ -109,7 +109,7 @@ class MnnTarget(OutputTarget):
 
 
 def _scaled(arch: Architecture, job: ExportJob, quantize) -> tuple[Architecture, Any]:
-    """The model with activation-aware scales folded in (llmexport.activation_scaling), its graph
+    """The model with activation-aware scales folded in (llmexport.calibration.activation_scaling), its graph
     (the norms are graph constants) and the folded norms saved for verification."""
     from safetensors.torch import save_file
 
@@ -133,7 +133,7 @@ class _GraphWriter:
         from llmexport.mnn.convert import json_to_mnn, mnn_to_json, onnx_to_mnn
         from llmexport.mnn.external import rehome_external
         from llmexport.mnn.rebuild import NonFiniteLinear, rebuild_graph
-        from llmexport.onnx_export import export_onnx
+        from llmexport.trace.onnx_export import export_onnx
 
         job, work, out = self.job, self.work, self.job.out
         label = "" if stem == "llm" else f"{stem}_"
@@ -165,7 +165,7 @@ def _convert_expert_templates(arch: Architecture, work: Path) -> list:
     import torch
 
     from llmexport.mnn.convert import mnn_to_json, onnx_to_mnn
-    from llmexport.onnx_export import export_onnx
+    from llmexport.trace.onnx_export import export_onnx
 
     converted = []
     for i, template in enumerate(arch.expert_templates()):

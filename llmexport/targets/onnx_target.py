@@ -3,8 +3,8 @@ initializers, which onnxruntime runs (no quantization, no token table, no runtim
 
 from __future__ import annotations
 
-from llmexport.memory_plan import onnx_export_peak_bytes
 from llmexport.models.base import Architecture
+from llmexport.planning.memory_plan import onnx_export_peak_bytes
 from llmexport.quant.scheme import QuantScheme
 from llmexport.results import ExportPlan
 from llmexport.spec import LinearSpec
@@ -20,8 +20,8 @@ class OnnxTarget(OutputTarget):
         return onnx_export_peak_bytes(plan)
 
     def write(self, job: ExportJob) -> None:
-        from llmexport.eager import bind_weights
-        from llmexport.onnx_export import export_onnx
+        from llmexport.trace.eager import bind_weights
+        from llmexport.trace.onnx_export import export_onnx
 
         with job.stage("onnx"):
             bind_weights(job.graph, job.arch.linear_weight)

@@ -112,7 +112,7 @@ def _pre_tokenizer(style: str):
 def _train(style: str, budget: int, corpus: str | None = None) -> tuple[dict[str, int], list[tuple[str, str]]]:
     """Byte alphabet (ids 0-255, in byte order) plus merges learned on the corpus (``corpus``:
     another text, paragraphs separated by empty lines)."""
-    from llmexport.mnn.byte_level import byte_level_chars
+    from llmexport.mnn.tokenizer.byte_level import byte_level_chars
 
     trainer_tok = Tokenizer(BPE())
     if style == "qwen":

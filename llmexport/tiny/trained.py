@@ -29,8 +29,8 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
-from llmexport.quality import perplexity, token_nll, windows
 from llmexport.tiny.corpus import Corpus, CorpusError, austen_corpus, corpus_from_file
+from llmexport.verification.quality import perplexity, token_nll, windows
 
 #: bumped when the training code changes what a recipe produces (part of the cache key)
 TRAINER_VERSION = 1

@@ -1,0 +1,1 @@
+"""The Llama layout every plain decoder shares: names, config, graph pieces and the family base."""

@@ -1,0 +1,25 @@
+"""Which importer, if any, reads a checkpoint: MLX (mlx-lm's ``quantization`` block) or GPTQ/AWQ
+(an HF ``quantization_config`` whose ``quant_method`` is ``gptq`` or ``awq``)."""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+from llmexport.source.checkpoint import Checkpoint
+from llmexport.source.importers.gptq_awq import PackedWeights, adapt_packed
+from llmexport.source.importers.mlx import MlxWeights
+from llmexport.source.importers.mlx import adapt_checkpoint as adapt_mlx
+from llmexport.spec import MlxLayout, PrequantizedStore, WeightStore
+
+
+def adapt_checkpoint(checkpoint: Checkpoint,
+                     layout_for: Callable[[dict[str, Any]], MlxLayout | None]) -> Checkpoint:
+    """``checkpoint`` itself, or the HF view an importer gives of it; ``layout_for`` gives the
+    family's MLX layout for a config (``Architecture.mlx_layout``)."""
+    adapted = adapt_mlx(checkpoint, layout_for)
+    return adapted if adapted is not checkpoint else adapt_packed(checkpoint)
+
+
+def imported_store(weights: WeightStore) -> PrequantizedStore | None:
+    """``weights`` when an importer offers it (its integers can be kept), else None."""
+    return weights if isinstance(weights, (MlxWeights, PackedWeights)) else None
