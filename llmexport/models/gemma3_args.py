@@ -14,9 +14,9 @@ from typing import Any
 from llmexport.errors import InputError
 from llmexport.models.config_values import flag_value, float_value, int_value
 from llmexport.models.decoder.args import resolve_config
-from llmexport.models.decoder.family import AttentionShape
 from llmexport.models.layer_types import SLIDING, read_layer_types, rope_specs
 from llmexport.models.rope import RopeSpec
+from llmexport.models.shape import UniformAttentionShape
 
 
 @dataclass(frozen=True)
@@ -27,22 +27,13 @@ class LayerSpec:
 
 
 @dataclass(frozen=True)
-class Gemma3Args(AttentionShape):
-    vocab_size: int
-    hidden_size: int
-    intermediate_size: int
-    num_heads: int
-    kv_heads: int
-    head_dim: int
-    eps: float
+class Gemma3Args(UniformAttentionShape):
     scale: float  # the attention scale, query_pre_attn_scalar ** -0.5
     attention_bias: bool
     sliding_window: int
     layers: tuple[LayerSpec, ...]
     rope: dict[str, RopeSpec]
     final_softcap: float | None
-    tie_embeddings: bool
-    max_position_embeddings: int
 
     @property
     def mixed(self) -> bool:

@@ -13,25 +13,17 @@ import torch
 from llmexport.errors import InputError
 from llmexport.models.config_values import flag_value, float_value, int_value, str_value
 from llmexport.models.decoder.args import resolve_config
-from llmexport.models.decoder.family import AttentionShape
+from llmexport.models.shape import UniformAttentionShape
 
 log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
-class Phi3Args(AttentionShape):
-    vocab_size: int
-    hidden_size: int
-    intermediate_size: int
-    num_heads: int
-    kv_heads: int
-    head_dim: int
+class Phi3Args(UniformAttentionShape):
     rotary_dim: int
-    eps: float
     inv_freq: tuple[float, ...]  # the short (or default) table, rotary_dim / 2 entries
     attention_factor: float  # longrope's cos/sin scaling
-    tie_embeddings: bool
-    max_position_embeddings: int  # the exported context: original_max_position_embeddings with longrope
+    # max_position_embeddings: the exported context: original_max_position_embeddings with longrope
     layers: tuple[int, ...]
 
 

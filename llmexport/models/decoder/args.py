@@ -21,8 +21,8 @@ from typing import Any
 
 from llmexport.errors import InputError
 from llmexport.models.config_values import flag_value, float_value, int_value, str_value
-from llmexport.models.decoder.family import AttentionShape
 from llmexport.models.rope import Llama3Scaling, RopeSpec
+from llmexport.models.shape import UniformAttentionShape
 
 FULL_ATTENTION, SLIDING_ATTENTION = "full_attention", "sliding_attention"
 #: the attention projections that may carry a bias (decoder_names.LLAMA_LAYOUT keys)
@@ -51,19 +51,10 @@ class MoeSpec:
 
 
 @dataclass(frozen=True)
-class DecoderArgs(AttentionShape):
-    vocab_size: int
-    hidden_size: int
-    intermediate_size: int  # dense layers' MLP width (0: every layer is sparse)
-    num_heads: int
-    kv_heads: int
-    head_dim: int
-    eps: float
+class DecoderArgs(UniformAttentionShape):
     rope: RopeSpec
     qk_norm: bool  # per-head RMSNorm of q and k over head_dim, before RoPE (Qwen3)
     biases: frozenset[str]  # the attention projections (ATTENTION_PROJECTIONS) with a bias
-    tie_embeddings: bool
-    max_position_embeddings: int
     layers: tuple[LayerSpec, ...]
     moe: MoeSpec | None
     sliding_window: int = 0  # keys a sliding layer sees (0: every layer is full attention)

@@ -35,22 +35,6 @@ from llmexport.spec import (
 EXPERT_MARKER = "@expert@"
 
 
-class AttentionShape:
-    """Derived sizes of a decoder's arguments (``layers``, ``kv_heads``, ``head_dim`` fields)."""
-
-    layers: Sequence[Any]
-    kv_heads: int
-    head_dim: int
-
-    @property
-    def num_layers(self) -> int:
-        return len(self.layers)
-
-    @property
-    def kv_width(self) -> int:
-        return self.kv_heads * self.head_dim
-
-
 def expert_template(names: NameTable, module: str, linears: Sequence[str],
                     build: Callable[[tuple[str, ...]], nn.Module], hidden: int,
                     instances: Iterable[tuple[int, int, int]], marker: str = EXPERT_MARKER) -> ExpertTemplate:

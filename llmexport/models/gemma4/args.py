@@ -19,6 +19,7 @@ from llmexport.models.config_values import int_value as _int
 from llmexport.models.gemma4.media import bidirectional_vision
 from llmexport.models.layer_types import FULL, SLIDING, read_layer_types, rope_specs
 from llmexport.models.rope import RopeSpec
+from llmexport.models.shape import DecoderShape
 
 log = logging.getLogger(__name__)
 __all__ = ["FULL", "SLIDING", "Gemma4TextArgs", "LayerSpec", "MoESpec", "parse_text_args"]
@@ -48,28 +49,18 @@ class MoESpec:
 
 
 @dataclass(frozen=True)
-class Gemma4TextArgs:
+class Gemma4TextArgs(DecoderShape):
     prefix: str  # weight-name prefix of the text decoder ("model.language_model." / "model.")
-    vocab_size: int
-    hidden_size: int
-    num_heads: int
-    eps: float
     sliding_window: int
     layers: tuple[LayerSpec, ...]
     rope: dict[str, RopeSpec]
     ple_dim: int  # 0: no per-layer embeddings
     ple_vocab: int
     final_softcap: float | None
-    tie_embeddings: bool
     activation: str
     moe: MoESpec | None
-    max_position_embeddings: int
     pad_token_id: int
-    bidirectional_vision: bool = False  # image spans attend both ways on sliding layers (gemma4_media.py)
-
-    @property
-    def num_layers(self) -> int:
-        return len(self.layers)
+    bidirectional_vision: bool = False  # image spans attend both ways on sliding layers (gemma4/media.py)
 
     @property
     def embed_scale(self) -> float:

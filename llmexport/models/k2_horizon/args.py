@@ -13,7 +13,7 @@ from typing import Any
 
 from llmexport.errors import InputError
 from llmexport.models.config_values import FP32_MAX, flag_value, float_value, int_value, str_value
-from llmexport.models.decoder.family import AttentionShape
+from llmexport.models.shape import UniformAttentionShape
 from llmexport.reference.k2_horizon.configuration_k2_horizon import K2HorizonConfig
 
 # A key missing from config.json takes the reference configuration's default, exactly as the
@@ -45,20 +45,11 @@ class LayerSpec:
 
 
 @dataclass(frozen=True)
-class K2HorizonArgs(AttentionShape):
-    vocab_size: int
-    hidden_size: int
-    intermediate_size: int
-    num_heads: int
-    kv_heads: int
-    head_dim: int
-    eps: float
+class K2HorizonArgs(UniformAttentionShape):
     norm_groups: int
     qk_norm: bool
     attention_bias: bool
     rope_theta: float
-    max_position_embeddings: int
-    tie_embeddings: bool
     layers: tuple[LayerSpec, ...]
     moe: RouterSpec | None
     moe_width: int  # routed expert intermediate size
