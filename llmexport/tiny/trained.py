@@ -16,6 +16,7 @@ weights, bit for bit: fixed seeds, deterministic algorithms, batches drawn from 
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
 import math
@@ -264,10 +265,15 @@ def trained_checkpoint(recipe: TrainRecipe | str, corpus: Corpus | None = None, 
     folder = cache_root() / recipe_key(recipe, corpus)
     if (folder / "training.json").is_file():
         return folder
-    staging = folder.with_name(folder.name + ".part")
-    train(recipe, corpus, staging, log)
-    shutil.rmtree(folder, ignore_errors=True)
-    staging.replace(folder)
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    # one trainer per recipe at a time (parallel test workers, two demos): the others wait for its result
+    with open(folder.with_name(folder.name + ".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not (folder / "training.json").is_file():
+            staging = folder.with_name(folder.name + ".part")
+            train(recipe, corpus, staging, log)
+            shutil.rmtree(folder, ignore_errors=True)
+            staging.replace(folder)
     return folder
 
 
