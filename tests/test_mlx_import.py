@@ -88,6 +88,25 @@ def test_transcoded_record_keeps_the_integers_and_decodes_exactly(tmp_path, bits
             - pq.dequantize()).abs().max() < 2e-3
 
 
+def test_parts_joined_side_by_side_keep_every_groups_map():
+    """The token table joins the embedding and the PLE table: one width, one group (the parts'
+    common one; a larger group is split into runs that share its scale and bias)."""
+    parts = []
+    for group, cols, seed in ((32, 64, 0), (64, 128, 1)):
+        q, s, b = _mlx_quantized(4, (8, cols), group, seed)
+        parts.append(Prequantized(unpack_levels(torch.from_numpy(np.array(q)), 4),
+                                  torch.from_numpy(_np(s)).bfloat16(), torch.from_numpy(_np(b)).bfloat16(), 4, group))
+    joined = Prequantized.join_columns(parts)
+    assert (joined.bits, joined.group, tuple(joined.shape)) == (4, 32, (8, 192))
+    assert torch.equal(joined.levels, torch.cat([p.levels for p in parts], dim=1))
+    assert torch.equal(joined.dequantize(), torch.cat([p.dequantize() for p in parts], dim=1))
+    q, s, b = _mlx_quantized(8, (8, 64), 64)
+    eight = Prequantized(unpack_levels(torch.from_numpy(np.array(q)), 8), torch.from_numpy(_np(s)),
+                         torch.from_numpy(_np(b)), 8, 64)
+    with pytest.raises(ValueError, match="cannot join"):
+        Prequantized.join_columns([parts[0], eight])
+
+
 def test_quantization_config_per_module_and_detection():
     block = {"group_size": 64, "bits": 8, "mode": "affine", "a.mlp.down_proj": {"group_size": 32, "bits": 4},
              "a.router": False}
