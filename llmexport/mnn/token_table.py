@@ -90,12 +90,13 @@ def split_rows(arch: ModelTables, rows: torch.Tensor) -> tuple[torch.Tensor, tor
     return rows[..., :width], rows[..., width:]
 
 
-def stored_row(table: Any, token: int, bits: int, block: int, quantizer=None) -> torch.Tensor:
-    """Row ``token`` of ``table`` as the runtime decodes it once written at ``bits``/``block``
-    (quantization is per row and block, so the one row written alone is the row in the file)."""
+def stored_row(rows: Callable[[int, int], Any], token: int, bits: int, block: int, quantizer=None) -> torch.Tensor:
+    """Row ``token`` as the runtime decodes it once written at ``bits``/``block``; ``rows`` reads
+    the table's rows in the form ``quantizer`` takes (floats, or stored integers for a table kept as
+    stored). Quantization is per row and block, so the one row written alone is the row in the file."""
     from llmexport.mnn.embeddings import read_embedding_table, write_embedding_table
 
-    row = table.rows(token, token + 1)
+    row = rows(token, token + 1)
     with tempfile.TemporaryDirectory(prefix="llmexport-row-") as tmp:
         path = Path(tmp) / "row.bin"
         with open(path, "wb") as f:
