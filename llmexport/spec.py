@@ -9,11 +9,12 @@ each other.
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass, field
 from enum import Enum
 from pathlib import Path
-from typing import Any, Callable, Iterator, Mapping, Optional, Protocol
+from typing import Any, Callable, Iterable, Iterator, Mapping, Optional, Protocol
 
 import torch
 from torch import nn
@@ -240,6 +241,34 @@ class Prequantized:
         levels, scales, biases = (torch.cat([getattr(p, f) for p in parts], dim=-2)
                                   for f in ("levels", "scales", "biases"))
         return Prequantized(levels, scales, biases, first.bits, first.group)
+
+    def regrouped(self, group: int) -> "Prequantized":
+        """The same values in groups of ``group`` inputs, which must divide ``self.group``: each
+        group is split into runs that keep its scale and bias, so nothing is rounded."""
+        if group <= 0 or self.group % group:
+            raise ValueError(f"groups of {self.group} cannot be split into groups of {group}")
+        runs = self.group // group
+        return Prequantized(self.levels, self.scales.repeat_interleave(runs, dim=-1),
+                            self.biases.repeat_interleave(runs, dim=-1), self.bits, group)
+
+    @staticmethod
+    def join_columns(parts: list["Prequantized"]) -> "Prequantized":
+        """Parts side by side (along the last axis) as one weight: one width, and groups of the
+        parts' ``common_group`` (a part with larger groups is ``regrouped``, exactly)."""
+        bits = {p.bits for p in parts}
+        if len(bits) != 1:
+            raise ValueError(f"cannot join parts stored as {', '.join(str(p.info) for p in parts)}")
+        group = common_group(p.group for p in parts)
+        split = [p.regrouped(group) for p in parts]
+        levels, scales, biases = (torch.cat([getattr(p, f) for p in split], dim=-1)
+                                  for f in ("levels", "scales", "biases"))
+        return Prequantized(levels, scales, biases, bits.pop(), group)
+
+
+def common_group(groups: Iterable[int]) -> int:
+    """The largest group that splits each of ``groups`` into whole groups (their gcd): the one
+    block at which weights stored with these groups keep every scale and bias."""
+    return math.gcd(*groups)
 
 
 # --- what readers and writers see of checkpoints and exports --------------------------------------

@@ -1,7 +1,8 @@
 """MLX-quantized checkpoints exported "as stored": MLX's integers and affine map reach MNN unchanged.
 
 Fixtures are quantized by MLX itself: tiny Gemma4 checkpoints with mlx-lm's converter
-(``mlx_lm.convert``, uniform 4-bit and the mixed ``mixed_3_6`` recipe), a tiny K2-Horizon with
+(``mlx_lm.convert``, uniform 4- and 8-bit, the mixed ``mixed_3_6`` / ``mixed_4_6`` recipes and
+test-side quant predicates giving the embedding other bits or groups), a tiny K2-Horizon with
 ``mx.quantize`` per module (mlx-lm has no K2-Horizon port), mirroring mlx-lm's convert: its quant
 predicate (modules with ``to_quantized`` whose input width the group divides) and its config
 ``quantization`` layout, with the family's MLX names (stacked experts). Every transcoded record
@@ -86,6 +87,25 @@ def test_transcoded_record_keeps_the_integers_and_decodes_exactly(tmp_path, bits
     assert requantized.quan_parameter()["scaleStorage"] == "FP16"
     assert (read_linear(path, requantized.external(), requantized.quan_parameter(), 40, 128)[0]
             - pq.dequantize()).abs().max() < 2e-3
+
+
+def test_parts_joined_side_by_side_keep_every_groups_map():
+    """The token table joins the embedding and the PLE table: one width, one group (the parts'
+    common one; a larger group is split into runs that share its scale and bias)."""
+    parts = []
+    for group, cols, seed in ((32, 64, 0), (64, 128, 1)):
+        q, s, b = _mlx_quantized(4, (8, cols), group, seed)
+        parts.append(Prequantized(unpack_levels(torch.from_numpy(np.array(q)), 4),
+                                  torch.from_numpy(_np(s)).bfloat16(), torch.from_numpy(_np(b)).bfloat16(), 4, group))
+    joined = Prequantized.join_columns(parts)
+    assert (joined.bits, joined.group, tuple(joined.shape)) == (4, 32, (8, 192))
+    assert torch.equal(joined.levels, torch.cat([p.levels for p in parts], dim=1))
+    assert torch.equal(joined.dequantize(), torch.cat([p.dequantize() for p in parts], dim=1))
+    q, s, b = _mlx_quantized(8, (8, 64), 64)
+    eight = Prequantized(unpack_levels(torch.from_numpy(np.array(q)), 8), torch.from_numpy(_np(s)),
+                         torch.from_numpy(_np(b)), 8, 64)
+    with pytest.raises(ValueError, match="cannot join"):
+        Prequantized.join_columns([parts[0], eight])
 
 
 def test_quantization_config_per_module_and_detection():
@@ -186,6 +206,28 @@ def _k2_mlx_name(name: str) -> list[tuple[str, int | None]]:
     return [(name, None)]
 
 
+def _embedding_as(bits: int, group: int):
+    """A quant predicate (mlx-lm's convert takes one) giving the token embedding its own bits and
+    group, everything else mlx-lm's default 4-bit group 64."""
+    def predicate(path, module):
+        return {"group_size": group, "bits": bits, "mode": "affine"} if path.endswith(".embed_tokens") else True
+    return predicate
+
+
+#: test-side recipes: the embedding and the PLE table at different bits / groups
+_PREDICATES = {"embed8": _embedding_as(8, 64), "embed-g32": _embedding_as(4, 32)}
+
+
+def _gemma4_recipe(recipe: str) -> dict:
+    """mlx_lm.convert's arguments for a Gemma4 fixture's recipe: "q4", "q8", "q4g128" (uniform bits
+    at group 64 or the one named), a test-side predicate (``_PREDICATES``) or one of mlx-lm's
+    mixed recipes ("mixed_3_6", "mixed_4_6")."""
+    m = re.fullmatch(r"q(\d+)(?:g(\d+))?", recipe)
+    if m:
+        return dict(q_bits=int(m[1]), q_group_size=int(m[2] or 64))
+    return dict(q_group_size=64, quant_predicate=_PREDICATES.get(recipe, recipe))
+
+
 @pytest.fixture(scope="module")
 def mlx_checkpoints(tmp_path_factory):
     """name -> (MLX checkpoint folder, placeholder -> MLX modules)."""
@@ -216,9 +258,8 @@ def mlx_checkpoints(tmp_path_factory):
                 cache[name] = (root / name.replace(":", "-"), _gemma3_mlx_name)
             else:
                 hf = _gemma4_hf(root / f"{shape}-hf", shape)
-                kwargs = dict(q_bits=4) if recipe == "q4" else dict(quant_predicate=recipe)
-                mlx_convert.convert(str(hf), str(root / name.replace(":", "-")), quantize=True, q_group_size=64,
-                                    **kwargs)
+                mlx_convert.convert(str(hf), str(root / name.replace(":", "-")), quantize=True,
+                                    **_gemma4_recipe(recipe))
                 cache[name] = (root / name.replace(":", "-"), _gemma4_mlx_name)
         return cache[name]
 
@@ -258,6 +299,8 @@ def _check_records(out: Path, mlx_path: Path, to_mlx, transcoded: set[str]) -> i
 CASES = {
     # experts' gate/up joined from switch_glu; the router 8-bit by mlx-lm's own gemma4 predicate
     "26b-a4b:q4": {},
+    # mlx-lm's default 4-bit group 64 with PLE: the joined token table keeps both tables' integers
+    "e2b:q4": {},
     # 3-bit (transcoded), 6-bit v_proj/down_proj and a 3-bit tied embedding (requantized), 3-bit PLE table
     "e2b:mixed_3_6": {"lm_head": "tied lm_head", "model.language_model.layers.0.self_attn.v_proj": "6-bit",
                       "model.language_model.layers.7.mlp.down_proj": "6-bit"},
@@ -271,6 +314,10 @@ CASES = {
     # mlx-lm's phi3 port: HF's names with the fused qkv_proj / gate_up_proj, a 4-bit tied embedding
     "phi3-phi4-mini:q4": {},
 }
+
+
+#: the PLE cases' token table file and bits: kept as stored at 4 bits, or bf16 (3-bit tables)
+TOKEN_TABLE_FILES = {"e2b:q4": ("embeddings_int4.bin", 4), "e2b:mixed_3_6": ("embeddings_bf16.bin", 16)}
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
@@ -288,6 +335,11 @@ def test_mlx_checkpoint_exports_as_stored_and_verifies(mlx_checkpoints, tmp_path
     assert result.plan.estimated_bytes == written
     manifest = json.loads((result.dst / "manifest.json").read_text())
     assert manifest["prequantized"]["transcoded"] == len(transcoded)
+    assert manifest["prequantized"]["tables"] == {name: t.to_json() for name, t in pre.tables.items()}
+    if case in TOKEN_TABLE_FILES:
+        table, bits = TOKEN_TABLE_FILES[case]
+        assert pre.tables["embedding"].kept == (bits != 16) and pre.tables["embedding"].bits == bits
+        assert json.loads((result.dst / "config.json").read_text())["embedding_file"] == table
 
     report = verify_export(result.dst, mlx_path, steps=24, trust_remote_code=True)
     print(f"\n{case}: {summary_line(report)}; {pre.transcoded} transcoded, requantized {sorted(requantized)}")
@@ -298,6 +350,101 @@ def test_mlx_checkpoint_exports_as_stored_and_verifies(mlx_checkpoints, tmp_path
     assert not set(changed) & transcoded and set(changed) >= set(requantized)
     for name, table in report.prequantized["tables"].items():
         assert table["exact"] == pre.tables[name].kept, name
+
+
+_MLX_TABLES = ("language_model.model.embed_tokens", "language_model.model.embed_tokens_per_layer")
+
+
+def _written_token_table(mlx_path: Path, out: Path, options: ExportOptions):
+    """The token table as the export writes it (its plan entry, file and config keys), without the graph."""
+    from llmexport.planning.schemes import Schemes
+    from llmexport.source.checkpoint import Checkpoint
+    from llmexport.source.loading import open_architecture
+    from llmexport.targets.mnn_target import write_tables
+
+    arch = open_architecture(Checkpoint.open(mlx_path))
+    schemes = Schemes(arch, options.validate())
+    files: dict = {}
+    out.mkdir()
+    name = write_tables(arch, out, schemes, {}, files)
+    return arch, schemes, out / name, files
+
+
+# recipe -> (bits, block) of the joined token table kept as stored
+KEPT_TABLES = {
+    "e2b:q4": (4, 64),  # mlx-lm's default
+    "e2b:q8": (8, 64),
+    "e2b:mixed_4_6": (4, 64),  # mixed recipe: the tables get the low bits, some linears 6
+    "e2b:embed-g32": (4, 32),  # groups 32 and 64: held at 32, the PLE's groups split in runs of two
+}
+
+
+@pytest.mark.parametrize("case", sorted(KEPT_TABLES))
+def test_joined_token_table_keeps_mlx_integers(mlx_checkpoints, tmp_path, case):
+    """Gemma4's embedding and PLE table, joined into one MNN table, keep MLX's integers: every row
+    read back as the runtime decodes it equals mx.dequantize of both tables exactly."""
+    from llmexport.mnn.embeddings import read_embedding_table, table_size
+    from llmexport.mnn.token_table import stored_row
+
+    mlx_path, _ = mlx_checkpoints(case)
+    bits, block = KEPT_TABLES[case]
+    pre = plan(mlx_path, ExportOptions()).prequantized
+    assert pre.tables["embedding"].to_json() == {"stored": pre.tables["embedding"].stored, "bits": bits,
+                                                  "block": block, "kept": True, "reason": None}
+    arch, schemes, path, files = _written_token_table(mlx_path, tmp_path / "out", ExportOptions())
+    assert path.name == f"embeddings_int{bits}.bin"
+    arrays = mx.load(str(mlx_path / "model.safetensors"))
+    quant = MlxQuantConfig(json.loads((mlx_path / "config.json").read_text())["quantization"], "config.json")
+    levels, values = [], []
+    for module in _MLX_TABLES:
+        info = quant.for_module(module)
+        w, s, b = (arrays[f"{module}.{k}"] for k in ("weight", "scales", "biases"))
+        levels.append(_levels_by_mlx(w, s, b, info.group, info.bits))
+        values.append(_np(mx.dequantize(w, s.astype(mx.float32), b.astype(mx.float32), group_size=info.group,
+                                        bits=info.bits)))
+    levels, values = np.concatenate(levels, axis=1), np.concatenate(values, axis=1)
+    rows, dim = values.shape
+    assert path.stat().st_size == table_size(rows, dim, bits, block) == files["tie_embeddings"]["alpha_offset"] + \
+        files["tie_embeddings"]["alpha_size"]
+    assert (files["hidden_size"], files["tie_embeddings"]["quant_bit"], files["tie_embeddings"]["quant_block"]) == \
+        (dim, bits, block)
+    raw = np.fromfile(path, dtype=np.uint8, count=rows * dim * bits // 8)
+    stored = raw if bits == 8 else np.stack([raw >> 4, raw & 0x0F], axis=-1)  # 4-bit: high nibble first
+    assert np.array_equal(stored.reshape(rows, dim), levels)
+    decoded = read_embedding_table(path, rows, dim, bits, block).numpy()
+    print(f"\n{case}: {path.name} {path.stat().st_size} bytes ({rows} x {dim}), read-back max abs diff "
+          f"{float(np.abs(decoded - values).max())}")
+    assert np.array_equal(decoded, values)
+    _, choice = schemes.tables()["embedding"]  # the media soft tokens' PLE tail is a row of this table
+    assert torch.equal(stored_row(choice.rows, 3, choice.bits, choice.block, choice.quantizer),
+                       torch.from_numpy(decoded[3]))
+
+
+# recipe (options) -> a substring of the reason the joined token table is requantized
+REQUANTIZED_TABLES = {
+    "e2b:embed8": "stored as 8-bit group 64 and 4-bit group 64: one table has one width",
+    "e2b:q4g128": "stored quantized and in floats",  # MLX leaves the 64-wide embedding in bf16 at group 128
+    "e2b:mixed_3_6": "3-bit: MNN 3.6.1 decodes tables at 4 or 8 bits only",
+    "e2b:q4 --embed_bit 8": "--embed_bit",
+}
+
+
+@pytest.mark.parametrize("case", sorted(REQUANTIZED_TABLES))
+def test_joined_token_table_that_one_table_cannot_hold_is_requantized(mlx_checkpoints, tmp_path, case):
+    from click.testing import CliRunner
+
+    from llmexport.cli import main
+
+    name, _, flags = case.partition(" ")
+    mlx_path, _ = mlx_checkpoints(name)
+    options = ExportOptions(embed_bit=8) if flags else ExportOptions()
+    table = plan(mlx_path, options).prequantized.tables["embedding"]
+    assert not table.kept and REQUANTIZED_TABLES[case] in table.reason
+    assert table.bits == (8 if flags else 16)
+    result = CliRunner().invoke(main, ["--path", str(mlx_path), "--dst_path", "unused", "--dry-run", *flags.split()])
+    assert result.exit_code == 0 and f"{table.bits} bits: {table.reason}" in result.output, result.output
+    _, _, path, _ = _written_token_table(mlx_path, tmp_path / "out", options)
+    assert path.name == ("embeddings_int8.bin" if flags else "embeddings_bf16.bin")
 
 
 def test_explicit_options_override_as_stored(mlx_checkpoints):

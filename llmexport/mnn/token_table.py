@@ -21,12 +21,12 @@ from __future__ import annotations
 
 import tempfile
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 
 from llmexport.quant.rtn import NonFiniteError
-from llmexport.spec import ModelTables
+from llmexport.spec import ModelTables, Prequantized
 
 
 class JoinedColumns:
@@ -44,10 +44,22 @@ class JoinedColumns:
     def rows(self, start: int, stop: int) -> torch.Tensor:
         return torch.cat([_finite(p.name, _float(p.rows(start, stop))) for p in self.parts], dim=1)
 
+    def quantized_rows(self, start: int, stop: int) -> Prequantized:
+        """Rows [start, stop) with the integers every part stores (each part's ``quantized_rows``),
+        joined into one weight of one width and group (``Prequantized.join_columns``): the table
+        written as stored keeps both parts' integers and affine maps."""
+        return Prequantized.join_columns([p.quantized_rows(start, stop) for p in self.parts])
+
     def row_chunks(self, max_bytes: int = 64 << 20) -> Iterator[torch.Tensor]:
+        return self._chunks(self.rows, max_bytes)
+
+    def quantized_chunks(self, max_bytes: int = 64 << 20) -> Iterator[Prequantized]:
+        return self._chunks(self.quantized_rows, max_bytes)
+
+    def _chunks(self, rows: Callable[[int, int], Any], max_bytes: int) -> Iterator[Any]:
         step = max(1, max_bytes // (4 * self.shape[1]))
         for start in range(0, self.shape[0], step):
-            yield self.rows(start, min(start + step, self.shape[0]))
+            yield rows(start, min(start + step, self.shape[0]))
 
 
 def _float(rows: torch.Tensor) -> torch.Tensor:
@@ -78,12 +90,13 @@ def split_rows(arch: ModelTables, rows: torch.Tensor) -> tuple[torch.Tensor, tor
     return rows[..., :width], rows[..., width:]
 
 
-def stored_row(table: Any, token: int, bits: int, block: int, quantizer=None) -> torch.Tensor:
-    """Row ``token`` of ``table`` as the runtime decodes it once written at ``bits``/``block``
-    (quantization is per row and block, so the one row written alone is the row in the file)."""
+def stored_row(rows: Callable[[int, int], Any], token: int, bits: int, block: int, quantizer=None) -> torch.Tensor:
+    """Row ``token`` as the runtime decodes it once written at ``bits``/``block``; ``rows`` reads
+    the table's rows in the form ``quantizer`` takes (floats, or stored integers for a table kept as
+    stored). Quantization is per row and block, so the one row written alone is the row in the file."""
     from llmexport.mnn.embeddings import read_embedding_table, write_embedding_table
 
-    row = table.rows(token, token + 1)
+    row = rows(token, token + 1)
     with tempfile.TemporaryDirectory(prefix="llmexport-row-") as tmp:
         path = Path(tmp) / "row.bin"
         with open(path, "wb") as f:

@@ -7,7 +7,8 @@
 * **tower linears**: ``--visual_quant_bit`` / ``--audio_quant_bit`` with the default's block, sym
   and method;
 * **the token table**: ``--embed_bit`` (else the recipe's, else bf16) at the default's block, or
-  an MLX table as stored.
+  an MLX table as stored (the embedding joined with the PLE table keeps both tables' integers in
+  one table at their common group).
 
 For an MLX-quantized checkpoint (llmexport.source.importers.mlx) the default is *as stored*: every
 quantized linear and embedding table keeps MLX's integers and affine map (``QuantMethod.STORED``,
@@ -19,8 +20,9 @@ verification report list it with the reason, when
 
 * MNN cannot hold the stored form (llmexport.mnn.limits): bits other than 2, 3, 4, 8 (MLX also has
   5 and 6), tables and a tied lm_head (which the runtime also reads as the token embedding) at
-  other than 4 or 8 bits, parts joined into one linear (Gemma4's expert gate/up) stored in
-  different formats;
+  other than 4 or 8 bits, parts joined into one linear (Gemma4's expert gate/up) or into the
+  token table (the embedding and the PLE table) stored at different bits, or one quantized and
+  one in floats;
 * the user asked for it: ``requantize`` (``--requantize``: everything), a ``--quant_config`` rule
   or recipe rule that matches the linear, ``--lm_quant_bit``/``--lm_quant_block`` (lm_head),
   ``--embed_bit`` or a quant_config ``embed_bit`` (tables).
@@ -36,7 +38,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass, replace
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, cast
 
 from llmexport.errors import UsageError
 from llmexport.mnn.limits import BLOCKS, FP16_BITS, LINEAR_BITS, QUANTIZED_TABLE_BITS
@@ -51,7 +53,7 @@ from llmexport.results import ChangedLinear, PrequantizedSummary, PrequantizedTa
 from llmexport.source.importers import imported_store
 from llmexport.source.importers.mlx import MlxLazy, stored_format, tables_format
 from llmexport.source.lora import unmerged
-from llmexport.spec import LazyRows, LinearRole, LinearSpec, PrequantizedStore, QuantInfo
+from llmexport.spec import LazyRows, LinearRole, LinearSpec, PrequantizedStore, QuantInfo, common_group
 
 #: the option that sets each tower's bits
 TOWER_BITS: dict[str, Callable[[ExportOptions], int]] = {
@@ -71,11 +73,13 @@ class Choice:
 
 @dataclass(frozen=True)
 class TableChoice:
-    """How one embedding table is written: bits, block, row chunks and the quantizer."""
+    """How one embedding table is written: bits, block, its row chunks and rows (floats, or the
+    stored integers the quantizer takes) and the quantizer."""
 
     bits: int
     block: int
     chunks: Callable[[], Iterable[Any]]
+    rows: Callable[[int, int], Any]
     quantizer: Callable | None = None
     stored: str | None = None
     reason: str | None = None
@@ -191,39 +195,42 @@ class Schemes:
         return None
 
     # --- tables ----------------------------------------------------------------------------------
-    def table(self, lazy: LazyRows) -> TableChoice:
+    def table(self, lazy: LazyRows | JoinedColumns) -> TableChoice:
+        """How a token table (one checkpoint table, or ``JoinedColumns`` of the embedding and PLE
+        tables) is written: an MLX table keeps its integers where one MNN table can hold them."""
         o = self.options
         bits = requested_table_bits(o)
-        plain = TableChoice(bits, o.quant.block, lazy.row_chunks)
-        if self.imported is None or not isinstance(lazy, MlxLazy):
-            return plain
-        info = lazy.quantization[0]
-        reason = None
-        if o.requantize:
-            reason = "requantize requested"
-        elif o.embed_bit is not None or o.recipe_embed_bit is not None:
-            reason = "--embed_bit / quant_config embed_bit"
-        elif info is not None and info.bits not in QUANTIZED_TABLE_BITS:
-            reason = f"{info.bits}-bit: MNN 3.6.1 decodes tables at 4 or 8 bits only (else bf16)"
-        stored = stored_format(lazy.quantization)
+        parts = lazy.parts if isinstance(lazy, JoinedColumns) else (lazy,)
+        if self.imported is None or not all(isinstance(p, MlxLazy) for p in parts):
+            return TableChoice(bits, o.quant.block, lazy.row_chunks, lazy.rows)
+        stored = tables_format(parts)
+        reason = self._table_requested() or _table_unfit(parts)
         if reason is not None:
-            return TableChoice(bits, o.quant.block, lazy.row_chunks, None, stored, reason)
-        if info is None:  # float in MLX: kept as bf16
-            return TableChoice(16, 0, lazy.row_chunks, None, stored)
-        return TableChoice(info.bits, info.group, lazy.quantized_chunks, transcode, stored)
+            return TableChoice(bits, o.quant.block, lazy.row_chunks, lazy.rows, stored=stored, reason=reason)
+        infos = [info for p in parts for info in p.quantization if info is not None]
+        if not infos:  # float in MLX: kept as bf16
+            return TableChoice(16, 0, lazy.row_chunks, lazy.rows, stored=stored)
+        # MNN reads the whole table with one block: the parts' common group keeps every MLX group's
+        # scale and bias (a larger group is split into runs that share them, Prequantized.regrouped)
+        held = cast("MlxLazy | JoinedColumns", lazy)  # every part is an MLX table (checked above)
+        return TableChoice(infos[0].bits, common_group(i.group for i in infos), held.quantized_chunks,
+                           held.quantized_rows, transcode, stored)
+
+    def _table_requested(self) -> str | None:
+        """Why the user's options take the token table off "as stored", if they do."""
+        o = self.options
+        if o.requantize:
+            return "requantize requested"
+        if o.embed_bit is not None or o.recipe_embed_bit is not None:
+            return "--embed_bit / quant_config embed_bit"
+        return None
 
     @functools.cached_property
     def _tables(self) -> dict[str, tuple[Any, TableChoice]]:
         """``tables()``, decided once: the plan, the pre-quantized summary, the media token tail and
         the table writer all ask for it."""
         table = token_table(self.arch)
-        if table is None:
-            return {}
-        choice = self.table(table)
-        if isinstance(table, JoinedColumns) and any(isinstance(p, MlxLazy) for p in table.parts):
-            choice = TableChoice(choice.bits, choice.block, choice.chunks, None, tables_format(table.parts),
-                                 "joined with the PLE rows into one table (docs/output-format.md)")
-        return {"embedding": (table, choice)}
+        return {} if table is None else {"embedding": (table, self.table(table))}
 
     def tables(self) -> dict[str, tuple[Any, TableChoice]]:
         """The table the runtime reads per token (mnn/token_table.py: the embedding of untied
@@ -252,3 +259,26 @@ class Schemes:
             requantized=tuple(e for e in off if e.stored != "unquantized"),
             quantized_from_float=tuple(e for e in off if e.stored == "unquantized"),
             tables=tables)
+
+
+def _table_unfit(parts: Iterable[MlxLazy]) -> str | None:
+    """Why one MNN table cannot hold the stored integers of these MLX tables (the parts of the
+    token table, read side by side), if it cannot: it has one width and one block for all rows."""
+    stored = [(int(p.shape[-1]), info) for p in parts for info in p.quantization]
+    infos = [info for _, info in stored if info is not None]
+    if not infos:
+        return None
+    if len(infos) < len(stored):
+        return "its joined parts are stored quantized and in floats: one table has one format"
+    for info in infos:
+        if info.bits not in QUANTIZED_TABLE_BITS:
+            return f"{info.bits}-bit: MNN 3.6.1 decodes tables at 4 or 8 bits only (else bf16)"
+    if len({info.bits for info in infos}) > 1:
+        return f"its joined parts are stored as {' and '.join(map(str, infos))}: one table has one width"
+    for width, part in stored:  # else a block of the joined table would straddle two parts
+        if part is not None and width % part.group:
+            return f"width {width} is not a multiple of its group {part.group}"
+    block = common_group(info.group for info in infos)
+    if block not in BLOCKS[1:]:
+        return f"group {block}: MNN table blocks are {', '.join(map(str, BLOCKS[1:]))}"
+    return None

@@ -205,7 +205,7 @@ def _media_token_tail(arch: Architecture, schemes):
         return None
     table, choice = tables["embedding"]
     with _table_errors(table, "embedding"):
-        row = stored_row(table, arch.media_ple_id(), choice.bits, choice.block, choice.quantizer)
+        row = stored_row(choice.rows, arch.media_ple_id(), choice.bits, choice.block, choice.quantizer)
     return split_rows(arch, row)[1]
 
 

@@ -88,7 +88,7 @@ class _HfTensor:
 
 class MlxLazy(LazyTensor):
     """An HF-named tensor of an MLX checkpoint: ``read``/``rows``/``row_chunks``/``take`` give fp32
-    values (dequantized), ``quantized_chunks`` the stored integers of a quantized table."""
+    values (dequantized), ``quantized_rows``/``quantized_chunks`` the stored integers of a quantized table."""
 
     def __init__(self, tensor: _HfTensor, name: str):
         self._tensor, self.name = tensor, name
@@ -109,13 +109,17 @@ class MlxLazy(LazyTensor):
     def quantization(self) -> tuple[QuantInfo | None, ...]:
         return tuple(p.info for p in self._tensor.parts)
 
+    def quantized_rows(self, start: int, stop: int) -> Prequantized:
+        """Rows [start, stop) with their stored integers (a table written as stored)."""
+        value = self._tensor.read(start, stop)
+        if not isinstance(value, Prequantized):
+            raise ValueError(f"{self.name} is not stored quantized")
+        return value
+
     def quantized_chunks(self, max_bytes: int = 64 << 20) -> Iterator[Prequantized]:
         step = max(1, max_bytes // self.row_bytes)
         for start in range(0, self.shape[0], step):
-            value = self._tensor.read(start, start + step)
-            if not isinstance(value, Prequantized):
-                raise ValueError(f"{self.name} is not stored quantized")
-            yield value
+            yield self.quantized_rows(start, start + step)
 
 
 class MlxWeights:
