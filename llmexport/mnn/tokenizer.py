@@ -149,7 +149,9 @@ def _hf_normalizer(tj_path: Path):
 def _runtime_decodes_verbatim(content: str, byte_level_decoder: bool) -> bool:
     # PipelineTokenizer::decode(int) turns "▁" into a space and "<0xNN>" into a byte, then (with
     # a ByteLevel decoder) maps byte characters back to bytes; the special list is matched
-    # against that decoded text, so only tokens it leaves alone may go there.
+    # against that decoded text, so only tokens it leaves alone may go there. The others are
+    # matched by the pipeline's added-token step, and their rows respelled so that decode(int)
+    # gives HF's text (tokenizer_pipeline._respell_added_rows).
     if not content or "\u2581" in content or "<0x" in content:
         return False
     return not byte_level_decoder or all(c not in _BYTE_CHARS or 33 <= ord(c) <= 126 for c in content)
