@@ -144,6 +144,32 @@ def test_runtime_decode_is_the_stream_model(exported, name):
         assert diff is None or diff.explained, (text, diff)
 
 
+@pytest.mark.parametrize("name", ["deepseek-llm", "deepseek-coder"])
+def test_added_tokens_decode_as_hf_does(exported, name):
+    """DeepSeek's special tokens are spelled with "▁" (``<｜begin▁of▁sentence｜>``) and listed in
+    the model vocabulary too; the runtime's single-id decode turns "▁" into a space unless the
+    writer respells their rows. Every added token's single-id decode is HF's ``decode([id])``
+    (but for the documented ``invalid_utf8`` difference), and its text still encodes to its one id."""
+    vocab = exported(name)
+    added = vocab.tj["added_tokens"]
+    ids = [t["id"] for t in added]
+    assert set(ids) <= set(vocab.tj["model"]["vocab"].values())
+    respelled = [t["content"] for t in added if vocab.written.pieces[t["id"]] != t["content"]]
+    assert respelled and respelled == [t["content"] for t in added if "\u2581" in t["content"]]
+    got = dict(zip(ids, vocab.mnn.decode(ids)))
+    want = {i: vocab.hf.decode([i], skip_special_tokens=False) for i in ids}
+    # The 13 bytes that never occur in UTF-8 (0xC0, 0xC1, 0xF5-0xFF) are added tokens here: alone,
+    # each streams as its raw byte (None: not UTF-8), where HF writes U+FFFD.
+    lone = {i for i in ids if got[i] is None}
+    assert len(lone) == 13 and all(len(vocab.model.piece_bytes(i)) == 1 and want[i] == "\ufffd" for i in lone)
+    assert {streamed_text_difference(vocab.model, [i], vocab.model.piece_bytes(i), want[i]).kinds
+            for i in lone} == {("invalid_utf8",)}
+    assert {i: got[i] for i in ids if i not in lone} == {i: want[i] for i in ids if i not in lone}
+    assert not set(ids) & set(vocab.model.piece_text_ids())
+    contents = [t["content"] for t in added]
+    assert vocab.mnn.encode(contents) == _hf_ids(vocab, contents) == [[i] for i in ids]
+
+
 def test_phi3_rstrip_tokens_eat_the_whitespace(exported):
     """Phi-3's real added tokens have ``rstrip``: ``<|end|>\\n<|user|>`` is two ids in HF; the
     runtime's header special split would keep the newline, so these tokens stay out of it."""
