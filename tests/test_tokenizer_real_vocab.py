@@ -5,7 +5,7 @@ Per vocabulary: the rebuilt tokenizer.json gives the ids of the ``.out`` file on
 case (the rebuild is the real tokenizer); the exporter either refuses it with its one-line reason
 (``REFUSED``) or writes a file whose runtime encode equals HF's encode (``add_special_tokens=False``)
 on the ``.inp`` cases, a multilingual/code/whitespace corpus and random strings made of the
-vocabulary's own pieces, and whose runtime single-id decode is the one tokenizer_stream.py
+vocabulary's own pieces, and whose runtime single-id decode is the one mnn/tokenizer/stream.py
 predicts, so that the streamed text is HF's decode up to its documented differences. Text with
 characters the writer reports as unsafe is left out (and counted); Qwen2's NFC normalizer is
 applied to the runtime's input (the documented note).
@@ -122,7 +122,7 @@ def test_runtime_encode_matches_hf(exported, name):
 
 @pytest.mark.parametrize("name", EXPORTED)
 def test_runtime_decode_is_the_stream_model(exported, name):
-    """Single-id decode (what generation streams) equals tokenizer_stream.py's model on sampled ids
+    """Single-id decode (what generation streams) equals mnn/tokenizer/stream.py's model on sampled ids
     and every added token, and the model's stream of HF's ids is HF's decode up to the documented
     differences."""
     vocab = exported(name)
@@ -142,6 +142,32 @@ def test_runtime_decode_is_the_stream_model(exported, name):
         hf_text = vocab.hf.decode(kept, skip_special_tokens=False)
         diff = streamed_text_difference(vocab.model, kept, vocab.model.stream_bytes(kept), hf_text)
         assert diff is None or diff.explained, (text, diff)
+
+
+@pytest.mark.parametrize("name", ["deepseek-llm", "deepseek-coder"])
+def test_added_tokens_decode_as_hf_does(exported, name):
+    """DeepSeek's special tokens are spelled with "▁" (``<｜begin▁of▁sentence｜>``) and listed in
+    the model vocabulary too; the runtime's single-id decode turns "▁" into a space unless the
+    writer respells their rows. Every added token's single-id decode is HF's ``decode([id])``
+    (but for the documented ``invalid_utf8`` difference), and its text still encodes to its one id."""
+    vocab = exported(name)
+    added = vocab.tj["added_tokens"]
+    ids = [t["id"] for t in added]
+    assert set(ids) <= set(vocab.tj["model"]["vocab"].values())
+    respelled = [t["content"] for t in added if vocab.written.pieces[t["id"]] != t["content"]]
+    assert respelled and respelled == [t["content"] for t in added if "\u2581" in t["content"]]
+    got = dict(zip(ids, vocab.mnn.decode(ids)))
+    want = {i: vocab.hf.decode([i], skip_special_tokens=False) for i in ids}
+    # The 13 bytes that never occur in UTF-8 (0xC0, 0xC1, 0xF5-0xFF) are added tokens here: alone,
+    # each streams as its raw byte (None: not UTF-8), where HF writes U+FFFD.
+    lone = {i for i in ids if got[i] is None}
+    assert len(lone) == 13 and all(len(vocab.model.piece_bytes(i)) == 1 and want[i] == "\ufffd" for i in lone)
+    assert {streamed_text_difference(vocab.model, [i], vocab.model.piece_bytes(i), want[i]).kinds
+            for i in lone} == {("invalid_utf8",)}
+    assert {i: got[i] for i in ids if i not in lone} == {i: want[i] for i in ids if i not in lone}
+    assert not set(ids) & set(vocab.model.piece_text_ids())
+    contents = [t["content"] for t in added]
+    assert vocab.mnn.encode(contents) == _hf_ids(vocab, contents) == [[i] for i in ids]
 
 
 def test_phi3_rstrip_tokens_eat_the_whitespace(exported):

@@ -6,7 +6,7 @@ Per style, two tokenizers go through the exporter's writer and the runtime:
   byte and every byte pair (merges in a shuffled order), so that a different split of the text
   almost always changes the ids (a trained vocabulary has no merge across most boundaries).
 Exactness is claimed for text without the characters the writer reports as unsafe (see
-tokenizer_regex.py), and for Qwen's NFC normalizer on text in NFC (the runtime cannot apply it).
+mnn/tokenizer/regex.py), and for Qwen's NFC normalizer on text in NFC (the runtime cannot apply it).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Split regexes with non-ASCII characters (tokenizer_wide_regex.py): rewritten for the runtime's
+"""Split regexes with non-ASCII characters (mnn/tokenizer/wide_regex.py): rewritten for the runtime's
 std::wregex path and proven against HF's Oniguruma over every code point, in Python and in MNN
 3.6.1's runtime; ``$`` written as a lookahead for the runtime's byte matcher."""
 

@@ -10,8 +10,8 @@ What the runtime does (tokenizer.cpp, unicode.cpp) that decides the rules here:
 * Digits pre-tokenizer: only ASCII digits, and nothing at all without ``individual_digits``; HF
   splits on every Unicode number, so it is written as the Split regex ``\\p{N}`` (``\\p{N}+``).
 * ByteLevel pre-tokenizer: optional GPT-2 regex, then every byte mapped to its GPT-2 character;
-  it has no ``add_prefix_space``. Split: a regex (ASCII: tokenizer_regex.py; with non-ASCII
-  characters, rewritten for std::wregex: tokenizer_wide_regex.py), ``invert`` and the
+  it has no ``add_prefix_space``. Split: a regex (ASCII: regex.py; with non-ASCII
+  characters, rewritten for std::wregex: wide_regex.py), ``invert`` and the
   behaviors Isolated, Removed, MergedWithPrevious; MergedWithPrevious also merges a match into a
   directly preceding match, which HF does not.
 * BPE: the word's characters (or, without ByteLevel, its characters and ``<0xNN>`` byte
@@ -21,14 +21,17 @@ What the runtime does (tokenizer.cpp, unicode.cpp) that decides the rules here:
   fallback or a ByteLevel pre-tokenizer whose 256 byte characters are all in the vocabulary.
 * Decoder type 0 is ByteLevel (and switches single-id decoding to the byte map), so "no
   decoder" is written as an empty Sequence.
-* Single-id decoding (what generation streams) ignores the decoder chain: see tokenizer_stream.py.
-  The vocabulary row of an added token outside the model vocabulary is only read by that decode,
-  so it is respelled where needed to make the runtime stream what HF's decoder gives for it.
+* Single-id decoding (what generation streams) ignores the decoder chain: see stream.py.
+  The vocabulary row of an added token that BPE cannot reach (no merge's part or result, not a
+  character or byte piece BPE looks up) is only read by that decode, whether or not the model
+  vocabulary lists it, so it is respelled where needed to make the runtime stream what HF's
+  decoder gives for it.
 """
 
 from __future__ import annotations
 
 import json
+import re
 import struct
 from dataclasses import dataclass, field
 
@@ -267,27 +270,38 @@ def _check_byte_coverage(model: dict, vocab: dict[str, int], body: Body) -> None
                           "(the runtime drops unknown characters instead of <unk>)")
 
 
-def _respell_added_rows(model: dict, added: list[dict], by_id: dict[int, str], merge_ids: set[int],
+def _looked_up_by_text(row: str) -> bool:
+    """BPE's first step looks a word's symbols up by their text: its characters and, for a
+    character the vocabulary lacks, its ``<0xHH>`` byte pieces (BPEModel::tokenize, ``%02X``)."""
+    return len(row) == 1 or _BYTE_PIECE.fullmatch(row) is not None
+
+
+_BYTE_PIECE = re.compile(r"<0x[0-9A-F]{2}>")
+
+
+def _respell_added_rows(added: list[dict], by_id: dict[int, str], merge_ids: set[int],
                         decoder: dict | None, keep_ids: frozenset[int]) -> None:
-    """Respell, in ``by_id``, the rows of added tokens outside the model vocabulary whose
-    single-id decode in the runtime would differ from HF's decoder on that token (for example
-    ``<｜fim▁hole｜>`` in a ByteLevel vocabulary, which HF keeps verbatim and the runtime would
-    stream with a space). Such a row is read by nothing but the runtime's single-id decode: BPE
-    reaches rows by merges or single characters only, and the new spelling is checked to be no
-    other row's text. ``keep_ids`` (the header's special list, matched by their decoded text) keep
-    their content."""
-    model_ids = set((model.get("vocab") or {}).values())
+    """Respell, in ``by_id``, the rows of added tokens whose single-id decode in the runtime
+    would differ from HF's decoder on that token (for example ``<｜fim▁hole｜>`` or DeepSeek's
+    ``<｜begin▁of▁sentence｜>`` in a ByteLevel vocabulary, which HF keeps verbatim and the runtime
+    would stream with a space). Only rows BPE cannot reach are respelled, whether or not the
+    model vocabulary lists the token (a tokenizer.json may list it in both, as the DeepSeek files
+    rebuilt from GGUF do): BPE reaches a row by a merge or by looking its text up
+    (``_looked_up_by_text``), so one that is neither is read by nothing but the runtime's
+    single-id decode; the new spelling is checked to be no other row's text. Encoding matches
+    added tokens by their content, which the file's added-token block keeps. ``keep_ids`` (the
+    header's special list, matched by their decoded text) keep their content."""
     byte_level = decoder_has_byte_level(decoder)
     taken = set(by_id.values())
     for tok in added:
         idx, content = tok["id"], tok["content"]
-        if idx in model_ids or idx in merge_ids or idx in keep_ids or by_id.get(idx) != content:
+        if idx in merge_ids or idx in keep_ids or by_id.get(idx) != content or _looked_up_by_text(content):
             continue
         target = hf_piece_bytes(content, decoder)
         if target is None or runtime_piece_bytes(content, byte_level=byte_level) == target:
             continue
         spelled = runtime_spelling(target, byte_level=byte_level)
-        if spelled is None or spelled in taken or len(spelled) == 1:  # BPE looks single characters up
+        if spelled is None or spelled in taken or _looked_up_by_text(spelled):
             continue
         by_id[idx] = spelled
         taken.add(spelled)
@@ -312,7 +326,7 @@ def _bpe_model(model: dict, added: list[dict], body: Body, decoder: dict | None 
         rank_of[(vocab[left], vocab[right])] = rank  # a later duplicate wins, as in `tokenizers`
         merge_ids.update((vocab[left], vocab[right], vocab[left + right]))
 
-    _respell_added_rows(model, added, by_id, merge_ids, decoder, keep_ids)
+    _respell_added_rows(added, by_id, merge_ids, decoder, keep_ids)
     body.pieces = [by_id[i] for i in range(len(by_id))]
     rows = sorted((piece.encode("utf-8"), idx) for idx, piece in by_id.items())
     # byte_fallback is not read by the 3.6.1 loader (the model always tries <0xNN> pieces);
@@ -369,7 +383,7 @@ def encode_body(tj: dict, keep_ids: frozenset[int] = frozenset(), approximate_ig
 
     ``keep_ids``: added tokens whose vocabulary row must stay their content (see
     ``_respell_added_rows``); ``approximate_ignore_merges``: write a vocabulary with words only
-    HF's whole-word lookup reaches anyway and measure the difference (tokenizer_whole_words.py)."""
+    HF's whole-word lookup reaches anyway and measure the difference (whole_words.py)."""
     body = Body()
     model = tj.get("model") or {}
     mtype = model.get("type") or ("BPE" if "merges" in model else None)

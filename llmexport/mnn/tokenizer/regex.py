@@ -21,7 +21,7 @@ folded bytes. That matcher means the same as Oniguruma only for a subset of the 
   runtime silently drops such a branch).
 
 Even then some characters of the *text* are classified differently; ``RegexCheck.unsafe_chars``
-lists them for a pattern: the measured per-class differences of tokenizer_unicode.py (control
+lists them for a pattern: the measured per-class differences of unicode.py (control
 characters U+0001-U+0003 and U+0005-U+0007, U+0085/U+2028/U+2029 for ``\\s``, characters added
 after Unicode 15.0), and for ``(?i:...)`` the characters whose Unicode case folding contains one of
 its letters (Oniguruma folds over Unicode: ``'ſ`` matches ``(?i:'s)``; MNN only over ASCII).
@@ -73,7 +73,7 @@ class RegexCheck:
 
 def class_differences(name: str) -> set[str]:
     """Text characters one class (``s``, ``L``, ``N``, ``M``, ``P``, ``S``, ``.``) of the runtime's
-    matcher classifies differently from Oniguruma (measured, tokenizer_unicode.py)."""
+    matcher classifies differently from Oniguruma (measured, unicode.py)."""
     return {chr(cp) for start, end in CLASS_DIFFERENCE_RANGES[name] for cp in range(start, end + 1)}
 
 
@@ -133,7 +133,7 @@ def check_split_regex(pattern: str) -> RegexCheck:
 
 class PatternScanner:
     """A position in a pattern and the checks both parsers make (this module's, and
-    tokenizer_wide_regex.py's): ``why_refused`` ends every refusal."""
+    wide_regex.py's): ``why_refused`` ends every refusal."""
 
     why_refused = "MNN 3.6.1's matcher reads it differently from HF"
 

@@ -36,12 +36,14 @@ id, except for these known differences (``streamed_text_difference`` names them,
 * ``special_tokens``: ``skip_special_tokens=True`` drops special tokens that the runtime streams
   as text (only stop ids are withheld).
 * ``piece_text``: a row whose single-id decode differs from HF's decoder on that token. The writer
-  respells the rows of added tokens outside the model vocabulary so that this does not happen for
-  them (tokenizer_pipeline.py; e.g. ``<｜fim▁hole｜>`` in a ByteLevel vocabulary, which HF keeps
-  verbatim), except for one whose HF text is exactly ``<0xHH>`` (the ``std::stoi`` step turns any
-  such result into a byte). Model pieces are never respelled (BPE reaches them by their text);
-  none of the real vocabularies checked has a model piece with ``"▁"`` or ``"<0x"`` that HF decodes
-  otherwise. ``StreamModel.piece_text_ids`` lists the ids concerned.
+  respells the rows of added tokens that BPE cannot reach, listed in the model vocabulary or not,
+  so that this does not happen for them (pipeline.py; e.g. ``<｜fim▁hole｜>`` or
+  DeepSeek's ``<｜begin▁of▁sentence｜>`` in a ByteLevel vocabulary, which HF keeps verbatim), except
+  for one whose HF text is exactly ``<0xHH>`` (the ``std::stoi`` step turns any such result into a
+  byte) and one BPE reaches (a merge's part or result, a character it looks up). Other model pieces
+  are never respelled (BPE reaches them by their text); none of the real vocabularies checked has a
+  model piece with ``"▁"`` or ``"<0x"`` that HF decodes otherwise. ``StreamModel.piece_text_ids``
+  lists the ids concerned.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """Measured: code points that MNN 3.6.1's Split regex matcher classifies differently from HF's
-`tokenizers` 0.23 (Oniguruma), per character class of tokenizer_regex.py, as inclusive ranges.
+`tokenizers` 0.23 (Oniguruma), per character class of regex.py, as inclusive ranges.
 
 Two causes: the control characters U+0001-U+0003 and U+0005-U+0007 are the matcher's own
 category markers (each lands in the class its value stands for), and MNN's category table is

@@ -2,7 +2,7 @@
 
 A pattern with a non-ASCII character and no ``\\p{``/``\\P{`` runs in the runtime on C++'s
 ``std::wregex`` (ECMAScript grammar, one ``wchar_t`` per code point; unicode.cpp, ``use_wregex``);
-one with ``\\p{`` goes to the byte-folding matcher (tokenizer_regex.py), which reads every non-ASCII
+one with ``\\p{`` goes to the byte-folding matcher (regex.py), which reads every non-ASCII
 character of the pattern as its Unicode category and so cannot be exact. HF runs Oniguruma (Ruby
 syntax). The two grammars agree on structure (ordered alternation, greedy and lazy quantifiers,
 ``(?:...)``, lookahead, leftmost match, backtracking into groups) but not on what a character atom

@@ -27,8 +27,8 @@ How the runtime uses the header (3.6.1):
   reported as unsafe characters when such a token exists (``STRIP_DIFFERENCES``);
 * stop ids end generation.
 
-Which HF components are written and which are refused: tokenizer_pipeline.py (and
-tokenizer_regex.py for Split regexes). Stop ids come from the tokenizer (eos_token,
+Which HF components are written and which are refused: pipeline.py (and
+regex.py for Split regexes). Stop ids come from the tokenizer (eos_token,
 generation_config.json's eos_token_id) and from the model family (its end-of-turn tokens).
 
 BOS: this writer leaves the prefix list empty by default and stores the bos string in the
@@ -67,10 +67,10 @@ class MnnTokenizerFile:
     """The file's bytes, its stop ids, and where the runtime's encode differs from HF's.
 
     ``unsafe_chars``: text characters on which the runtime's encode may differ from HF's (the
-    regex split's, tokenizer_regex.py, and ``STRIP_DIFFERENCES``); ``notes``: other inputs it
+    regex split's, regex.py, and ``STRIP_DIFFERENCES``); ``notes``: other inputs it
     encodes differently (e.g. text not in NFC); ``pieces``: id -> the vocabulary row written,
-    which the runtime's single-id decode (what generation streams) starts from (tokenizer_stream.py);
-    ``ignore_merges_difference``: what ``approximate_ignore_merges`` accepted (tokenizer_whole_words.py).
+    which the runtime's single-id decode (what generation streams) starts from (stream.py);
+    ``ignore_merges_difference``: what ``approximate_ignore_merges`` accepted (whole_words.py).
     """
 
     data: bytes
@@ -150,7 +150,9 @@ def _hf_normalizer(tj_path: Path):
 def _runtime_decodes_verbatim(content: str, byte_level_decoder: bool) -> bool:
     # PipelineTokenizer::decode(int) turns "▁" into a space and "<0xNN>" into a byte, then (with
     # a ByteLevel decoder) maps byte characters back to bytes; the special list is matched
-    # against that decoded text, so only tokens it leaves alone may go there.
+    # against that decoded text, so only tokens it leaves alone may go there. The others are
+    # matched by the pipeline's added-token step, and their rows respelled so that decode(int)
+    # gives HF's text (tokenizer_pipeline._respell_added_rows).
     if not content or "\u2581" in content or "<0x" in content:
         return False
     return not byte_level_decoder or all(c not in _BYTE_CHARS or 33 <= ord(c) <= 126 for c in content)

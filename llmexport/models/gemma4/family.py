@@ -2,7 +2,7 @@
 
 Text decoder export: E2B/E4B (per-layer embeddings, KV sharing), 31B (K=V, per-type KV
 heads), 26B-A4B (dense MLP in parallel with a routed MoE). Vision and audio towers are exported
-as their own graphs (gemma4_vision.py, gemma4_audio.py).
+as their own graphs (vision.py, audio.py).
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ from llmexport.spec import ArchitectureSummary, ExpertTemplate, GraphInputs, Laz
 log = logging.getLogger(__name__)
 
 # The checkpoint's chat template in the form MNN's runtime renders like transformers (the
-# built-in MINJA_CHAT_TEMPLATE only when the checkpoint has none): gemma4_chat_template.py.
+# built-in MINJA_CHAT_TEMPLATE only when the checkpoint has none): chat_template.py.
 from llmexport.models.gemma4.chat_template import MINJA_CHAT_TEMPLATE, gemma4_jinja  # noqa: E402,F401
 
 # Gemma4's turn end, and Gemma 1-3's, which some tokenizers keep.
@@ -203,7 +203,7 @@ class Gemma4(DecoderFamily):
     @property
     def marks_images(self) -> bool:
         """Image spans attend both ways on sliding layers: visual.mnn marks its soft tokens for
-        the text graph (gemma4_media.py)."""
+        the text graph (media.py)."""
         return (self.args.bidirectional_vision and len(self.args.rope) > 1
                 and any(tower.name == "visual" for tower in self._towers))
 
@@ -284,7 +284,7 @@ class Gemma4(DecoderFamily):
     # --- MLX checkpoints (llmexport/source/importers/mlx) ------------------------------------------------
     @classmethod
     def mlx_layout(cls, config: dict[str, Any]) -> MlxLayout:
-        """mlx-lm's port (gemma4_names.py): the text decoder under its own prefix, HF's stacked
+        """mlx-lm's port (names.py): the text decoder under its own prefix, HF's stacked
         experts as SwitchGLU's (``MLX_EXPERTS``), and the vision/audio towers dropped (so are their
         configs here)."""
         kind = _kind(config.get("model_type"))

@@ -185,7 +185,7 @@ class Gemma4TextGraph(nn.Module):
     steps, and ``reset()`` keeps it (``Llm::embedding`` in transformers/llm/engine/src/llm.cpp),
     so a second multi-token forward (a chat's second turn) read a stale one. Rows of the token
     table are read afresh for every forward (mnn/token_table.py).
-    With ``media_spans`` the input carries marked image soft tokens (gemma4_media.py): they are
+    With ``media_spans`` the input carries marked image soft tokens (media.py): they are
     unmarked, and each image run attends to itself both ways on sliding layers."""
 
     def __init__(self, args: Gemma4TextArgs, names: NameTable, lookup: TensorLookup, media_spans: bool = False):

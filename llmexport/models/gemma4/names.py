@@ -72,7 +72,7 @@ MLX_EXPERTS = {"moe.experts.gate": ("moe.experts.gate_up", (0, 2)),
                "moe.experts.up": ("moe.experts.gate_up", (1, 2)),
                "moe.experts.down": ("moe.experts.down", (0, 1))}
 
-# --- the towers (gemma4_vision.py, gemma4_audio.py): keys are HF's paths inside a layer or tower --
+# --- the towers (vision.py, audio.py): keys are HF's paths inside a layer or tower --
 VISION = NameTable({
     "input_proj": "model.vision_tower.patch_embedder.input_proj",
     "position_table": "model.vision_tower.patch_embedder.position_embedding_table",

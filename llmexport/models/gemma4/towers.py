@@ -1,6 +1,6 @@
 """What Gemma4's vision and audio towers share: clipped placeholder linears and the checkpoint
-tensors behind them (the towers' names: gemma4_names.py; what verification checks of them:
-gemma4_tower_checks.py).
+tensors behind them (the towers' names: names.py; what verification checks of them:
+tower_checks.py).
 """
 
 from __future__ import annotations

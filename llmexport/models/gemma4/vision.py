@@ -13,7 +13,7 @@ output ``image_embeds`` [1, N/9, text_hidden], of which the runtime keeps the fi
 multiplies them by a hard-coded 1/39.25 before the text graph scales by sqrt(text_hidden). The
 exported graph multiplies its output by 39.25 / sqrt(text_hidden) so the product is exactly 1,
 and, when image spans attend bidirectionally, by the media mark the text graph looks for
-(gemma4_media.py).
+(media.py).
 """
 
 from __future__ import annotations
@@ -302,7 +302,7 @@ class Gemma4VisionTower(Gemma4Tower):
     @property
     def output_scale(self) -> float:
         """What ``visual.mnn`` multiplies HF's image features by: the runtime-scale compensation,
-        times the media mark when image spans attend bidirectionally (gemma4_media.py)."""
+        times the media mark when image spans attend bidirectionally (media.py)."""
         return self.args.output_scale * (MEDIA_MARK if self.arch.marks_images else 1.0)
 
     def check(self, prompt_sizes: tuple[tuple[int, int], ...] = (VERIFY_SIZES[-1],)) -> TowerCheck:

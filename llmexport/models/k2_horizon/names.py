@@ -1,4 +1,4 @@
-"""K2-Horizon's tensor names: the Llama layout (decoder_names.py) plus MoVA's value router and
+"""K2-Horizon's tensor names: the Llama layout (decoder/names.py) plus MoVA's value router and
 experts, the routers' selection biases and the shared experts; and the names of its MLX port."""
 
 from __future__ import annotations
