@@ -58,7 +58,8 @@ def test_both_logits_moving_by_the_steps_noise_is_a_near_tie(data, vocab, gap, s
     step = _step(ref + err, ref)
     assert not step.top1_match and step.mnn_top1 == 1 and not step.flipped
     # the rule it replaces counted this flip whenever the top-2 margin reached the step's max error
-    assert (step.ref_top2_margin >= step.max_abs_err) == (gap >= noise)
+    if gap > noise * 1.001 or gap < noise * 0.999:  # (float32 rounding decides the equal case)
+        assert (step.ref_top2_margin >= step.max_abs_err) == (gap > noise)
 
 
 @settings(max_examples=200, deadline=None)

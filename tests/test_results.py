@@ -73,7 +73,7 @@ json_values = st.recursive(st.none() | st.booleans() | small | floats | names,
 json_dicts = st.dictionaries(names, json_values, max_size=3)
 ids = st.lists(small, max_size=4).map(tuple)
 
-steps = st.builds(StepStats, floats, floats, floats, st.booleans(), small, small)
+steps = st.builds(StepStats, floats, floats, floats, st.booleans(), small, small, floats, floats)
 logit_stats = st.builds(LogitStats, floats, floats, floats, st.lists(steps, max_size=3).map(tuple))
 
 
