@@ -28,13 +28,17 @@ lint: install
 	$(BIN)/ruff check llmexport tests bench
 	$(BIN)/python -m mypy
 
-# pytest exits 5 when it collects nothing: that is a failure here.
+# Two pytest workers (pytest-xdist), a test file per worker at a time so that a file's fixtures (its
+# checkpoints and shared exports) are built once: the exports, conversions and runtime runs are
+# mostly one thread each. pytest exits 5 when it collects nothing: that is a failure here.
+PYTEST := HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -q -n 2 --dist loadfile
+
 test: install lint
-	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -q; code=$$?; \
+	$(PYTEST); code=$$?; \
 		if [ $$code -eq 5 ]; then echo "pytest collected no tests" >&2; exit 1; fi; exit $$code
 
 test-fast: install
-	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -q -m "not slow"
+	$(PYTEST) -m "not slow"
 
 bench: install
 	$(BIN)/python bench/quant.py --quick

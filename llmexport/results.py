@@ -220,15 +220,15 @@ class StepStats(_PlainFields):
     ref_top1: int
     #: the reference's logit of its top-1 minus its logit of the runtime's top-1 (0 when they agree)
     ref_gap: float
-    #: how far the step's noise can close that gap: what the two logits involved moved, each counted
-    #: up to the largest error measured on the rest of the vocabulary (llmexport.verification.logits)
+    #: how far the measured errors close that gap: what the two logits involved moved
+    #: (llmexport/verification/logits.py)
     noise_explains: float
 
     @property
     def flipped(self) -> bool:
         """A top-1 disagreement that counts: the gap between the two logits involved is more than
-        their movements explain, as far as the step's noise elsewhere accounts for them (within
-        it, the step is a near-tie the measured noise flipped)."""
+        their movements explain (within them, the step is a near-tie the measured errors flipped;
+        the bounds judge those errors)."""
         return not self.top1_match and self.ref_gap > self.noise_explains
 
 
@@ -332,6 +332,11 @@ class Bounds(_PlainFields):
     max_abs_err: float
     mean_abs_err: float | None = None
     kernels_max_abs_err: float | None = None
+
+    @property
+    def exact_kernels_max_abs_err(self) -> float:
+        """The bound of a run on MNN's exact kernels (the media prompts run there, whatever ships)."""
+        return self.max_abs_err if self.kernels_max_abs_err is None else self.kernels_max_abs_err
 
 
 @dataclass(frozen=True)

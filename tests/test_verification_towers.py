@@ -99,7 +99,7 @@ def test_section_layout_and_the_oracle_against_the_fp32_reference(tmp_path, monk
     oracle, fp32 = _Reference(0), _Reference(1)
     graph = oracle.proj(x).detach().numpy()
     monkeypatch.setattr(vt, "run_module", lambda model, feeds, outputs: [{"embeds": graph[None]} for _ in feeds])
-    monkeypatch.setattr(vt, "check_media_prompts", lambda folder, check, oracle, fp32: [
+    monkeypatch.setattr(vt, "check_media_prompts", lambda folder, check, oracle, fp32, max_abs: [
         MediaPromptReport(2, True, (1,), (2,), ("greedy tokens differ",), label=p.label) for p in check.prompts])
     prompt = PromptCase("one", "probe prompt one", {"input_ids": torch.tensor([[2, 5]])}, lambda folder: "")
     check = _check(output="embeds", cases=(FeatureCase("case a", {"x": x.numpy()}, {"size": 1}),

@@ -58,7 +58,7 @@ def test_a_verification_that_disagrees_still_discards_the_export(tiny_decoder, t
     assert not dst.exists()
 
 
-_FAILURE = "step 0: top-1 3 != 4 (gap 0.5000 > the 0.2000 the step's noise explains)"
+_FAILURE = "step 0: top-1 3 != 4 (gap 0.5000 > the 0.2000 its two logits moved)"
 
 
 def _disagreeing(export_dir, model_path, raise_on_failure=False, **kwargs) -> VerifyReport:

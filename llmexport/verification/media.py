@@ -22,7 +22,7 @@ from llmexport.mnn.config import EXACT_KERNELS
 from llmexport.mnn.runtime import MediaRun, run_media_prompt
 from llmexport.models.tower_check import PromptLogits, TowerCheck
 from llmexport.results import MediaPromptReport, TowerReport
-from llmexport.verification.logits import compare_logits, step_failures
+from llmexport.verification.logits import compare_logits, run_failures, step_failures
 
 GREEDY_STEPS = 16
 
@@ -66,7 +66,7 @@ def through_stop(tokens: Sequence[int], stop_ids: Collection[int]) -> list[int]:
 
 
 def check_media_prompts(export_dir: Path, check: TowerCheck, oracle: nn.Module,
-                        fp32: nn.Module) -> list[MediaPromptReport]:
+                        fp32: nn.Module, max_abs: float | None = None) -> list[MediaPromptReport]:
     """Each prompt through MNN's runtime (its medium saved into a temporary folder), then HF
     (``oracle``: the stored weights; ``fp32``) on the runtime's ids: one ``compare_prompt`` report
     per prompt, with the prompt's label and fields and its runtime prompt's BOS count."""
@@ -82,7 +82,8 @@ def check_media_prompts(export_dir: Path, check: TowerCheck, oracle: nn.Module,
             context = prompt.ids + tokens[:-1]
             logits = check.prompt_logits(oracle, prompt)(context, len(prompt.ids) - 1).numpy()
             forced32 = check.prompt_logits(fp32, prompt)(context, len(prompt.ids) - 1).numpy()
-            report = compare_prompt(run, prompt.ids, greedy_along(logits, tokens, check.stop_ids), logits, forced32)
+            report = compare_prompt(run, prompt.ids, greedy_along(logits, tokens, check.stop_ids), logits, forced32,
+                                    max_abs)
             bos_count = run.ids.count(check.bos_id)
             bos = (f"{bos_count} BOS tokens in the runtime's prompt",) if bos_count != 1 else ()
             reports.append(dataclasses.replace(report, failures=report.failures + bos, label=prompt.label,
@@ -92,12 +93,14 @@ def check_media_prompts(export_dir: Path, check: TowerCheck, oracle: nn.Module,
 
 
 def compare_prompt(run: MediaRun, prompt_ids: list[int], greedy_ref: list[int], ref_logits: np.ndarray,
-                   fp32_logits: np.ndarray | None = None) -> MediaPromptReport:
+                   fp32_logits: np.ndarray | None = None, max_abs: float | None = None) -> MediaPromptReport:
     """Runtime media-prompt run vs HF: token ids, greedy tokens, teacher-forced logits (the
     prompt's label, fields and BOS count are ``check_media_prompts``'s to fill in).
 
     Failures follow the text verification's rule (llmexport/verification/logits.py): a
-    teacher-forced top-1 disagreement counts unless the step's noise explains it (a near-tie).
+    teacher-forced top-1 disagreement counts unless its two logits' movements explain it (a
+    near-tie), and the errors stay below ``max_abs`` (the export's exact-kernels bound; None: not
+    bounded).
     """
     ids_match = run.ids == prompt_ids
     failures, forced, fp32 = [], None, None
@@ -105,7 +108,7 @@ def compare_prompt(run: MediaRun, prompt_ids: list[int], greedy_ref: list[int], 
         failures.append(f"runtime prompt ids differ from HF's ({len(run.ids)} vs {len(prompt_ids)} tokens)")
     else:
         forced = compare_logits(run.forced_logits, ref_logits)
-        failures += step_failures("", forced)
+        failures += step_failures("", forced) if max_abs is None else run_failures("", forced, max_abs, None)
         if fp32_logits is not None:
             fp32 = compare_logits(run.forced_logits, fp32_logits).summary()
     if greedy_ref != run.greedy_ids:

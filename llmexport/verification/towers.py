@@ -27,15 +27,18 @@ from llmexport.verification.media import check_media_prompts
 
 
 def verify_towers(arch: Architecture, export_dir: Path, oracle: nn.Module, fp32: nn.Module,
-                  media: bool = True) -> dict[str, TowerReport]:
+                  media: bool = True, media_max_abs: float | None = None) -> dict[str, TowerReport]:
     """``verify.json``'s ``towers``: one section per tower of ``arch``, keyed by its name
     (``oracle``: HF carrying the stored weights; ``fp32``: HF as the checkpoint holds it;
-    ``media``: False leaves the media prompts out, which run the whole model on MNN's exact kernels)."""
-    return {tower.name: verify_tower(tower, export_dir, oracle, fp32, media=media) for tower in arch.towers()}
+    ``media``: False leaves the media prompts out, which run the whole model on MNN's exact kernels;
+    ``media_max_abs``: the export's bound for a run on those kernels, applied to the prompts' logits)."""
+    return {tower.name: verify_tower(tower, export_dir, oracle, fp32, media=media, media_max_abs=media_max_abs)
+            for tower in arch.towers()}
 
 
 def verify_tower(tower: Tower, export_dir: Path, oracle: nn.Module, fp32: nn.Module,
-                 check: TowerCheck | None = None, media: bool = True) -> TowerReport:
+                 check: TowerCheck | None = None, media: bool = True,
+                 media_max_abs: float | None = None) -> TowerReport:
     """One tower's section (``check``: ``tower.check()`` unless given, e.g. with other prompts)."""
     check = tower.check() if check is None else check
     outputs = run_module(export_dir / f"{tower.name}.mnn", [case.feeds for case in check.cases], [check.output])
@@ -45,7 +48,7 @@ def verify_tower(tower: Tower, export_dir: Path, oracle: nn.Module, fp32: nn.Mod
         values = measure(check, out[check.output], ref, ref32)
         rows.append({**case.info, **{key: values[m] for key, m in check.measures.items()}})
         failures += case_failures(check, case, values)
-    prompts = check_media_prompts(export_dir, check, oracle, fp32) if media else []
+    prompts = check_media_prompts(export_dir, check, oracle, fp32, media_max_abs) if media else []
     failures += [f"{prompt.name}: {f}" for prompt, report in zip(check.prompts, prompts) for f in report.failures]
     return TowerReport(tuple(failures), check.feature_bound, check.cases_key, tuple(rows), tuple(prompts),
                        dict(check.notes))

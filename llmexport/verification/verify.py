@@ -188,7 +188,8 @@ def _verify_export(export_dir: Path, model_path: Path, steps: int, prompt_ids: l
     greedy_ref = greedy_along(ref_logits, anchor, ())
     chat.add_oracle(arch, oracle, reference_stop_ids(model_path, tokenizer, arch))
     chat.add_fp32(arch, fp32)
-    towers = verify_towers(arch, export_dir, oracle, fp32, media=exact_refused is None)
+    towers = verify_towers(arch, export_dir, oracle, fp32, media=exact_refused is None,
+                           media_max_abs=bounds.exact_kernels_max_abs_err)
     tok_cases = {t: (run.encoded[t], tokenizer(t, add_special_tokens=False)["input_ids"]) for t in texts}
     tokenizer_check = _tokenizer_check(model_path, tok_cases, approximate_ignore_merges)
     shipped = RunComparison.of(compare_logits(run.forced_logits, ref_logits), greedy_ref, run.greedy_ids)
@@ -256,7 +257,7 @@ def stored_bits(stored: StoredTensors, prequantized: dict[str, Any] | None) -> s
 def judge(bounds: Bounds, oracle: LogitStats, tokenizer: TokenizerCheck, exact_kernels: LogitStats | None = None,
           towers: Mapping[str, TowerReport] | None = None) -> tuple[str, ...]:
     """The failures of a verification. A run passes when every teacher-forced step agrees on top-1
-    (unless the step's noise explains the flip: llmexport/verification/logits.py)
+    (unless its two logits' movements explain the flip: llmexport/verification/logits.py)
     and errors stay in bounds; judged for the shipped run and (fast profile) the exact-kernels run."""
     failures = run_failures("", oracle, bounds.max_abs_err, bounds.mean_abs_err)
     if exact_kernels is not None:
