@@ -3,7 +3,8 @@
 After ONNX -> MNN -> JSON, every ``LlmExport::Linear`` node is an ``Extra`` op carrying its
 attributes. Each becomes a 1x1 ``Convolution`` whose (quantized) weights live in
 ``llm.mnn.weight`` (wrapped in the reshapes/layout converts MNN's convolution needs), and each
-``LlmExport::Attention`` becomes MNN's KV-cached ``Attention`` op. Weights are pulled from the
+``LlmExport::Attention`` becomes MNN's KV-cached ``Attention`` op (``LlmExport::LinearAttention`` its
+state-carrying ``LinearAttention`` op). Weights are pulled from the
 checkpoint one linear at a time, in graph order, so memory stays at one tensor.
 """
 
@@ -102,6 +103,16 @@ def _attention_op(op: dict[str, Any]) -> dict:
                 "kv_shared_layer_index": int(a["kv_shared_layer_index"]), "attnScale": float(a["scale"])})
 
 
+def _linear_attention_op(op: dict[str, Any]) -> dict:
+    """MNN's LinearAttention op (LinearAttentionParam, schema/default/MNN.fbs): its inputs are the
+    placeholder's (qkv, gate, beta, conv weight); the conv and recurrent states live in the op."""
+    a = extra_attrs(op)
+    return _op(a["name"], "LinearAttention", op["inputIndexes"], op["outputIndexes"], "LinearAttentionParam",
+               {"attn_type": a["attn_type"], "num_k_heads": int(a["num_k_heads"]),
+                "num_v_heads": int(a["num_v_heads"]), "head_k_dim": int(a["head_k_dim"]),
+                "head_v_dim": int(a["head_v_dim"]), "use_qk_l2norm": bool(a["use_qk_l2norm"])})
+
+
 def _moe_op(op: dict[str, Any]) -> dict:
     """MNN's MoE module reads num_experts, top_k and layer_id from the Extra attributes."""
     moe = dict(op)
@@ -180,6 +191,8 @@ class _Rebuilder:
                 out.append(_attention_op(op))
             elif kind == "MoE":
                 out.append(_moe_op(op))
+            elif kind == "LinearAttention":
+                out.append(_linear_attention_op(op))
             elif kind is not None:
                 raise ConversionError(f"unexpected custom op {kind!r} in converted graph")
             else:

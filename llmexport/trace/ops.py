@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from typing import Iterator, Sequence
+from typing import Iterator, NamedTuple, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -237,3 +237,121 @@ class FusedMoE(nn.Module):
             return _MoEOp.apply(hidden, weights.float(), chosen.to(torch.int32), len(self.experts), self.top_k,
                                 self.layer_id, self.out_features)
         return dense_mixture(self.experts, hidden, weights, chosen)
+
+
+#: MNN's LinearAttention kinds (LinearAttentionParam.attn_type, source/backend/cpu/CPULinearAttention.cpp)
+GATED_DELTA_RULE, SHORT_CONV = "gated_delta_rule", "short_conv"
+
+
+class _LinearAttentionOp(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, qkv, gate, beta, conv_weight, name: str, attn_type: str, num_k_heads: int, num_v_heads: int,
+                head_k_dim: int, head_v_dim: int, use_qk_l2norm: int):
+        return qkv.new_zeros([qkv.shape[0], qkv.shape[2], num_v_heads, head_v_dim])
+
+    @staticmethod
+    def symbolic(g, qkv, gate, beta, conv_weight, name, attn_type, num_k_heads, num_v_heads, head_k_dim, head_v_dim,
+                 use_qk_l2norm):
+        out = g.op(f"{DOMAIN}::LinearAttention", qkv, gate, beta, conv_weight, name_s=name, attn_type_s=attn_type,
+                   num_k_heads_i=num_k_heads, num_v_heads_i=num_v_heads, head_k_dim_i=head_k_dim,
+                   head_v_dim_i=head_v_dim, use_qk_l2norm_i=use_qk_l2norm)
+        sizes = _sizes(qkv)
+        if len(sizes) == 3:
+            out.setType(qkv.type().with_sizes([sizes[0], sizes[2], num_v_heads, head_v_dim]))
+        return out
+
+
+class FusedLinearAttention(nn.Module):
+    """A recurrent token mixer, MNN's ``LinearAttention`` op at runtime: the op keeps a causal
+    depthwise conv's last ``kernel - 1`` inputs and (gated delta rule) a [v_heads, k_dim, v_dim]
+    state per layer between calls, as the Attention op keeps its KV cache.
+
+    qkv: [1, channels, seq] (channel-major, before the conv); gate, beta: [1, seq, v_heads];
+    conv_weight: [channels, 1, kernel]. Output [1, seq, v_heads, v_dim].
+
+    - ``short_conv`` (LFM2): channels = 3 * width as (B, C, x); out = C * conv(B * x), no activation;
+      one "head" of ``v_dim = width`` (gate and beta unused).
+    - ``gated_delta_rule`` (Qwen3.5): SiLU(conv(qkv)) split into q, k [k_heads, k_dim] and v
+      [v_heads, v_dim]; q and k repeated per value head (each k head serves consecutive v heads),
+      optionally l2-normalised (``x / sqrt(sum(x^2) + 1e-6)``), q scaled by 1/sqrt(k_dim); per token
+      ``S = exp(gate) * S; S += k (beta (v - S^T k))^T; out = S^T q``.
+    """
+
+    def __init__(self, layer_index: int, attn_type: str, num_k_heads: int, num_v_heads: int, head_k_dim: int,
+                 head_v_dim: int, use_qk_l2norm: bool):
+        super().__init__()
+        if attn_type not in (GATED_DELTA_RULE, SHORT_CONV):
+            raise ValueError(f"unknown linear attention type {attn_type!r}")
+        self.name = f"/layers.{layer_index}/self_attn/LinearAttention"
+        self.attn_type = attn_type
+        self.num_k_heads, self.num_v_heads = num_k_heads, num_v_heads
+        self.head_k_dim, self.head_v_dim = head_k_dim, head_v_dim
+        self.use_qk_l2norm = use_qk_l2norm
+
+    def forward(self, qkv, gate, beta, conv_weight):
+        if emitting_custom_ops():
+            return _LinearAttentionOp.apply(qkv, gate, beta, conv_weight, self.name, self.attn_type,
+                                            self.num_k_heads, self.num_v_heads, self.head_k_dim, self.head_v_dim,
+                                            int(self.use_qk_l2norm))
+        return self.reference(qkv, gate, beta, conv_weight)[0]
+
+    def reference(self, qkv, gate, beta, conv_weight, state: "LinearAttentionState | None" = None):
+        """The op's math in fp32 from ``state`` (None: zeros, a fresh sequence); returns the
+        output and the state after the last token."""
+        kernel = conv_weight.shape[-1]
+        qkv = qkv.float()
+        if self.attn_type == SHORT_CONV:
+            width = qkv.shape[1] // 3
+            b, c, x = qkv[:, :width], qkv[:, width:2 * width], qkv[:, 2 * width:]
+            conv_in, conv_state = _with_conv_state(b * x, kernel, None if state is None else state.conv)
+            out = c * F.conv1d(conv_in, conv_weight.float(), groups=width)
+            return out.transpose(1, 2).unsqueeze(2), LinearAttentionState(conv_state, None)
+        conv_in, conv_state = _with_conv_state(qkv, kernel, None if state is None else state.conv)
+        mixed = F.silu(F.conv1d(conv_in, conv_weight.float(), groups=qkv.shape[1])).transpose(1, 2)
+        key_dim = self.num_k_heads * self.head_k_dim
+        q, k, v = mixed[..., :key_dim], mixed[..., key_dim:2 * key_dim], mixed[..., 2 * key_dim:]
+        out, recurrent = gated_delta_rule(q.unflatten(-1, (self.num_k_heads, self.head_k_dim)),
+                                          k.unflatten(-1, (self.num_k_heads, self.head_k_dim)),
+                                          v.unflatten(-1, (self.num_v_heads, self.head_v_dim)),
+                                          gate.float(), beta.float(), self.use_qk_l2norm,
+                                          None if state is None else state.recurrent)
+        return out, LinearAttentionState(conv_state, recurrent)
+
+
+class LinearAttentionState(NamedTuple):
+    """What the LinearAttention op carries between calls: the conv's last inputs [1, channels,
+    kernel - 1] and the gated delta rule's state [1, v_heads, k_dim, v_dim] (None for short_conv)."""
+
+    conv: torch.Tensor
+    recurrent: torch.Tensor | None
+
+
+def _with_conv_state(x: torch.Tensor, kernel: int, conv_state: torch.Tensor | None):
+    """``x`` [1, channels, seq] after the conv's carried inputs (zeros for a fresh sequence), and
+    the last ``kernel - 1`` inputs to carry on."""
+    if conv_state is None:
+        conv_state = x.new_zeros(x.shape[0], x.shape[1], kernel - 1)
+    padded = torch.cat([conv_state, x], dim=-1)
+    return padded, padded[..., padded.shape[-1] - (kernel - 1):]
+
+
+def gated_delta_rule(q, k, v, gate, beta, l2norm: bool, state: torch.Tensor | None = None):
+    """The gated delta rule token by token in fp32 (transformers' torch_recurrent_gated_delta_rule,
+    models/qwen3_5/modeling_qwen3_5.py). q, k: [1, seq, k_heads, k_dim]; v: [1, seq, v_heads, v_dim];
+    gate, beta: [1, seq, v_heads]. Returns [1, seq, v_heads, v_dim] and the final state."""
+    repeat = v.shape[2] // k.shape[2]
+    q, k = q.repeat_interleave(repeat, dim=2), k.repeat_interleave(repeat, dim=2)
+    if l2norm:
+        q = q / torch.sqrt((q * q).sum(-1, keepdim=True) + 1e-6)
+        k = k / torch.sqrt((k * k).sum(-1, keepdim=True) + 1e-6)
+    q = q / math.sqrt(q.shape[-1])
+    if state is None:
+        state = v.new_zeros(v.shape[0], v.shape[2], k.shape[-1], v.shape[-1])
+    outputs = []
+    for t in range(v.shape[1]):
+        state = state * gate[:, t].exp()[..., None, None]
+        predicted = (state * k[:, t, :, :, None]).sum(-2)
+        delta = (v[:, t] - predicted) * beta[:, t, :, None]
+        state = state + k[:, t, :, :, None] * delta[:, :, None, :]
+        outputs.append((state * q[:, t, :, :, None]).sum(-2))
+    return torch.stack(outputs, dim=1), state
