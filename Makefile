@@ -33,7 +33,7 @@ lint: install
 # tiny models are overhead, and two workers' spinning thread pools on two cores cost more CPU than
 # the tests themselves (measured: four test files 244 s -> 166 s). pytest exits 5 when it collects
 # nothing: that is a failure here.
-PYTEST := HF_HUB_OFFLINE=1 OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -n 2 --dist loadfile
+PYTEST := HF_HUB_OFFLINE=1 OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -n 2 --dist loadfile --durations=25
 
 test: install lint
 	$(PYTEST); code=$$?; \
