@@ -4,15 +4,15 @@ Every check compares logits this way: the single prompt and its exact-kernels ru
 (llmexport/verification/verify.py), each conversation turn (llmexport/verification/conversation.py) and
 each media prompt (llmexport/verification/media.py).
 
-The near-tie rule (``StepStats.flipped``). When the runtime's top-1 ``b`` is not the reference's
-``a``, both logits moved, in opposite directions: the flip closes the reference's gap
-``r[a] - r[b]`` with the two movements. A flip counts only when that gap is more than what the two
-logits moved (``StepStats.noise_explains``: ``|m[a] - r[a]| + |m[b] - r[b]|``, at most twice the
-step's max error); the rule it replaces compared the reference's top-2 margin with the max error alone, one
-logit's worth, and failed correct exports on MNN's AVX-512 kernels. Measured on the same arrays, a
-flip is always within its two movements, so it never fails by itself: whether the movements are
-noise is what the error bounds judge (``run_failures``), and a defect (a wrong mask, a swapped
-layer) moves the logits past them. Only inconsistent numbers (a report edited or built by hand)
+The near-tie rule (``StepStats.flipped``). When the runtime's top-1 ``b`` is not the reference's ``a``,
+both logits moved, in opposite directions: the flip closes the reference's gap ``r[a] - r[b]`` with the
+two movements. A flip counts only when that gap is more than what the two logits moved
+(``StepStats.noise_explains``: ``|m[a] - r[a]| + |m[b] - r[b]|``, at most twice the step's max error);
+the rule it replaces compared the reference's top-2 margin with the max error alone, one logit's worth,
+and failed correct exports on AVX-512 machines (torch's kernels there, docs/verification.md). Measured
+on the same arrays, a flip is always within its two movements, so it never fails by itself: whether the
+movements are noise is what the error bounds judge (``run_failures``), and a defect (a wrong mask, a
+swapped layer) moves the logits past them. Only inconsistent numbers (a report edited or built by hand)
 can count a flip.
 """
 
