@@ -353,7 +353,8 @@ def test_thinking_comes_from_the_exported_context(hf_tok, runtime, real_template
     for choice, ending in ((ChatThinking.OFF, "<think>\n\n</think>\n\n"), (ChatThinking.ON, "<think>\n"),
                            (ChatThinking.DEFAULT, "<think>\n")):
         jinja = llm_config({"jinja": block}, {}, choice.template_context())["jinja"]
-        context = {"enable_thinking": None, **jinja.get("context", {}), "tools": []}  # None: clears an earlier value
+        # None (not false) where the block has no context: the template's default, thinking on
+        context = {"enable_thinking": None, **jinja.get("context", {}), "tools": []}
         got = runtime.render(jinja["chat_template"], runtime_messages(messages), context)
         thinking = choice is not ChatThinking.OFF
         assert got == hf_render(hf_tok, real_template, messages, thinking)
@@ -361,6 +362,20 @@ def test_thinking_comes_from_the_exported_context(hf_tok, runtime, real_template
     plain = hf_tok.apply_chat_template(messages, chat_template=real_template, tokenize=False,
                                        add_generation_prompt=True)
     assert plain.endswith("<|im_start|>assistant\n<think>\n")  # transformers' default is on
+
+
+def test_vision_ids_from_context(hf_tok, runtime, real_template):
+    """``add_vision_id`` (a template variable transformers' processors pass) set through
+    ``jinja.context``: pictures and videos are counted across turns in both engines."""
+    messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "a"}, {"type": "video"},
+                                             {"type": "image"}]}, _a("x"), {"role": "user", "content": [
+                                                 {"type": "image"}]}]
+    want = hf_tok.apply_chat_template(messages, chat_template=real_template, tokenize=False,
+                                      add_generation_prompt=True, add_vision_id=True)
+    got = runtime.render(derive_runtime_template(real_template), runtime_messages(messages),
+                         {"add_vision_id": True, "enable_thinking": None, "tools": []})
+    assert got == want and "Picture 3: <|vision_start|>" in got and "Video 1: " in got
+    assert "Picture" not in runtime.render(None, runtime_messages(messages), {"add_vision_id": False})
 
 
 def test_exported_block_read_from_llm_config_file(tok_dir, hf_tok, real_template, tmp_path):
@@ -399,6 +414,8 @@ def test_export_block_choice(real_template, caplog):
     block = qwen3_5_jinja({"chat_template": real_template})
     assert block == {"chat_template": derive_runtime_template(real_template), "eos": "<|im_end|>"}
     assert qwen3_5_jinja(None) is None and qwen3_5_jinja({"chat_template": ""}) is None
+    kept = qwen3_5_jinja({"chat_template": real_template, "bos": "<s>", "eos": "<|endoftext|>"})
+    assert kept is not None and (kept["bos"], kept["eos"]) == ("<s>", "<|im_end|>")
     with caplog.at_level(logging.WARNING):
         edited = qwen3_5_jinja({"chat_template": real_template.replace("# Tools", "# Tools ")})
     assert edited is not None and edited["chat_template"].startswith(JSON_MACRO)

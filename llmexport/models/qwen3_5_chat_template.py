@@ -154,15 +154,15 @@ def _lint(template: str) -> list[str]:
 
 def qwen3_5_jinja(checkpoint: dict[str, str] | None) -> dict[str, Any] | None:
     """``llm_config.json``'s ``jinja`` block for a Qwen3.5 checkpoint (``checkpoint``:
-    ``DecoderFamily.checkpoint_chat_template()``): the runtime form of its template and
-    ``eos`` = ``<|im_end|>``; None without a template. ``enable_thinking`` (``jinja.context``)
-    comes from the export's options (``mnn.config.llm_config``)."""
+    ``DecoderFamily.checkpoint_chat_template()``, whose ``bos`` is kept): the runtime form of its
+    template and ``eos`` = ``<|im_end|>`` (the template uses neither); None without a template.
+    ``enable_thinking`` (``jinja.context``) comes from the export's options (``mnn.config.llm_config``)."""
     chosen = runtime_chat_template((checkpoint or {}).get("chat_template"))
     for note in chosen.notes:
         log.warning("chat template: %s", note)
     if chosen.kind == "none":
         return None
-    return {"chat_template": chosen.template, "eos": END_OF_TURN}
+    return {**(checkpoint or {}), "chat_template": chosen.template, "eos": END_OF_TURN}
 
 
 # --- conversations --------------------------------------------------------------------------
