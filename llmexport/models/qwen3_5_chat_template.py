@@ -35,6 +35,7 @@ from __future__ import annotations
 import json
 import logging
 from collections.abc import Iterable, Sequence
+from dataclasses import replace
 from typing import Any
 
 from llmexport.errors import InputError
@@ -43,7 +44,6 @@ from llmexport.models.gemma4.chat_template import (
     _WS_LITERAL,
     ASCII_WHITESPACE,
     ChatCase,
-    ChatResult,
     ChatTemplateReport,
     HfRender,
     Rewrite,
@@ -53,11 +53,10 @@ from llmexport.models.gemma4.chat_template import (
     _float_ok,
     _placeholder,
     _without_none,
-    runtime_context,
-    runtime_messages,
     runtime_template_warnings,
     template_sha256,
 )
+from llmexport.models.gemma4.chat_template import compare_chat_template as gemma4_compare
 
 log = logging.getLogger(__name__)
 
@@ -363,22 +362,19 @@ def hf_render(tokenizer: Any, template: str, messages: Messages, thinking: bool,
 
 def compare_chat_template(cases: Iterable[ChatCase], render_hf: HfRender, render_runtime: RuntimeRender,
                           thinking_modes: Sequence[bool] = (False, True)) -> ChatTemplateReport:
-    """Gemma4's ``compare_chat_template`` with this template's ``unsupported``: every case in every
-    thinking mode by transformers (``render_hf(messages, thinking, tools)``, e.g. ``hf_render``
-    bound to a tokenizer and the checkpoint's template) and by the runtime
-    (``render_runtime(runtime_messages(...), runtime_context(...))``, e.g. gemma4's
-    ``runtime_renderer(llm)``), each pair classified."""
+    """Gemma4's ``compare_chat_template`` (every case in every thinking mode by transformers,
+    ``render_hf(messages, thinking, tools)``, e.g. ``hf_render`` bound to a tokenizer and the
+    checkpoint's template, and by the runtime, ``render_runtime(runtime_messages(...),
+    runtime_context(...))``, e.g. gemma4's ``runtime_renderer(llm)``), each pair classified by
+    this template's ``unsupported``."""
+    cases = list(cases)
+    rendered = gemma4_compare(cases, render_hf, render_runtime, thinking_modes)
+    reasons = [tuple(unsupported(case.messages, case.tools)) for case in cases for _ in thinking_modes]
     report = ChatTemplateReport()
-    for case in cases:
-        reasons = tuple(unsupported(case.messages, case.tools))
-        for thinking in thinking_modes:
-            try:
-                hf: str | None = render_hf(case.messages, thinking, case.tools)
-            except Exception as exc:  # transformers' own error: nothing to compare with
-                report.results.append(ChatResult(case.name, thinking, "invalid", None, None,
-                                                 (f"transformers: {type(exc).__name__}: {exc}",) + reasons))
-                continue
-            runtime = render_runtime(runtime_messages(case.messages), runtime_context(thinking, case.tools))
-            status = "refused" if reasons else ("equal" if runtime == hf else "differs")
-            report.results.append(ChatResult(case.name, thinking, status, hf, runtime, reasons))
+    for result, why in zip(rendered.results, reasons, strict=True):
+        if result.status == "invalid":  # transformers raised: its error, then these reasons
+            report.results.append(replace(result, reasons=result.reasons[:1] + why))
+        else:
+            status = "refused" if why else ("equal" if result.same else "differs")
+            report.results.append(replace(result, status=status, reasons=why))
     return report
