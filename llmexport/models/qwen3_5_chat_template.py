@@ -52,6 +52,7 @@ from llmexport.models.gemma4.chat_template import (
     TemplateNotDerivable,
     _float_ok,
     _placeholder,
+    _strings,
     _without_none,
     runtime_template_warnings,
     template_sha256,
@@ -250,7 +251,8 @@ class _Checker:
                 return None
         return "".join(out)
 
-    def assistant(self, where: str, message: dict[str, Any], content: str) -> None:
+    def assistant(self, where: str, message: dict[str, Any], content: str, thinking_kept: bool) -> None:
+        """``thinking_kept``: the turn comes after the last user query (its reasoning is rendered)."""
         self.trimmed(f"{where}.content", content)
         content = content.strip()
         reasoning = message.get("reasoning_content")
@@ -259,7 +261,8 @@ class _Checker:
             if "</think>" in content:
                 reasoning = content.split("</think>")[0].rstrip("\n").split("<think>")[-1].lstrip("\n")
                 content = content.split("</think>")[-1].lstrip("\n")
-        self.trimmed(f"{where}.reasoning", reasoning)
+        if thinking_kept:
+            self.trimmed(f"{where}.reasoning", reasoning)
         self.trimmed(f"{where}.content", content)  # the tool-call branch trims it again
         calls = message.get("tool_calls")
         if calls is None:
@@ -305,11 +308,12 @@ def unsupported(messages: Messages, tools: Sequence[dict[str, Any]] | None = Non
         text.encode("utf-8")
     except (TypeError, ValueError) as exc:  # UnicodeEncodeError is a ValueError
         return [f"conversation: not JSON-serialisable for the runtime ({exc})"]
-    if "\\u0000" in text:
+    if any("\x00" in t for t in _strings([list(messages), list(tools or ())])):
         check.fail("conversation", "a NUL character (the runtime cuts the text there)")
     if not messages:
         check.fail("messages", "empty (transformers raises)")
     last_query = None
+    assistants = []
     for i, message in enumerate(messages):
         where = f"messages[{i}]"
         if not isinstance(message, dict):
@@ -328,13 +332,15 @@ def unsupported(messages: Messages, tools: Sequence[dict[str, Any]] | None = Non
         if content is None:
             continue
         if role == "assistant":
-            check.assistant(where, message, content)
+            assistants.append((i, where, message, content))
         else:
             check.trimmed(f"{where}.content", content)
         if role == "user":
             stripped = content.strip()
             if not (stripped.startswith("<tool_response>") and stripped.endswith("</tool_response>")):
                 last_query = i
+    for i, where, message, content in assistants:
+        check.assistant(where, message, content, thinking_kept=last_query is not None and i > last_query)
     if messages and last_query is None:
         check.fail("messages", "no user query (transformers raises)")
     if tools:
