@@ -209,3 +209,27 @@ def gemma4_chat_template() -> str:
     template = real_vocab("gemma-4").metadata["tokenizer.chat_template"]
     assert isinstance(template, str)
     return template
+
+
+def sdist_template(name: str) -> str:
+    """``models/templates/{name}.jinja`` of the sdist (llama.cpp's copies of HF chat templates,
+    fetched by its scripts/get_chat_template.py), extracted once into the cache."""
+    folder = cache_dir() / "templates"
+    folder.mkdir(exist_ok=True)
+    dest = folder / f"{name}.jinja"
+    if not dest.exists():
+        sdist = sdist_path()
+        with _locked(cache_dir()), tarfile.open(sdist) as tar:
+            source = tar.extractfile(f"{MODELS_DIR}templates/{name}.jinja")
+            assert source is not None
+            part = dest.with_suffix(".part")
+            part.write_bytes(source.read())
+            part.replace(dest)
+    return dest.read_bytes().decode("utf-8")
+
+
+def qwen3_5_chat_template() -> str:
+    """Qwen3.5's real chat template (HF ``Qwen/Qwen3.5-4B``, llama.cpp's ``Qwen3.5-4B.jinja``). The
+    ``tokenizer.chat_template`` of ``ggml-vocab-qwen35.gguf`` is not it: that file carries a plain
+    ChatML template (no thinking, no tools)."""
+    return sdist_template("Qwen3.5-4B")
