@@ -21,7 +21,7 @@ class ExportFormat(str, Enum):
 
 class ChatThinking(str, Enum):
     """The chat template's thinking mode, written to llm_config.json as ``jinja.context.enable_thinking``
-    (the variable Gemma4's and Qwen3's templates read; see llmexport.models.gemma4.chat_template).
+    (the variable Gemma4's and Qwen3's templates read; see llmexport.models.chat_templates).
     ``DEFAULT`` writes nothing: the template's own default (Gemma4: off, its generation prompt ends
     with an empty thought channel; Qwen3: on). The runtime can switch it later with
     ``Llm.set_config({"jinja": {"context": {"enable_thinking": ...}}})``."""

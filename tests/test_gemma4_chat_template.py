@@ -23,12 +23,17 @@ from transformers import AutoTokenizer
 from llmexport.errors import InputError
 from llmexport.mnn.config import llm_config
 from llmexport.mnn.tokenizer.writer import write_mnn_tokenizer
-from llmexport.models.gemma4.chat_template import (
+from llmexport.models.chat_templates import (
     ASCII_WHITESPACE,
-    MINJA_CHAT_TEMPLATE,
-    REWRITES,
     ChatCase,
     TemplateNotDerivable,
+    runtime_context,
+    runtime_messages,
+    runtime_renderer,
+)
+from llmexport.models.gemma4.chat_template import (
+    MINJA_CHAT_TEMPLATE,
+    REWRITES,
     check_conversation,
     compare_chat_template,
     derive_runtime_template,
@@ -36,9 +41,6 @@ from llmexport.models.gemma4.chat_template import (
     hf_render,
     is_gemma4_template,
     runtime_chat_template,
-    runtime_context,
-    runtime_messages,
-    runtime_renderer,
     standard_cases,
     unsupported,
 )

@@ -23,12 +23,11 @@ from transformers import AutoTokenizer
 from llmexport.errors import InputError
 from llmexport.mnn.config import llm_config
 from llmexport.mnn.tokenizer.writer import write_mnn_tokenizer
-from llmexport.models.gemma4.chat_template import ChatCase, runtime_messages
+from llmexport.models.chat_templates import ChatCase, TemplateNotDerivable, runtime_messages
 from llmexport.models.qwen3_5_chat_template import (
     END_OF_TURN,
     JSON_MACRO,
     REWRITES,
-    TemplateNotDerivable,
     check_conversation,
     compare_chat_template,
     derive_runtime_template,

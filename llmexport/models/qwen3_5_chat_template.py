@@ -2,7 +2,7 @@
 
 MNN 3.6.1 renders ``llm_config.json``'s ``jinja.chat_template`` with its own Jinja engine
 (``transformers/llm/engine/src/tokenizer/jinja.hpp``); what a template sees there is described in
-llmexport.models.gemma4.chat_template and docs/chat-templates.md (``messages`` from
+llmexport.models.chat_templates and docs/chat-templates.md (``messages`` from
 ``Llm.apply_chat_template``, rich messages as role ``"json"``; ``tools`` and ``enable_thinking``
 only through ``jinja.context``).
 
@@ -22,12 +22,12 @@ it), ``reasoning_content`` and image/video parts. What does not (``REWRITES``):
   Python strips.
 
 What stays different is refused by ``unsupported`` / ``check_conversation`` with a reason (the
-same number and whitespace limits as Gemma4's, control characters whose JSON escape differs in
-case, and what transformers itself rejects: the runtime has no ``raise_exception`` and renders
-those conversations silently). Thinking is ``enable_thinking``: undefined or true (the template's
-default) opens ``<think>\\n``; false writes an empty ``<think>\\n\\n</think>\\n\\n``. The turn ends
-with ``<|im_end|>``, the token the runtime must stop on; the template uses neither ``bos_token``
-nor ``eos_token``.
+engine's number and whitespace limits, as for Gemma4's: llmexport.models.chat_templates; control
+characters whose JSON escape differs in case; and what transformers itself rejects: the runtime
+has no ``raise_exception`` and renders those conversations silently). Thinking is
+``enable_thinking``: undefined or true (the template's default) opens ``<think>\\n``; false writes
+an empty ``<think>\\n\\n</think>\\n\\n``. The turn ends with ``<|im_end|>``, the token the runtime
+must stop on; the template uses neither ``bos_token`` nor ``eos_token``.
 """
 
 from __future__ import annotations
@@ -35,29 +35,30 @@ from __future__ import annotations
 import json
 import logging
 from collections.abc import Iterable, Sequence
-from dataclasses import replace
 from typing import Any
 
-from llmexport.errors import InputError
-from llmexport.models.gemma4.chat_template import (
-    _INT_RANGE,
-    _WS_LITERAL,
-    ASCII_WHITESPACE,
+from llmexport.models.chat_templates import (
+    WS_LITERAL,
     ChatCase,
     ChatTemplateReport,
+    ConversationChecker,
     HfRender,
+    Messages,
     Rewrite,
     RuntimeChatTemplate,
     RuntimeRender,
-    TemplateNotDerivable,
-    _float_ok,
-    _placeholder,
-    _strings,
-    _without_none,
+    apply_rewrites,
+    choose_runtime_template,
+    compare_renderings,
+    json_and_loop_warnings,
+    json_escape_differs,
+    placeholder,
+    raise_unsupported,
     runtime_template_warnings,
     template_sha256,
+    transformers_render,
+    trim_rewrite,
 )
-from llmexport.models.gemma4.chat_template import compare_chat_template as gemma4_compare
 
 log = logging.getLogger(__name__)
 
@@ -85,8 +86,7 @@ JSON_MACRO = (
 
 
 def _strip(expr: str, count: int = 1, before: str = "") -> Rewrite:
-    return Rewrite("the runtime's trim strips only space/tab/CR/LF; strip() with the ASCII whitespace set",
-                   f"{before}{expr}|trim", f"{before}{expr}.strip({_WS_LITERAL})", count)
+    return trim_rewrite(f"{before}{expr}|trim", f"{before}{expr}.strip({WS_LITERAL})", count)
 
 
 REWRITES: tuple[Rewrite, ...] = (
@@ -114,13 +114,7 @@ def is_qwen3_5_template(template: str) -> bool:
 def derive_runtime_template(source: str) -> str:
     """``JSON_MACRO`` + ``source`` with every ``REWRITES`` entry applied; raises
     TemplateNotDerivable when one of them does not occur exactly as often as expected."""
-    out = source
-    for rewrite in REWRITES:
-        found = out.count(rewrite.old)
-        if found != rewrite.count:
-            raise TemplateNotDerivable(f"expected {rewrite.count} x {rewrite.old!r}, found {found}")
-        out = out.replace(rewrite.old, rewrite.new)
-    return JSON_MACRO + out
+    return JSON_MACRO + apply_rewrites(source, REWRITES)
 
 
 def runtime_chat_template(checkpoint_template: str | None) -> RuntimeChatTemplate:
@@ -130,26 +124,12 @@ def runtime_chat_template(checkpoint_template: str | None) -> RuntimeChatTemplat
     (no template: nothing is written, the runtime falls back to the tokenizer file's)."""
     if not checkpoint_template:
         return RuntimeChatTemplate("", "none", ("the checkpoint has no chat template",))
-    try:
-        derived = derive_runtime_template(checkpoint_template)
-    except TemplateNotDerivable:
-        lint = runtime_template_warnings(checkpoint_template) + _lint(checkpoint_template)
-        return RuntimeChatTemplate(checkpoint_template, "checkpoint", tuple(
-            f"chat template passed through; it uses {w}; check with --verify" for w in lint))
-    if is_qwen3_5_template(checkpoint_template):
-        return RuntimeChatTemplate(derived, "qwen3_5")
-    return RuntimeChatTemplate(derived, "derived", (
-        "the checkpoint's chat template is not the Qwen3.5 template the runtime rewrite was proven on "
-        f"(sha256 {template_sha256(checkpoint_template)[:12]}...); check with --verify",))
+    return choose_runtime_template(checkpoint_template, derive_runtime_template, QWEN3_5_TEMPLATE_SHA256,
+                                   "qwen3_5", "Qwen3.5", _lint)
 
 
 def _lint(template: str) -> list[str]:
-    found = []
-    if "tojson" in template:
-        found.append("tojson (the runtime reorders mapping keys)")
-    if "loop.previtem" in template or "loop.nextitem" in template:
-        found.append("loop.previtem/nextitem (undefined in the runtime)")
-    return found
+    return runtime_template_warnings(template) + json_and_loop_warnings(template)
 
 
 def qwen3_5_jinja(checkpoint: dict[str, str] | None) -> dict[str, Any] | None:
@@ -167,41 +147,14 @@ def qwen3_5_jinja(checkpoint: dict[str, str] | None) -> dict[str, Any] | None:
 
 # --- conversations --------------------------------------------------------------------------
 
-Messages = Sequence[dict[str, Any]]
 _ROLES = ("system", "user", "assistant", "tool")
 
 
-def _json_escape_differs(text: str) -> bool:
-    # json.dumps writes \u001f, RapidJSON \u001F: control characters without a short escape
-    # whose hex code has a letter
-    return any(ord(c) < 0x20 and c not in "\b\t\n\f\r" and f"{ord(c):x}" != f"{ord(c):X}" for c in text)
-
-
-class _Checker:
-    def __init__(self) -> None:
-        self.reasons: list[str] = []
-
-    def fail(self, where: str, why: str) -> None:
-        self.reasons.append(f"{where}: {why}")
-
-    def trimmed(self, where: str, text: str) -> None:
-        if text.strip() != text.strip(ASCII_WHITESPACE):
-            self.fail(where, "non-ASCII whitespace at an edge: transformers strips it (str.strip), "
-                             "the runtime's engine does not")
-
-    def number(self, where: str, value: Any) -> None:
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            return
-        if isinstance(value, int) and not _INT_RANGE[0] <= value < _INT_RANGE[1]:
-            self.fail(where, f"integer {value} outside the runtime's 64-bit range")
-        elif isinstance(value, float) and not _float_ok(value):
-            self.fail(where, f"float {value!r}: the runtime's JSON parser/printer may change its digits "
-                             "(exact: integral below 1e15, or a multiple of 1/256 below 1e6)")
-
+class _Checker(ConversationChecker):
     def json_value(self, where: str, value: Any) -> None:
         """A value printed as JSON (tool declarations, mapping/list tool-call arguments)."""
         if isinstance(value, str):
-            if _json_escape_differs(value):
+            if json_escape_differs(value):
                 self.fail(where, "a control character whose JSON escape the runtime writes in upper case")
         elif isinstance(value, dict):
             for key, item in value.items():
@@ -303,26 +256,22 @@ def unsupported(messages: Messages, tools: Sequence[dict[str, Any]] | None = Non
     renders identically (as measured by tests/test_qwen3_5_chat_template.py)."""
     check = _Checker()
     try:
-        text = json.dumps([list(messages), list(tools or ())], default=_placeholder, allow_nan=False,
+        text = json.dumps([list(messages), list(tools or ())], default=placeholder, allow_nan=False,
                           ensure_ascii=False)
         text.encode("utf-8")
     except (TypeError, ValueError) as exc:  # UnicodeEncodeError is a ValueError
         return [f"conversation: not JSON-serialisable for the runtime ({exc})"]
-    if any("\x00" in t for t in _strings([list(messages), list(tools or ())])):
-        check.fail("conversation", "a NUL character (the runtime cuts the text there)")
+    check.texts([list(messages), list(tools or ())])  # valid Unicode already: a NUL is all it can find
     if not messages:
         check.fail("messages", "empty (transformers raises)")
     last_query = None
     assistants = []
-    for i, message in enumerate(messages):
+    for i, given in enumerate(messages):
         where = f"messages[{i}]"
-        if not isinstance(message, dict):
-            check.fail(where, "not a dict")
+        message = check.as_message(where, given)
+        if message is None:
             continue
-        message = _without_none(message)
         role = message.get("role")
-        if role == "json":
-            check.fail(where, "role 'json' means 'parse content as the message' to the runtime")
         if role not in _ROLES:
             check.fail(where, f"role {role!r} (transformers raises)")
             continue
@@ -350,37 +299,20 @@ def unsupported(messages: Messages, tools: Sequence[dict[str, Any]] | None = Non
 
 def check_conversation(messages: Messages, tools: Sequence[dict[str, Any]] | None = None) -> None:
     """Raise InputError naming what the runtime would render differently from transformers."""
-    reasons = unsupported(messages, tools)
-    if reasons:
-        raise InputError("the runtime's chat template would not render this conversation as transformers does: "
-                         + "; ".join(reasons))
+    raise_unsupported(unsupported(messages, tools))
 
 
 def hf_render(tokenizer: Any, template: str, messages: Messages, thinking: bool,
               tools: Sequence[dict[str, Any]] | None = None) -> str:
     """transformers' rendering with ``enable_thinking`` set (the Qwen3.5 template's default,
     undefined, means on), generation prompt on."""
-    text = tokenizer.apply_chat_template(list(messages), chat_template=template, tools=list(tools) if tools else None,
-                                         tokenize=False, add_generation_prompt=True, enable_thinking=thinking)
-    assert isinstance(text, str)
-    return text
+    return transformers_render(tokenizer, template, messages, tools, {"enable_thinking": thinking})
 
 
 def compare_chat_template(cases: Iterable[ChatCase], render_hf: HfRender, render_runtime: RuntimeRender,
                           thinking_modes: Sequence[bool] = (False, True)) -> ChatTemplateReport:
-    """Gemma4's ``compare_chat_template`` (every case in every thinking mode by transformers,
-    ``render_hf(messages, thinking, tools)``, e.g. ``hf_render`` bound to a tokenizer and the
-    checkpoint's template, and by the runtime, ``render_runtime(runtime_messages(...),
-    runtime_context(...))``, e.g. gemma4's ``runtime_renderer(llm)``), each pair classified by
-    this template's ``unsupported``."""
-    cases = list(cases)
-    rendered = gemma4_compare(cases, render_hf, render_runtime, thinking_modes)
-    reasons = [tuple(unsupported(case.messages, case.tools)) for case in cases for _ in thinking_modes]
-    report = ChatTemplateReport()
-    for result, why in zip(rendered.results, reasons, strict=True):
-        if result.status == "invalid":  # transformers raised: its error, then these reasons
-            report.results.append(replace(result, reasons=result.reasons[:1] + why))
-        else:
-            status = "refused" if why else ("equal" if result.same else "differs")
-            report.results.append(replace(result, status=status, reasons=why))
-    return report
+    """``compare_renderings`` classified by this template's ``unsupported``: every case in every
+    thinking mode by transformers (``render_hf(messages, thinking, tools)``, e.g. ``hf_render``
+    bound to a tokenizer and the checkpoint's template) and by the runtime (e.g.
+    ``runtime_renderer(llm)`` of llmexport.models.chat_templates)."""
+    return compare_renderings(cases, unsupported, render_hf, render_runtime, thinking_modes)

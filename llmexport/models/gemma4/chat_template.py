@@ -1,17 +1,7 @@
 """Gemma4's chat template for MNN's runtime, and the check that it renders what transformers renders.
 
-MNN's runtime (3.6.1) renders ``llm_config.json``'s ``jinja.chat_template`` with its own small
-Jinja engine (``transformers/llm/engine/src/tokenizer/jinja.hpp``; ``Tokenizer::apply_chat_template``
-in ``tokenizer.cpp`` feeds it). The variables a template sees there:
-
-* ``messages``: from ``Llm.apply_chat_template(list of {"role", "content"} dicts)``, content a
-  string; a message whose role is ``"json"`` has its content parsed as a JSON object and used as
-  the whole message (the only way to pass tool calls, tool responses or typed content parts);
-* ``bos_token`` (the tokenizer file's bos string) and ``eos_token`` (``jinja.eos``);
-* ``add_generation_prompt``: always true through ``Llm.apply_chat_template``;
-* every key of ``jinja.context`` (``llm_config.json``, or later ``Llm.set_config({"jinja":
-  {"context": ...}})``, which merges): ``enable_thinking`` and ``tools`` reach the template only
-  this way; the call itself passes no tools.
+What MNN 3.6.1's engine gives a template and renders differently from Jinja2 is in
+llmexport.models.chat_templates (and docs/chat-templates.md); this module holds Gemma4's facts.
 
 Gemma4's own template (``GEMMA4_TEMPLATE_SHA256``, 12,045 characters) mostly renders unchanged in
 that engine, but not all of it: ``| dictsort`` and ``| default(...)`` are unknown filters there
@@ -36,15 +26,30 @@ empty thought channel ``<|channel>thought\\n<channel|>``) and can be changed at 
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
-import math
-import re
-from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Sequence
+from typing import Any, Iterable, Sequence
 
-from llmexport.errors import InputError
+from llmexport.models.chat_templates import (
+    WS_LITERAL,
+    ChatCase,
+    ChatTemplateReport,
+    ConversationChecker,
+    HfRender,
+    Messages,
+    Rewrite,
+    RuntimeChatTemplate,
+    RuntimeRender,
+    apply_rewrites,
+    choose_runtime_template,
+    compare_renderings,
+    placeholder,
+    raise_unsupported,
+    runtime_template_warnings,
+    template_sha256,
+    transformers_render,
+    trim_rewrite,
+)
 
 log = logging.getLogger(__name__)
 
@@ -65,23 +70,6 @@ MINJA_CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}<|turn>model\n{% endif %}"
 )
 
-#: the ASCII characters Python's ``str.strip()`` removes (what Jinja2's ``trim`` removes, beside
-#: non-ASCII whitespace); the runtime's ``trim`` removes only space, tab, CR and LF
-ASCII_WHITESPACE = "".join(c for c in map(chr, range(128)) if c.isspace())
-# As a Jinja string literal both engines read alike: escapes for tab/LF/CR/FF (Jinja2 would turn a
-# raw CR into LF), the others raw (MNN's lexer knows no \v or \x escapes).
-_WS_LITERAL = "' \\t\\n\\r\\f\x0b\x1c\x1d\x1e\x1f'"
-
-
-@dataclass(frozen=True)
-class Rewrite:
-    """Replace ``old`` (which must occur exactly ``count`` times) with ``new``."""
-
-    why: str
-    old: str
-    new: str
-    count: int = 1
-
 
 def _keyed_loop(key: str, value: str, mapping: str) -> Rewrite:
     return Rewrite(
@@ -93,9 +81,8 @@ def _keyed_loop(key: str, value: str, mapping: str) -> Rewrite:
 
 def _trimmed(expr: str) -> Rewrite:
     # (the guard keeps Jinja2 from failing on a missing key, which the runtime reads as '')
-    return Rewrite("the runtime's trim strips only space/tab/CR/LF; strip() with the ASCII whitespace set",
-                   f"{{{{- {expr} | trim -}}}}",
-                   f"{{{{- {expr}.strip({_WS_LITERAL}) if {expr} is string else '' -}}}}")
+    return trim_rewrite(f"{{{{- {expr} | trim -}}}}",
+                        f"{{{{- {expr}.strip({WS_LITERAL}) if {expr} is string else '' -}}}}")
 
 
 REWRITES: tuple[Rewrite, ...] = (
@@ -128,14 +115,6 @@ REWRITES: tuple[Rewrite, ...] = (
 )
 
 
-class TemplateNotDerivable(ValueError):
-    """The source template lacks a construct ``REWRITES`` expects (it is not Gemma4's template)."""
-
-
-def template_sha256(template: str) -> str:
-    return hashlib.sha256(template.rstrip().encode("utf-8")).hexdigest()
-
-
 def is_gemma4_template(template: str) -> bool:
     """True for the exact template the rewrites were proven on (trailing whitespace aside)."""
     return template_sha256(template) == GEMMA4_TEMPLATE_SHA256
@@ -144,60 +123,18 @@ def is_gemma4_template(template: str) -> bool:
 def derive_runtime_template(source: str) -> str:
     """``source`` with every ``REWRITES`` entry applied; raises TemplateNotDerivable when one of
     them does not occur exactly as often as expected."""
-    out = source
-    for rewrite in REWRITES:
-        found = out.count(rewrite.old)
-        if found != rewrite.count:
-            raise TemplateNotDerivable(f"expected {rewrite.count} x {rewrite.old!r}, found {found}")
-        out = out.replace(rewrite.old, rewrite.new)
-    return out
-
-
-#: constructs the runtime's engine (MNN 3.6.1) does not render like Jinja2 (a heuristic lint)
-_LINT = (
-    (re.compile(r"\|\s*dictsort\b"), "dictsort filter (unknown to the runtime)"),
-    (re.compile(r"\|\s*default\s*\("), "default() filter (unknown to the runtime)"),
-    (re.compile(r"\|\s*(join|sort|unique|reverse|first|last|list|selectattr|rejectattr|batch)\b"),
-     "a filter the runtime does not know (passed through unchanged)"),
-    (re.compile(r"\{%-?\s*macro\s+\w+\([^)]*="), "macro parameter default (ignored by the runtime)"),
-    (re.compile(r"(?<![\w'\"])(True|False|None)(?![\w'\"])"), "True/False/None (undefined names in the runtime)"),
-    (re.compile(r"\.items\(\)"), "dict.items() (unknown method in the runtime)"),
-)
-
-
-def runtime_template_warnings(template: str) -> list[str]:
-    """Constructs in ``template`` that MNN 3.6.1's engine renders differently (heuristic)."""
-    return [why for pattern, why in _LINT if pattern.search(template)]
-
-
-@dataclass(frozen=True)
-class RuntimeChatTemplate:
-    """The template written to ``jinja.chat_template`` and where it came from.
-
-    ``kind``: ``"gemma4"`` (Gemma4's own template, derived and proven on the test corpus),
-    ``"derived"`` (an unknown template the rewrites applied to: not proven), ``"checkpoint"``
-    (an unknown template passed through), ``"builtin"`` (no template in the checkpoint)."""
-
-    template: str
-    kind: str
-    notes: tuple[str, ...] = ()
+    return apply_rewrites(source, REWRITES)
 
 
 def runtime_chat_template(checkpoint_template: str | None) -> RuntimeChatTemplate:
+    """What to write for a Gemma4 checkpoint's template. ``kind``: ``"gemma4"`` (Gemma4's own
+    template, derived and proven on the test corpus), ``"derived"``, ``"checkpoint"`` (see
+    ``choose_runtime_template``), ``"builtin"`` (no template in the checkpoint)."""
     if not checkpoint_template:
         return RuntimeChatTemplate(MINJA_CHAT_TEMPLATE, "builtin", (
             "the checkpoint has no chat template: the built-in one renders string turns only",))
-    try:
-        derived = derive_runtime_template(checkpoint_template)
-    except TemplateNotDerivable:
-        notes = tuple(f"chat template passed through; it uses {w}; check with --verify"
-                      for w in runtime_template_warnings(checkpoint_template))
-        return RuntimeChatTemplate(checkpoint_template, "checkpoint", notes)
-    if is_gemma4_template(checkpoint_template):
-        return RuntimeChatTemplate(derived, "gemma4")
-    return RuntimeChatTemplate(derived, "derived", (
-        "the checkpoint's chat template is not the Gemma4 template the runtime rewrite was proven on "
-        f"(sha256 {template_sha256(checkpoint_template)[:12]}...); check with --verify",))
+    return choose_runtime_template(checkpoint_template, derive_runtime_template, GEMMA4_TEMPLATE_SHA256,
+                                   "gemma4", "Gemma4", runtime_template_warnings)
 
 
 def gemma4_jinja(checkpoint: dict[str, str] | None) -> dict[str, Any]:
@@ -213,37 +150,17 @@ def gemma4_jinja(checkpoint: dict[str, str] | None) -> dict[str, Any]:
 
 # --- conversations --------------------------------------------------------------------------
 
-Messages = Sequence[dict[str, Any]]
-
-_INT_RANGE = (-(2 ** 63), 2 ** 64)  # RapidJSON keeps these integers exact; others become doubles
-
-
-def _float_ok(x: float) -> bool:
-    # Measured on MNN 3.6.1 (tests/test_gemma4_chat_template.py): integral values below 1e15 and
-    # multiples of 1/256 below 1e6 print as Python prints them; ~22% of other floats change a digit.
-    if not math.isfinite(x) or "e" in repr(x):
-        return False
-    return (x.is_integer() and abs(x) < 1e15) or ((x * 256).is_integer() and abs(x) < 1e6)
-
-
 def _strip_thinking(text: str) -> str:
     parts = text.split("<channel|>")
     return "".join(p.split("<|channel>")[0] if "<|channel>" in p else p for p in parts)
 
 
-class _Checker:
-    def __init__(self) -> None:
-        self.reasons: list[str] = []
-
-    def fail(self, where: str, why: str) -> None:
-        self.reasons.append(f"{where}: {why}")
-
+class _Checker(ConversationChecker):
     def trimmed(self, where: str, text: Any) -> None:
         if not isinstance(text, str):
             self.fail(where, f"{type(text).__name__} where the template trims a string")
-        elif text.strip() != text.strip(ASCII_WHITESPACE):
-            self.fail(where, "non-ASCII whitespace at an edge: transformers strips it (str.strip), "
-                             "the runtime's engine does not")
+        else:
+            super().trimmed(where, text)
 
     def mapping_keys(self, where: str, mapping: dict) -> list[str]:
         keys = list(mapping)
@@ -259,13 +176,8 @@ class _Checker:
         """A value printed by the template's format_argument."""
         if value is None or isinstance(value, (bool, str)):
             return
-        if isinstance(value, int):
-            if not _INT_RANGE[0] <= value < _INT_RANGE[1]:
-                self.fail(where, f"integer {value} outside the runtime's 64-bit range")
-        elif isinstance(value, float):
-            if not _float_ok(value):
-                self.fail(where, f"float {value!r}: the runtime's JSON parser/printer may change its digits "
-                                 "(exact: integral below 1e15, or a multiple of 1/256 below 1e6)")
+        if isinstance(value, (int, float)):
+            self.number(where, value)
         elif isinstance(value, dict):
             for key in self.mapping_keys(where, value):
                 self.value(f"{where}.{key}", value[key])
@@ -277,16 +189,13 @@ class _Checker:
 
     def message(self, i: int, message: Any, first: bool) -> None:
         where = f"messages[{i}]"
-        if not isinstance(message, dict):
-            self.fail(where, "not a dict")
+        message = self.as_message(where, message)
+        if message is None:
             return
-        message = _without_none(message)
         role = message.get("role")
         if not isinstance(role, str):
             self.fail(where, "role is not a string")
             return
-        if role == "json":
-            self.fail(where, "role 'json' means 'parse content as the message' to the runtime")
         content = message.get("content")
         if first and role in ("system", "developer"):
             if "content" in message:  # a missing key renders '' in both
@@ -385,31 +294,11 @@ class _Checker:
             self.ascii_type(f"{where}.response.type", response.get("type"))
 
 
-def _strings(value: Any) -> Iterable[str]:
-    if isinstance(value, str):
-        yield value
-    elif isinstance(value, dict):
-        for key, item in value.items():
-            yield from _strings(key)
-            yield from _strings(item)
-    elif isinstance(value, (list, tuple)):
-        for item in value:
-            yield from _strings(item)
-
-
 def unsupported(messages: Messages, tools: Sequence[dict[str, Any]] | None = None) -> list[str]:
     """Why the runtime's rendering of this conversation (derived Gemma4 template) may differ from
     transformers'; empty when it renders identically (as measured by the test corpus)."""
     check = _Checker()
-    for text in _strings([list(messages), list(tools or ())]):
-        if "\x00" in text:
-            check.fail("conversation", "a NUL character (the runtime cuts the text there)")
-            break
-        try:
-            text.encode("utf-8")
-        except UnicodeEncodeError:
-            check.fail("conversation", "a string that is not valid Unicode (lone surrogate)")
-            break
+    check.texts([list(messages), list(tools or ())])
     if not messages:
         check.fail("messages", "empty (the template reads messages[0])")
     for i, message in enumerate(messages):
@@ -417,7 +306,7 @@ def unsupported(messages: Messages, tools: Sequence[dict[str, Any]] | None = Non
     for i, tool in enumerate(tools or ()):
         check.tool(i, tool)
     try:
-        json.dumps(list(messages), default=_placeholder, allow_nan=False)
+        json.dumps(list(messages), default=placeholder, allow_nan=False)
         json.dumps(list(tools or ()), allow_nan=False)
     except (TypeError, ValueError) as exc:
         check.fail("conversation", f"not JSON-serialisable for the runtime ({exc})")
@@ -426,138 +315,23 @@ def unsupported(messages: Messages, tools: Sequence[dict[str, Any]] | None = Non
 
 def check_conversation(messages: Messages, tools: Sequence[dict[str, Any]] | None = None) -> None:
     """Raise InputError naming what the runtime would render differently from transformers."""
-    reasons = unsupported(messages, tools)
-    if reasons:
-        raise InputError("the runtime's chat template would not render this conversation as transformers does: "
-                         + "; ".join(reasons))
-
-
-def _placeholder(value: Any) -> str:
-    # media objects in content parts (images, arrays): the template reads only the part's type
-    return f"<{type(value).__name__}>"
-
-
-def _without_none(message: dict[str, Any]) -> dict[str, Any]:
-    # transformers drops a message's None-valued keys before rendering (content=None from OpenAI-style APIs)
-    return {key: value for key, value in message.items() if value is not None}
-
-
-def runtime_messages(messages: Messages) -> list[dict[str, str]]:
-    """``messages`` as ``Llm.apply_chat_template`` takes them: plain {"role", "content"} string
-    pairs as they are, anything else as role "json" with the message as a JSON string. Keys whose
-    value is None are dropped first, as transformers does."""
-    out = []
-    for message in map(_without_none, messages):
-        if set(message) == {"role", "content"} and all(isinstance(message[k], str) for k in ("role", "content")):
-            out.append({"role": message["role"], "content": message["content"]})
-        else:
-            out.append({"role": "json", "content": json.dumps(message, ensure_ascii=False, default=_placeholder)})
-    return out
-
-
-def runtime_context(thinking: bool, tools: Sequence[dict[str, Any]] | None = None) -> dict[str, Any]:
-    """``jinja.context`` for one rendering (``Llm.set_config({"jinja": {"context": ...}})``);
-    ``tools`` is always set so that a merge clears an earlier conversation's tools."""
-    return {"enable_thinking": bool(thinking), "tools": list(tools or [])}
+    raise_unsupported(unsupported(messages, tools))
 
 
 def hf_render(tokenizer: Any, template: str, messages: Messages, thinking: bool,
               tools: Sequence[dict[str, Any]] | None = None) -> str:
     """transformers' rendering (``tokenizer.apply_chat_template``, generation prompt on); thinking
     off leaves ``enable_thinking`` undefined, the template's default."""
-    kwargs: dict[str, Any] = {"enable_thinking": True} if thinking else {}
-    text = tokenizer.apply_chat_template(list(messages), chat_template=template, tools=list(tools) if tools else None,
-                                         tokenize=False, add_generation_prompt=True, **kwargs)
-    assert isinstance(text, str)
-    return text
-
-
-# --- comparison -----------------------------------------------------------------------------
-
-@dataclass(frozen=True)
-class ChatCase:
-    name: str
-    messages: list[dict[str, Any]]
-    tools: list[dict[str, Any]] | None = None
-
-
-@dataclass(frozen=True)
-class ChatResult:
-    """One conversation in one thinking mode. ``status``: ``equal``, ``differs`` (a supported
-    conversation rendered differently: a defect), ``refused`` (``unsupported`` names reasons;
-    ``same`` says whether the two renderings happened to agree) or ``invalid`` (transformers
-    itself raised)."""
-
-    name: str
-    thinking: bool
-    status: str
-    hf: str | None
-    runtime: str | None
-    reasons: tuple[str, ...] = ()
-
-    @property
-    def same(self) -> bool:
-        return self.hf is not None and self.hf == self.runtime
-
-    def first_difference(self) -> str:
-        a, b = self.hf or "", self.runtime or ""
-        i = next((k for k, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
-        return f"at {i}: transformers {a[max(0, i - 20):i + 40]!r} vs runtime {b[max(0, i - 20):i + 40]!r}"
-
-
-@dataclass
-class ChatTemplateReport:
-    results: list[ChatResult] = field(default_factory=list)
-
-    def count(self, status: str) -> int:
-        return sum(r.status == status for r in self.results)
-
-    @property
-    def ok(self) -> bool:
-        return self.count("differs") == 0
-
-    def summary(self) -> str:
-        refused_diff = sum(r.status == "refused" and not r.same for r in self.results)
-        return (f"{len(self.results)} renderings: {self.count('equal')} identical, {self.count('differs')} different, "
-                f"{self.count('refused')} refused ({refused_diff} of them do differ), {self.count('invalid')} invalid")
-
-
-RuntimeRender = Callable[[list[dict[str, str]], dict[str, Any]], str]
-HfRender = Callable[[Messages, bool, Sequence[dict[str, Any]] | None], str]
+    return transformers_render(tokenizer, template, messages, tools, {"enable_thinking": True} if thinking else {})
 
 
 def compare_chat_template(cases: Iterable[ChatCase], render_hf: HfRender, render_runtime: RuntimeRender,
                           thinking_modes: Sequence[bool] = (False, True)) -> ChatTemplateReport:
-    """Render every case in every thinking mode with transformers (``render_hf(messages, thinking,
-    tools)``, e.g. ``hf_render`` bound to a tokenizer and the checkpoint's template) and with the
-    runtime (``render_runtime(runtime_messages(...), runtime_context(...))``: set the context, then
-    ``Llm.apply_chat_template``), and classify each pair."""
-    report = ChatTemplateReport()
-    for case in cases:
-        reasons = tuple(unsupported(case.messages, case.tools))
-        for thinking in thinking_modes:
-            try:
-                hf: str | None = render_hf(case.messages, thinking, case.tools)
-            except Exception as exc:  # transformers' own error: nothing to compare with
-                report.results.append(ChatResult(case.name, thinking, "invalid", None, None,
-                                                 (f"transformers: {type(exc).__name__}: {exc}",) + reasons))
-                continue
-            runtime = render_runtime(runtime_messages(case.messages), runtime_context(thinking, case.tools))
-            status = "refused" if reasons else ("equal" if runtime == hf else "differs")
-            report.results.append(ChatResult(case.name, thinking, status, hf, runtime, reasons))
-    return report
-
-
-def runtime_renderer(llm: Any) -> RuntimeRender:
-    """``render_runtime`` for ``compare_chat_template`` from a loaded ``MNN.llm`` model: each call
-    merges the context into the model's config (``set_config``), then renders. The context stays
-    merged afterwards: verify on an instance of its own, or set the exported context back."""
-    def render(messages: list[dict[str, str]], context: dict[str, Any]) -> str:
-        llm.set_config({"jinja": {"context": context}})
-        text = llm.apply_chat_template(messages)
-        assert isinstance(text, str)
-        return text
-    return render
+    """``compare_renderings`` classified by this template's ``unsupported``: every case in every
+    thinking mode by transformers (``render_hf(messages, thinking, tools)``, e.g. ``hf_render``
+    bound to a tokenizer and the checkpoint's template) and by the runtime (e.g.
+    ``runtime_renderer(llm)``)."""
+    return compare_renderings(cases, unsupported, render_hf, render_runtime, thinking_modes)
 
 
 def standard_cases() -> list[ChatCase]:
