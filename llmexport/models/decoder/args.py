@@ -72,7 +72,8 @@ def resolve_config(config_class: Any, raw: dict[str, Any], where: str) -> dict[s
                          f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})") from None
 
 
-def _rope(cfg: dict[str, Any], head_dim: int, where: str, types: tuple[str, ...]) -> RopeSpec:
+def rope_spec(cfg: dict[str, Any], head_dim: int, where: str, types: tuple[str, ...]) -> RopeSpec:
+    """RoPE from a resolved config's ``rope_parameters`` (``types``: the accepted rope_type values)."""
     params = cfg.get("rope_parameters")
     if not isinstance(params, dict):
         raise InputError(f"{where}: 'rope_parameters' must be an object with 'rope_theta'")
@@ -196,7 +197,7 @@ def parse_decoder_args(cfg: dict[str, Any], where: str, *, qk_norm: bool, rope_t
         intermediate_size=int_value(cfg, "intermediate_size", where) if dense else 0,
         num_heads=heads, kv_heads=kv_heads, head_dim=head_dim,
         eps=float_value(cfg, "rms_norm_eps", where, None, high=1.0) or _missing(where, "rms_norm_eps"),
-        rope=_rope(cfg, head_dim, where, rope_types), qk_norm=qk_norm,
+        rope=rope_spec(cfg, head_dim, where, rope_types), qk_norm=qk_norm,
         biases=attention_biases(cfg, where, biases),
         tie_embeddings=flag_value(cfg, "tie_word_embeddings", where, False),
         max_position_embeddings=int_value(cfg, "max_position_embeddings", where), layers=layers, moe=moe,
