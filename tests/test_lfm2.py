@@ -120,7 +120,7 @@ def test_mlp_width_follows_lfm2s_adjustment(tiny_lfm2):
     assert [layer.attention for layer in idxs.layers] == [True, False, True, False] and idxs.conv_kernel == 4
     moe = open_architecture(Checkpoint.open(tiny_lfm2("moe"))).args
     assert moe.intermediate_size == 96 and [layer.sparse for layer in moe.layers] == [False, True, True, True]
-    assert moe.moe.normalize_eps == 1e-6 and moe.expert_bias
+    assert moe.moe.normalize and moe.expert_bias
 
 
 @pytest.mark.parametrize("variant, edit, message", [

@@ -19,14 +19,13 @@ from llmexport.trace.ops import PlaceholderLinear
 @dataclass(frozen=True)
 class RouterSpec:
     """A top-k router: scores (sigmoid|softmax, fp32) choose by score + bias, weigh unbiased,
-    optionally normalised to sum 1 (``normalize_eps`` added to the sum), then scaled."""
+    optionally normalised to sum 1, then scaled."""
 
     num_experts: int
     top_k: int
     scoring: str
     normalize: bool
     scale: float
-    normalize_eps: float = 0.0
 
 
 class Router(nn.Module):
@@ -35,15 +34,16 @@ class Router(nn.Module):
     Routers see the 3-D hidden states: placeholder linears come back 3-D in MNN whatever the
     traced rank, so every op after them keeps the rank it was traced with. The unbiased scores
     of the chosen experts are picked with a one-hot product rather than a gather: exact (one
-    non-zero term per sum) and plain Equal/Mul/ReduceSum for MNN.
+    non-zero term per sum) and plain Equal/Mul/ReduceSum for MNN. ``normalize_eps``: added to the
+    sum the weights are renormalised by (LFM2-MoE: 1e-6; 0 adds nothing to the graph).
     """
 
     bias: torch.Tensor
     expert_ids: torch.Tensor
 
-    def __init__(self, name: str, hidden: int, spec: RouterSpec, bias: torch.Tensor):
+    def __init__(self, name: str, hidden: int, spec: RouterSpec, bias: torch.Tensor, normalize_eps: float = 0.0):
         super().__init__()
-        self.spec = spec
+        self.spec, self.normalize_eps = spec, normalize_eps
         self.proj = PlaceholderLinear(name, hidden, spec.num_experts)
         self.register_buffer("bias", bias.float().clone(), persistent=False)
         self.register_buffer("expert_ids", torch.arange(spec.num_experts), persistent=False)
@@ -56,5 +56,5 @@ class Router(nn.Module):
         weights = (one_hot * scores.unsqueeze(-2)).sum(dim=-1)
         if self.spec.normalize:
             total = weights.sum(dim=-1, keepdim=True)
-            weights = weights / (total + self.spec.normalize_eps if self.spec.normalize_eps else total)
+            weights = weights / (total + self.normalize_eps if self.normalize_eps else total)
         return weights * self.spec.scale, chosen

@@ -72,8 +72,7 @@ def _router(cfg: dict[str, Any], experts: int, where: str) -> RouterSpec:
     if top_k > experts:
         raise InputError(f"{where}: 'num_experts_per_tok' {top_k} exceeds the {experts} experts")
     scale = float_value(cfg, "routed_scaling_factor", where, 1.0)
-    return RouterSpec(experts, top_k, "sigmoid", flag_value(cfg, "norm_topk_prob", where, True), scale,
-                      NORMALIZE_EPS)
+    return RouterSpec(experts, top_k, "sigmoid", flag_value(cfg, "norm_topk_prob", where, True), scale)
 
 
 def parse_args(config_class: Any, raw: dict[str, Any], where: str, moe: bool,

@@ -24,7 +24,7 @@ from llmexport.models.decoder import graph as decoder_graph
 from llmexport.models.decoder.graph import DecoderStack, PreNormLayer, SwiGlu
 from llmexport.models.decoder.names import EXPERT_MLP, MLP
 from llmexport.models.graph_parts import Norm, TensorLookup, const
-from llmexport.models.lfm2.args import LayerSpec, Lfm2Args
+from llmexport.models.lfm2.args import NORMALIZE_EPS, LayerSpec, Lfm2Args
 from llmexport.models.router import Router
 from llmexport.models.tensor_names import NameTable
 from llmexport.trace.ops import SHORT_CONV, FusedLinearAttention, FusedMoE, PlaceholderLinear
@@ -59,7 +59,7 @@ class SparseMoe(nn.Module):
         assert args.moe is not None, "a sparse layer without experts"
         self.hidden = args.hidden_size
         bias = lookup(names.name("moe.router.bias")) if args.expert_bias else torch.zeros(args.moe.num_experts)
-        self.gate = Router(names.name("moe.router"), args.hidden_size, args.moe, bias)
+        self.gate = Router(names.name("moe.router"), args.hidden_size, args.moe, bias, NORMALIZE_EPS)
         experts = nn.ModuleList(SwiGlu(names.names(EXPERT_MLP, expert=e), args.hidden_size, args.moe_width)
                                 for e in range(args.moe.num_experts))
         self.experts = FusedMoE(experts, args.moe.top_k, index, args.hidden_size)
