@@ -163,15 +163,9 @@ def attention_biases(cfg: dict[str, Any], where: str, fixed: tuple[str, ...] | N
     return frozenset(ATTENTION_PROJECTIONS if flag_value(cfg, "attention_bias", where, False) else ())
 
 
-def parse_decoder_args(cfg: dict[str, Any], where: str, *, qk_norm: bool, rope_types: tuple[str, ...],
-                       max_count: int | None = None, sliding: str = NO_SLIDING,
-                       biases: tuple[str, ...] | None = None, no_rope: bool = False) -> DecoderArgs:
-    """Arguments from a resolved config (``resolve_config``); ``max_count`` bounds the layer and
-    expert counts by the tensors present before anything is sized by them; ``sliding`` and
-    ``biases``: the family's rule for sliding layers and its biased projections (None: by
-    ``attention_bias``); ``no_rope``: layers without RoPE listed in ``no_rope_layers``."""
-    _check_unsupported(cfg, where, sliding)
-    n = int_value(cfg, "num_hidden_layers", where, maximum=max_count)
+def attention_shape(cfg: dict[str, Any], where: str) -> tuple[int, int, int, int]:
+    """(hidden_size, heads, KV heads, head_dim) of GQA attention with RoPE; head_dim defaults to
+    hidden / heads, as the HF attention modules take it."""
     hidden, heads = int_value(cfg, "hidden_size", where), int_value(cfg, "num_attention_heads", where)
     kv_heads = int_value(cfg, "num_key_value_heads", where, heads)
     if heads % kv_heads:
@@ -181,6 +175,19 @@ def parse_decoder_args(cfg: dict[str, Any], where: str, *, qk_norm: bool, rope_t
     head_dim = int_value(cfg, "head_dim", where, hidden // heads)
     if head_dim % 2:
         raise InputError(f"{where}: head_dim {head_dim} must be even (RoPE rotates pairs)")
+    return hidden, heads, kv_heads, head_dim
+
+
+def parse_decoder_args(cfg: dict[str, Any], where: str, *, qk_norm: bool, rope_types: tuple[str, ...],
+                       max_count: int | None = None, sliding: str = NO_SLIDING,
+                       biases: tuple[str, ...] | None = None, no_rope: bool = False) -> DecoderArgs:
+    """Arguments from a resolved config (``resolve_config``); ``max_count`` bounds the layer and
+    expert counts by the tensors present before anything is sized by them; ``sliding`` and
+    ``biases``: the family's rule for sliding layers and its biased projections (None: by
+    ``attention_bias``); ``no_rope``: layers without RoPE listed in ``no_rope_layers``."""
+    _check_unsupported(cfg, where, sliding)
+    n = int_value(cfg, "num_hidden_layers", where, maximum=max_count)
+    hidden, heads, kv_heads, head_dim = attention_shape(cfg, where)
     num_experts = int_value(cfg, "num_local_experts", where, 0, minimum=0, maximum=max_count)
     slides, window = _sliding_layers(cfg, n, where, sliding)
     layers = tuple(LayerSpec(layer.index, layer.sparse, slide, rope) for layer, slide, rope

@@ -18,7 +18,7 @@ from typing import Any
 
 from llmexport.errors import InputError
 from llmexport.models.config_values import flag_value, float_value, int_value
-from llmexport.models.decoder.args import FULL_ATTENTION, resolve_config, rope_spec
+from llmexport.models.decoder.args import FULL_ATTENTION, attention_shape, resolve_config, rope_spec
 from llmexport.models.rope import RopeSpec
 from llmexport.models.router import RouterSpec
 from llmexport.models.shape import UniformAttentionShape
@@ -83,15 +83,7 @@ def parse_args(config_class: Any, raw: dict[str, Any], where: str, moe: bool,
     if flag_value(cfg, "conv_bias", where, False):
         raise InputError(f"{where}: 'conv_bias' true is not supported (MNN's LinearAttention op has no conv bias)")
     n = int_value(cfg, "num_hidden_layers", where, maximum=max_count)
-    hidden, heads = int_value(cfg, "hidden_size", where), int_value(cfg, "num_attention_heads", where)
-    kv_heads = int_value(cfg, "num_key_value_heads", where, heads)
-    if heads % kv_heads:
-        raise InputError(f"{where}: num_attention_heads {heads} is not a multiple of num_key_value_heads {kv_heads}")
-    if cfg.get("head_dim") is None and hidden % heads:
-        raise InputError(f"{where}: hidden_size {hidden} is not divisible by {heads} heads")
-    head_dim = int_value(cfg, "head_dim", where, hidden // heads)  # Lfm2Attention: getattr(config, "head_dim", ...)
-    if head_dim % 2:
-        raise InputError(f"{where}: head_dim {head_dim} must be even (RoPE rotates pairs)")
+    hidden, heads, kv_heads, head_dim = attention_shape(cfg, where)  # Lfm2Attention: getattr(config, "head_dim", ...)
     attention = _layer_kinds(cfg, n, where)
     dense_layers = int_value(cfg, "num_dense_layers", where, minimum=0) if moe else n
     router, moe_width, expert_bias = None, 0, False
