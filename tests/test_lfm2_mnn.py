@@ -71,6 +71,9 @@ def test_fp16_export_agrees_with_fp32_reference(tiny_lfm2, exported, tmp_path, v
     chat = report.conversation
     assert chat is not None and chat.runtime_error is None and len(chat.turns) == chat.planned_turns
     assert chat.max_abs_err < 0.005  # later turns carry the conv state of the earlier ones
+    print("kept tokens per turn:", [t.kept_tokens for t in chat.turns])
+    if variant == "dense":  # a history that extends the cache is continued, state and all, without reset()
+        assert any(t.turn and t.kept_tokens for t in chat.turns)
     assert json.loads((out / "config.json").read_text())["precision"] == "normal"
     ops = _ops(out, tmp_path)
     layers = [layer == "full_attention" for layer in VARIANTS[variant][1]["layer_types"] or
