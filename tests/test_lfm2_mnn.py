@@ -17,6 +17,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from test_decoder_families_mnn import _assert_agrees, _stop_ids, _token_id
+from test_run_command import FIRST, SECOND, _fresh_replay, _run, _turns
 
 from llmexport import ExportOptions, export
 from llmexport.mnn.config import RECURRENT_STATE
@@ -188,3 +189,23 @@ def test_conversation_check_fails_when_the_history_is_erased(tiny_lfm2, exported
     assert not report.passed
     assert all("conversation" in failure for failure in report.failures), report.failures
     assert report.conversation is not None and report.conversation.max_abs_err > 0.1
+
+
+@pytest.mark.slow
+def test_llmexport_run_chats_with_the_recurrent_state(exported, tmp_path):
+    """``llmexport-run`` on an LFM2 export: turn two answers as a fresh instance does from the same
+    ids (the conv state of turn one carried, or the history prefilled whole after reset()), /reset
+    starts over exactly, and a raw one-token start after /reset is refused (it would keep the last
+    sequence's state) while the session goes on."""
+    folder, transcript = exported("dense"), tmp_path / "t.jsonl"
+    proc = _run(folder, "--max_new_tokens", 12, "--transcript", transcript,
+                stdin=f"{FIRST}\n{SECOND}\n/reset\n{FIRST}\n/exit\n")
+    assert proc.returncode == 0, proc.stderr
+    one, two, reset, three = _turns(transcript)
+    assert reset == {"reset": True} and three["ids"] == one["ids"]
+    assert two["stats"]["prompt_tokens"] in (len(two["context_ids"]),  # prefilled whole after reset()
+                                             len(two["context_ids"]) - len(one["context_ids"]) - len(one["ids"]))
+    want = _fresh_replay(folder, one, two)
+    assert want["cached"] == want["template"] and want["answer"] == two["ids"]
+    raw = _run(folder, "--raw", "--max_new_tokens", 4, "--quiet", stdin="Hello there\n/reset\nA\nHello there\n")
+    assert raw.returncode == 0 and "recurrent state" in raw.stderr, raw.stderr

@@ -188,7 +188,7 @@ class ChatSession:
 
     def _error(self, error: dict[str, Any], phase: str) -> Exception:
         message = str(error.get("message", "unknown error"))
-        if error.get("kind") in ("context", "template", "media"):
+        if error.get("kind") in ("context", "template", "media", "prefill"):
             return UsageError(message)
         if error.get("kind") == "load":  # the files passed export_check, yet the runtime refuses them
             last = self._log_tail()
