@@ -4,11 +4,16 @@ checkpoint problems as input errors."""
 
 from __future__ import annotations
 
+import json
+import shutil
+
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from test_decoder_families import _logits, _rewrite_and_reference
 
-from llmexport.errors import InputError
+from llmexport.errors import InputError, LlmExportError
 from llmexport.source.checkpoint import Checkpoint
 from llmexport.source.loading import open_architecture
 from llmexport.tiny.byte_level_tokenizer import STYLES
@@ -143,3 +148,30 @@ def test_checkpoint_problems_are_input_errors(tiny_lfm2, tmp_path, variant, edit
     with pytest.raises(InputError, match=message) as info:
         open_architecture(Checkpoint.open(path))
     assert "\n" not in str(info.value).strip()
+
+
+_JUNK = st.one_of(st.none(), st.booleans(), st.integers(-3, 10**6), st.floats(allow_nan=True), st.text(max_size=6),
+                  st.lists(st.sampled_from(["conv", "full_attention", "sliding_attention", 0, 2]), max_size=5),
+                  st.dictionaries(st.text(max_size=3), st.integers(), max_size=2))
+_KEYS = ["num_hidden_layers", "hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim",
+         "intermediate_size", "vocab_size", "norm_eps", "rope_parameters", "tie_word_embeddings", "conv_bias",
+         "conv_L_cache", "layer_types", "full_attn_idxs", "block_auto_adjust_ff_dim", "block_ffn_dim_multiplier",
+         "block_multiple_of", "num_dense_layers", "num_experts", "num_experts_per_tok", "moe_intermediate_size",
+         "use_expert_bias", "norm_topk_prob", "routed_scaling_factor", "max_position_embeddings"]
+
+
+@settings(max_examples=40, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(variant=st.sampled_from(["dense", "moe"]), key=st.sampled_from(_KEYS), value=_JUNK, delete=st.booleans())
+def test_mutated_config_gives_typed_errors(tiny_lfm2, tmp_path_factory, variant, key, value, delete):
+    """Whatever a config value is, a typed one-line error or a working architecture comes out."""
+    path = shutil.copytree(tiny_lfm2(variant), tmp_path_factory.mktemp("fuzz"), dirs_exist_ok=True)
+    config = json.loads((path / "config.json").read_text())
+    if delete:
+        config.pop(key, None)
+    else:
+        config[key] = value
+    (path / "config.json").write_text(json.dumps(config))
+    try:
+        open_architecture(Checkpoint.open(path)).build_graph()
+    except LlmExportError as exc:
+        assert str(exc) and "\n" not in str(exc).strip()
