@@ -185,6 +185,7 @@ def test_conversation_check_fails_when_the_history_is_erased(tiny_lfm2, exported
     del config[RECURRENT_STATE]
     (broken / "llm_config.json").write_text(json.dumps(config))
     report = verify_export(broken, tiny_lfm2("dense"), steps=8)
+    print("\nwithout recurrent_state:", report.failures)
     assert report.oracle.top1_agreement == 1.0  # the single prompt (a fresh instance) still agrees
     assert not report.passed
     assert all("conversation" in failure for failure in report.failures), report.failures
