@@ -87,3 +87,12 @@ def tiny_phi3(tmp_path_factory):
     from llmexport.tiny.phi3 import build_tiny_phi3
 
     return _cached_variants(tmp_path_factory, "phi3", build_tiny_phi3)
+
+
+@pytest.fixture(scope="session")
+def tiny_lfm2(tmp_path_factory):
+    """``tiny_lfm2(variant, seed=0)`` -> path of a cached tiny LFM2 / LFM2-MoE checkpoint
+    (llmexport.tiny.lfm2.VARIANTS)."""
+    from llmexport.tiny.lfm2 import build_tiny_lfm2
+
+    return _cached_variants(tmp_path_factory, "lfm2", build_tiny_lfm2)

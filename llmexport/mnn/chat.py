@@ -39,6 +39,7 @@ from pathlib import Path
 from typing import IO, Any, Callable
 
 from llmexport.errors import ConversionError, InputError, UsageError
+from llmexport.mnn.config import cache_can_be_cut
 from llmexport.mnn.export_check import MEDIA_TAG, RunnableExport
 from llmexport.mnn.runtime import common_prefix_length
 
@@ -187,7 +188,7 @@ class ChatSession:
 
     def _error(self, error: dict[str, Any], phase: str) -> Exception:
         message = str(error.get("message", "unknown error"))
-        if error.get("kind") in ("context", "template", "media"):
+        if error.get("kind") in ("context", "template", "media", "prefill"):
             return UsageError(message)
         if error.get("kind") == "load":  # the files passed export_check, yet the runtime refuses them
             last = self._log_tail()
@@ -233,6 +234,7 @@ class _Conversation:
         self.system = request["system"]
         config = json.loads(self.llm.dump_config())
         self.pads = {config[key] for key in ("image_pad", "audio_pad") if isinstance(config.get(key), int)}
+        self.cut = cache_can_be_cut(config)  # False: recurrent state, never erase to a shorter history
         a, b = self._encode("a"), self._encode("b")
         self.prefix = a[:common_prefix_length(a, b)]  # ids the tokenizer puts in front of every encode
         self.clear()
@@ -305,8 +307,14 @@ class _Conversation:
             raise _TurnError("context", f"the conversation needs {len(target)} tokens, more than the export's "
                                         f"context of {self.context} (max_position_embeddings); /reset or shorten it")
         keep = min(keep, len(target) - 1)  # at least one id to prefill: its logits start the answer
+        if keep < len(self.kv) and not self.cut:
+            keep = 0  # a recurrent state cannot be cut back: reset and prefill the whole history
         feed = target[keep:]
         self._check_media_runs(feed, encoded_text)
+        if keep == 0 and not self.cut and len(feed) < 2:
+            # the op zeroes its state only on a multi-token call of a fresh sequence
+            raise _TurnError("prefill", "this export carries recurrent state that a one-token start would not "
+                                        "clear; say more, or start with a template (no --raw)")
         if keep == 0 and self.kv:
             self.llm.reset()
         elif keep < len(self.kv):

@@ -18,6 +18,16 @@ TOKENIZER_FILE = "tokenizer.mtok"
 #: the norm weights an activation-aware scaling folded (llmexport.calibration.folding), in checkpoint names: the
 #: graph holds them as constants; verification's stored-weights reference reads them from here
 FOLDED_NORMS = "folded_norms.safetensors"
+#: llm_config.json key (llmexport's own; MNN ignores it): true when the graph carries recurrent
+#: state (LinearAttention layers) that ``Llm::eraseHistory`` cannot cut back (docs/output-format.md)
+RECURRENT_STATE = "recurrent_state"
+
+
+def cache_can_be_cut(config: Mapping[str, Any]) -> bool:
+    """Whether a runner may shorten the runtime's history with ``erase_history``: not for an export
+    whose llm_config.json (or the runtime's merged config) says its graph carries recurrent state;
+    such a runner resets and prefills the whole history instead."""
+    return not config.get(RECURRENT_STATE, False)
 
 
 class RuntimeProfile(str, Enum):

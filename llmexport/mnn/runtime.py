@@ -22,6 +22,7 @@ from typing import Any, Iterator, Sequence
 import numpy as np
 
 from llmexport.errors import ConversionError
+from llmexport.mnn.config import cache_can_be_cut
 
 
 @dataclass
@@ -276,12 +277,28 @@ def common_prefix_length(a: Sequence[Any], b: Sequence[Any]) -> int:
     return n
 
 
-def _rewind(model, cached: int, keep: int) -> None:
+def _rewind(model, cached: int, keep: int, cut: bool) -> int:
     """Drop the KV cache after its first ``keep`` tokens (``Llm::eraseHistory``), and make the
-    instance ready for the next call (``generate_init`` keeps the cache under ``reuse_kv``)."""
+    instance ready for the next call (``generate_init`` keeps the cache under ``reuse_kv``).
+    Without ``cut`` (an export with recurrent state, mnn/config.py ``cache_can_be_cut``) a shorter
+    history is never erased to: the instance is reset and the whole history prefilled again.
+    Returns the tokens kept."""
     if keep < cached:
-        model._c_obj.erase_history(keep, 0)
+        if cut:
+            model._c_obj.erase_history(keep, 0)
+        else:
+            model.reset()
+            keep = 0
     model._c_obj.generate_init()
+    return keep
+
+
+def _prefill_ids(ids: list[int], kept: int, cut: bool) -> list[int]:
+    """The ids a turn prefills; a recurrent state zeroes only on a multi-token call after
+    ``reset()`` (CPULinearAttention::onResize), so such an export never starts with one id."""
+    if not cut and kept == 0 and len(ids) < 2:
+        raise RuntimeError("a fresh sequence of one id: the runtime would keep the recurrent state of the last one")
+    return ids[kept:]
 
 
 def _chat_child(request: dict[str, Any]) -> None:
@@ -293,6 +310,7 @@ def _chat_child(request: dict[str, Any]) -> None:
     # A multi-token input gives each run of media placeholder ids the next media embedding of the
     # last encode, unchecked (Omni::embedding): such ids from an answer stay out of the history.
     media = {config[key] for key in ("image_pad", "audio_pad") if isinstance(config.get(key), int)}
+    cut = cache_can_be_cut(config)
     index = 0
     for number, users in enumerate(request["conversations"]):
         if number:
@@ -302,16 +320,16 @@ def _chat_child(request: dict[str, Any]) -> None:
         for user in users:
             messages = messages + [{"role": "user", "content": user}]
             ids = [int(i) for i in model.tokenizer_encode(model.apply_chat_template(messages))]
-            kept = min(common_prefix_length(cache, ids), len(ids) - 1)
-            _rewind(model, len(cache), kept)
-            answer = [int(t) for t in model._c_obj.generate(ids[kept:], int(request["steps"]))]
+            kept = _rewind(model, len(cache), min(common_prefix_length(cache, ids), len(ids) - 1), cut)
+            answer = [int(t) for t in model._c_obj.generate(_prefill_ids(ids, kept, cut), int(request["steps"]))]
             if not answer:
                 raise RuntimeError(f"generate() returned no token after {len(ids) - kept} prefilled ones")
             stopped = bool(model.stoped())
             fed = answer[:-1] if stopped else answer  # a stop token is sampled, never fed back
             pieces = [_decoded(model, t) for t in fed]
-            _rewind(model, len(ids) + len(fed), kept)
-            logits = [_logits(model.forward(ids[kept:]))] + [_logits(model.forward([t])) for t in answer[:-1]]
+            again = _rewind(model, len(ids) + len(fed), kept, cut)
+            logits = [_logits(model.forward(_prefill_ids(ids, again, cut)))] + \
+                [_logits(model.forward([t])) for t in answer[:-1]]
             cache = ids + answer[:-1]
             np.save(out / f"turn{index}.npy", np.stack(logits))
             (out / f"turn{index}.json").write_text(json.dumps({

@@ -19,6 +19,8 @@ FAMILIES: dict[str, str] = {
     "gemma4": "llmexport.models.gemma4.family:Gemma4",
     "gemma4_text": "llmexport.models.gemma4.family:Gemma4",
     "k2_horizon": "llmexport.models.k2_horizon.family:K2Horizon",
+    "lfm2": "llmexport.models.lfm2.family:Lfm2",
+    "lfm2_moe": "llmexport.models.lfm2.family:Lfm2Moe",
     "llama": "llmexport.models.llama:Llama",
     "ministral": "llmexport.models.ministral:Ministral",
     "mistral": "llmexport.models.mistral:Mistral",

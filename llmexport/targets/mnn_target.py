@@ -86,6 +86,8 @@ class MnnTarget(OutputTarget):
         rebuilt = graphs.write("llm", graph, arch.graph_inputs(TRACE_SEQ_LEN), arch.linears(), sources.weight,
                                job.schemes.linear, arch.linear_source, _convert_expert_templates(arch, work))
         files: dict[str, Any] = {}
+        if any(op.get("type") == "LinearAttention" for op in rebuilt.graph["oplists"]):
+            files[mnn_config.RECURRENT_STATE] = True  # the runners never cut such a history back
         towers = arch.towers()
         tail = _media_token_tail(arch, job.schemes) if towers else None
         for tower in towers:

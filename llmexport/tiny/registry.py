@@ -39,6 +39,15 @@ def _k2_horizon(out: Path, seed: int) -> Path:
     return build_tiny_k2_horizon(out, "sparse", seed=seed)
 
 
+def _lfm2(variant: str) -> Builder:
+    def build(out: Path, seed: int) -> Path:
+        from llmexport.tiny.lfm2 import build_tiny_lfm2
+
+        return build_tiny_lfm2(out, variant, seed=seed)
+
+    return build
+
+
 def _decoder(variant: str) -> Builder:
     def build(out: Path, seed: int) -> Path:
         from llmexport.tiny.decoders import build_tiny_decoder
@@ -53,6 +62,8 @@ TINY_BUILDERS: dict[str, Builder] = {
     "gemma4": _gemma4(text_only=False),
     "gemma4_text": _gemma4(text_only=True),
     "k2_horizon": _k2_horizon,
+    "lfm2": _lfm2("dense"),
+    "lfm2_moe": _lfm2("moe"),
     "llama": _decoder("llama3"),
     "ministral": _decoder("ministral"),
     "mistral": _decoder("mistral"),

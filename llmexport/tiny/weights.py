@@ -11,14 +11,15 @@ WEIGHT_STD = 0.15
 
 def randomize(model: torch.nn.Module, generator: torch.Generator, router_bias_range: float = 0.0) -> None:
     """Matrices N(0, WEIGHT_STD); norm gammas uniform in [0.6, 1.4] (a forgotten gamma shows);
-    biases N(0, 0.05); router ``e_score_correction_bias`` uniform in [-r, r]."""
+    biases N(0, 0.05); router selection biases (``e_score_correction_bias``, LFM2-MoE's
+    ``expert_bias``) uniform in [-r, r]."""
     with torch.no_grad():
         for name, tensor in list(model.named_parameters()) + list(model.named_buffers()):
             if not tensor.is_floating_point() or name.endswith("inv_freq"):
                 continue
             if tensor.dim() >= 2:
                 value = torch.randn(tensor.shape, generator=generator) * WEIGHT_STD
-            elif name.endswith("e_score_correction_bias"):
+            elif name.endswith(("e_score_correction_bias", "expert_bias")):
                 value = (torch.rand(tensor.shape, generator=generator) * 2 - 1) * router_bias_range
             elif name.endswith(".bias"):  # attention_bias
                 value = torch.randn(tensor.shape, generator=generator) * 0.05

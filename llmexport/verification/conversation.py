@@ -3,8 +3,10 @@
 A chat app keeps one runtime instance: each turn it renders the whole history with the runtime's
 chat template (``apply_chat_template``), tokenizes it with the runtime's tokenizer, prefills only
 what the KV cache lacks and generates greedily (MNN 3.6.1: ``Llm::generate`` after ``generate_init``
-with ``reuse_kv``; ``Llm::reset`` between conversations; see mnn/runtime.py ``run_chat``). Its
-answers, as it streams them, are the history of the later turns -- on both sides.
+with ``reuse_kv``; ``Llm::reset`` between conversations; see mnn/runtime.py ``run_chat``; an export
+with recurrent state, llm_config.json ``recurrent_state``, is never erased to a shorter history: it
+is reset and the whole history prefilled). Its answers, as it streams them, are the history of the
+later turns -- on both sides.
 
 HF is given the same history each turn: it renders it with the checkpoint's chat template (the
 ids are compared with the runtime's), and the stored-weights oracle and the fp32 model are

@@ -72,7 +72,8 @@ def resolve_config(config_class: Any, raw: dict[str, Any], where: str) -> dict[s
                          f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})") from None
 
 
-def _rope(cfg: dict[str, Any], head_dim: int, where: str, types: tuple[str, ...]) -> RopeSpec:
+def rope_spec(cfg: dict[str, Any], head_dim: int, where: str, types: tuple[str, ...]) -> RopeSpec:
+    """RoPE from a resolved config's ``rope_parameters`` (``types``: the accepted rope_type values)."""
     params = cfg.get("rope_parameters")
     if not isinstance(params, dict):
         raise InputError(f"{where}: 'rope_parameters' must be an object with 'rope_theta'")
@@ -162,15 +163,9 @@ def attention_biases(cfg: dict[str, Any], where: str, fixed: tuple[str, ...] | N
     return frozenset(ATTENTION_PROJECTIONS if flag_value(cfg, "attention_bias", where, False) else ())
 
 
-def parse_decoder_args(cfg: dict[str, Any], where: str, *, qk_norm: bool, rope_types: tuple[str, ...],
-                       max_count: int | None = None, sliding: str = NO_SLIDING,
-                       biases: tuple[str, ...] | None = None, no_rope: bool = False) -> DecoderArgs:
-    """Arguments from a resolved config (``resolve_config``); ``max_count`` bounds the layer and
-    expert counts by the tensors present before anything is sized by them; ``sliding`` and
-    ``biases``: the family's rule for sliding layers and its biased projections (None: by
-    ``attention_bias``); ``no_rope``: layers without RoPE listed in ``no_rope_layers``."""
-    _check_unsupported(cfg, where, sliding)
-    n = int_value(cfg, "num_hidden_layers", where, maximum=max_count)
+def attention_shape(cfg: dict[str, Any], where: str) -> tuple[int, int, int, int]:
+    """(hidden_size, heads, KV heads, head_dim) of GQA attention with RoPE; head_dim defaults to
+    hidden / heads, as the HF attention modules take it."""
     hidden, heads = int_value(cfg, "hidden_size", where), int_value(cfg, "num_attention_heads", where)
     kv_heads = int_value(cfg, "num_key_value_heads", where, heads)
     if heads % kv_heads:
@@ -180,6 +175,19 @@ def parse_decoder_args(cfg: dict[str, Any], where: str, *, qk_norm: bool, rope_t
     head_dim = int_value(cfg, "head_dim", where, hidden // heads)
     if head_dim % 2:
         raise InputError(f"{where}: head_dim {head_dim} must be even (RoPE rotates pairs)")
+    return hidden, heads, kv_heads, head_dim
+
+
+def parse_decoder_args(cfg: dict[str, Any], where: str, *, qk_norm: bool, rope_types: tuple[str, ...],
+                       max_count: int | None = None, sliding: str = NO_SLIDING,
+                       biases: tuple[str, ...] | None = None, no_rope: bool = False) -> DecoderArgs:
+    """Arguments from a resolved config (``resolve_config``); ``max_count`` bounds the layer and
+    expert counts by the tensors present before anything is sized by them; ``sliding`` and
+    ``biases``: the family's rule for sliding layers and its biased projections (None: by
+    ``attention_bias``); ``no_rope``: layers without RoPE listed in ``no_rope_layers``."""
+    _check_unsupported(cfg, where, sliding)
+    n = int_value(cfg, "num_hidden_layers", where, maximum=max_count)
+    hidden, heads, kv_heads, head_dim = attention_shape(cfg, where)
     num_experts = int_value(cfg, "num_local_experts", where, 0, minimum=0, maximum=max_count)
     slides, window = _sliding_layers(cfg, n, where, sliding)
     layers = tuple(LayerSpec(layer.index, layer.sparse, slide, rope) for layer, slide, rope
@@ -196,7 +204,7 @@ def parse_decoder_args(cfg: dict[str, Any], where: str, *, qk_norm: bool, rope_t
         intermediate_size=int_value(cfg, "intermediate_size", where) if dense else 0,
         num_heads=heads, kv_heads=kv_heads, head_dim=head_dim,
         eps=float_value(cfg, "rms_norm_eps", where, None, high=1.0) or _missing(where, "rms_norm_eps"),
-        rope=_rope(cfg, head_dim, where, rope_types), qk_norm=qk_norm,
+        rope=rope_spec(cfg, head_dim, where, rope_types), qk_norm=qk_norm,
         biases=attention_biases(cfg, where, biases),
         tie_embeddings=flag_value(cfg, "tie_word_embeddings", where, False),
         max_position_embeddings=int_value(cfg, "max_position_embeddings", where), layers=layers, moe=moe,

@@ -18,10 +18,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from llmexport.models.decoder.args import DecoderArgs, LayerSpec, MoeSpec
+from llmexport.models.decoder.family import expert_template
 from llmexport.models.decoder.names import EXPERT_MLP, MLP, Biases, has_bias
 from llmexport.models.graph_parts import Norm, TensorLookup, const
 from llmexport.models.rope import rope_cos_sin, rotate
 from llmexport.models.tensor_names import NameTable
+from llmexport.spec import ExpertTemplate
 from llmexport.trace.ops import FusedAttention, FusedMoE, GatedMlp, PlaceholderLinear
 
 
@@ -115,6 +117,16 @@ class SwiGlu(GatedMlp):
 
     def __init__(self, names: Sequence[str], hidden: int, width: int):
         super().__init__(names, hidden, width, F.silu)
+
+
+def swiglu_expert_templates(names: NameTable, hidden: int, width: int, sparse: Sequence[int],
+                            num_experts: int) -> list[ExpertTemplate]:
+    """The routed SwiGLU experts (``EXPERT_MLP`` of ``moe.expert``) of the ``sparse`` layers as one
+    MoE template, MoE layer_id = layer index; none without sparse layers."""
+    if not sparse:
+        return []
+    return [expert_template(names, "moe.expert", EXPERT_MLP, lambda linears: SwiGlu(linears, hidden, width), hidden,
+                            ((layer, layer, e) for layer in sparse for e in range(num_experts)))]
 
 
 class SoftmaxMoe(nn.Module):

@@ -16,10 +16,9 @@ from typing import Any
 from torch import nn
 
 from llmexport.models.decoder.args import NO_SLIDING, DecoderArgs, parse_decoder_args, resolve_config
-from llmexport.models.decoder.family import DecoderFamily, expert_template
-from llmexport.models.decoder.graph import DenseDecoderGraph, SwiGlu
+from llmexport.models.decoder.family import DecoderFamily
+from llmexport.models.decoder.graph import DenseDecoderGraph, swiglu_expert_templates
 from llmexport.models.decoder.names import (
-    EXPERT_MLP,
     LLAMA_LAYOUT,
     MLP,
     ROUTED_EXPERTS,
@@ -111,13 +110,10 @@ class PlainDecoder(DecoderFamily):
 
     def expert_templates(self) -> list[ExpertTemplate]:
         a = self.args
-        sparse = [layer for layer in a.layers if layer.sparse]
-        if not sparse or a.moe is None:
+        if a.moe is None:
             return []
-        width = a.moe.width
-        return [expert_template(self.names, "moe.expert", EXPERT_MLP,
-                                lambda names: SwiGlu(names, a.hidden_size, width), a.hidden_size,
-                                ((layer.index, layer.index, e) for layer in sparse for e in range(a.moe.num_experts)))]
+        return swiglu_expert_templates(self.names, a.hidden_size, a.moe.width,
+                                       [layer.index for layer in a.layers if layer.sparse], a.moe.num_experts)
 
     def describe(self) -> ArchitectureSummary:
         a = self.args

@@ -13,6 +13,7 @@ from typing import Any
 
 from llmexport.errors import InputError
 from llmexport.models.config_values import FP32_MAX, flag_value, float_value, int_value, str_value
+from llmexport.models.router import RouterSpec
 from llmexport.models.shape import UniformAttentionShape
 from llmexport.reference.k2_horizon.configuration_k2_horizon import K2HorizonConfig
 
@@ -23,18 +24,6 @@ _DEFAULTS = {name: p.default for name, p in inspect.signature(K2HorizonConfig.__
 
 SCORING_FUNCS = ("sigmoid", "softmax")
 DEFAULT_ROPE_THETA = 10_000_000.0  # K2HorizonConfig: rope_parameters defaults to {"default", 1e7}
-
-
-@dataclass(frozen=True)
-class RouterSpec:
-    """A top-k router: scores (sigmoid|softmax, fp32) choose by score + bias, weigh unbiased,
-    optionally normalised to sum 1, then scaled."""
-
-    num_experts: int
-    top_k: int
-    scoring: str
-    normalize: bool
-    scale: float
 
 
 @dataclass(frozen=True)

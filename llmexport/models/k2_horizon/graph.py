@@ -26,9 +26,10 @@ from llmexport.models.decoder.graph import SwiGlu as Mlp
 from llmexport.models.decoder.names import EXPERT_MLP, MLP
 from llmexport.models.graph_parts import TensorLookup
 from llmexport.models.graph_parts import const as _const
-from llmexport.models.k2_horizon.args import K2HorizonArgs, LayerSpec, RouterSpec
+from llmexport.models.k2_horizon.args import K2HorizonArgs, LayerSpec
 from llmexport.models.k2_horizon.names import SHARED_MLP
 from llmexport.models.rope import RopeSpec
+from llmexport.models.router import Router
 from llmexport.models.tensor_names import NameTable
 from llmexport.trace.ops import FusedMoE, PlaceholderLinear, dense_mixture, rms_norm
 
@@ -76,36 +77,6 @@ class HeadNorm(nn.Module):
         normed = rms_norm(x, None, self.eps)
         width = self.weight.numel()
         return (normed.reshape(1, -1, width) * self.weight).reshape(1, -1, self.heads, width // self.heads)
-
-
-class Router(nn.Module):
-    """Reference ``K2HorizonRouter`` on [1, seq, hidden] -> (fp32 weights, chosen) [1, seq, k].
-
-    Routers see the 3-D hidden states: placeholder linears come back 3-D in MNN whatever the
-    traced rank, so every op after them keeps the rank it was traced with. The unbiased scores
-    of the chosen experts are picked with a one-hot product rather than a gather: exact (one
-    non-zero term per sum) and plain Equal/Mul/ReduceSum for MNN.
-    """
-
-    bias: torch.Tensor
-    expert_ids: torch.Tensor
-
-    def __init__(self, name: str, hidden: int, spec: RouterSpec, bias: torch.Tensor):
-        super().__init__()
-        self.spec = spec
-        self.proj = PlaceholderLinear(name, hidden, spec.num_experts)
-        self.register_buffer("bias", bias.float().clone(), persistent=False)
-        self.register_buffer("expert_ids", torch.arange(spec.num_experts), persistent=False)
-
-    def forward(self, x):
-        logits = self.proj(x).float()
-        scores = torch.sigmoid(logits) if self.spec.scoring == "sigmoid" else torch.softmax(logits, dim=-1)
-        _, chosen = torch.topk(scores + self.bias, self.spec.top_k, dim=-1)
-        one_hot = (chosen.unsqueeze(-1) == self.expert_ids).to(scores.dtype)
-        weights = (one_hot * scores.unsqueeze(-2)).sum(dim=-1)
-        if self.spec.normalize:
-            weights = weights / weights.sum(dim=-1, keepdim=True)
-        return weights * self.spec.scale, chosen
 
 
 class ValueExpert(nn.Module):
