@@ -88,14 +88,15 @@ def test_a_folded_norm_divides_its_output(formula, seed):
 # --- the fold is exact ------------------------------------------------------------------------------
 
 FAMILIES = [("decoder", "llama3"), ("decoder", "llama3-tied"), ("decoder", "qwen2"), ("decoder", "qwen3"),
-            ("decoder", "qwen3-moe-mixed"), ("gemma3", "scaled"), ("gemma4", "e2b")]
+            ("decoder", "qwen3-moe-mixed"), ("gemma3", "scaled"), ("gemma4", "e2b"), ("lfm2", "dense"),
+            ("lfm2", "moe")]
 
 
 @pytest.fixture
-def family_checkpoint(request, tiny_decoder, tiny_gemma3, tiny_gemma4):
+def family_checkpoint(request, tiny_decoder, tiny_gemma3, tiny_gemma4, tiny_lfm2):
     kind, variant = request.param
-    return {"decoder": tiny_decoder, "gemma3": tiny_gemma3}[kind](variant) if kind != "gemma4" \
-        else tiny_gemma4(variant, text_only=True)
+    return {"decoder": tiny_decoder, "gemma3": tiny_gemma3, "lfm2": tiny_lfm2}[kind](variant) \
+        if kind != "gemma4" else tiny_gemma4(variant, text_only=True)
 
 
 def _random_folds(arch, seed: int) -> tuple[FoldedWeights, int]:

@@ -22,9 +22,11 @@ from llmexport.models.decoder.names import (
     LAYER_NORMS,
     MLP,
     QK_NORMS,
+    ROUTED_EXPERTS,
     add_attention,
     add_mlp,
     add_routed,
+    layer_scale_groups,
     stacked_expert_slot,
 )
 from llmexport.models.lfm2.args import Lfm2Args, parse_args
@@ -33,7 +35,7 @@ from llmexport.models.lfm2.names import LFM2_NAMES
 from llmexport.models.tensor_checks import Shapes, count_limit, finite_lookup
 from llmexport.models.tensor_names import LinearList
 from llmexport.source.checkpoint import Checkpoint
-from llmexport.spec import ArchitectureSummary, ExpertTemplate, LinearRole
+from llmexport.spec import ArchitectureSummary, ExpertTemplate, LinearRole, ScaleGroup
 
 
 class Lfm2(DecoderFamily):
@@ -70,6 +72,17 @@ class Lfm2(DecoderFamily):
                 add_mlp(linears, MLP, h, a.intermediate_size, LinearRole.MLP, layer=layer.index)
         self.add_head(linears)
         return linears
+
+    def scale_groups(self) -> list[ScaleGroup]:
+        """operator_norm before q/k/v or the conv's in_proj, ffn_norm before w1/w3, v before
+        out_proj, w3 before w2 (plain RMSNorms, ``x * w``). The conv's out_proj reads
+        ``C * conv(B * x)``: its input channels come from one third of in_proj's rows, which is no
+        whole producer linear, so it is left alone; norms feeding routed experts are skipped."""
+        a = self.args
+        return [group for layer in a.layers for group in layer_scale_groups(
+            self.names, layer.index, ("norm.input", "norm.post_attention"),
+            ("attn.q", "attn.k", "attn.v") if layer.attention else ("conv.in",),
+            a.num_heads // a.kv_heads, a.head_dim, mlp_skip=ROUTED_EXPERTS if layer.sparse else None)]
 
     def constant_shapes(self) -> Shapes:
         """Norm gammas, conv kernels and the routers' selection biases: graph constants."""
