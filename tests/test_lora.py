@@ -159,6 +159,14 @@ def test_gemma3_text(tiny_gemma3, tmp_path):
     assert len(_checked(path, tmp_path / "a", reference, tol=2 ** -8)) > 2  # bf16: ours rounded to bf16
 
 
+def test_lfm2_conv_attention_and_mlp(tiny_lfm2, tmp_path):
+    """LFM2's short-conv projections, attention and feed_forward (PEFT targets by module name)."""
+    path = tiny_lfm2("dense")
+    reference = _adapter(path, tmp_path / "a", r=2, lora_alpha=4, target_modules=["in_proj", "q_proj", "w2"])
+    changed = _checked(path, tmp_path / "a", reference, tol=2 ** -8)  # a bf16 checkpoint: ours rounded to bf16
+    assert {n.split(".")[-2] for n in changed} == {"in_proj", "q_proj", "w2"}
+
+
 def test_embedding_lora_merges_as_the_table_streams(tmp_path, monkeypatch):
     path = build_tiny_decoder(tmp_path / "m", "llama3", dtype=torch.float32)
     reference = _adapter(path, tmp_path / "a", r=4, lora_alpha=4, target_modules=["embed_tokens"])
