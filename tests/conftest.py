@@ -87,3 +87,12 @@ def tiny_phi3(tmp_path_factory):
     from llmexport.tiny.phi3 import build_tiny_phi3
 
     return _cached_variants(tmp_path_factory, "phi3", build_tiny_phi3)
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen3_5(tmp_path_factory):
+    """``tiny_qwen3_5(variant, seed=0)`` -> path of a cached tiny Qwen3.5 checkpoint
+    (variants: llmexport.tiny.qwen3_5.VARIANTS)."""
+    from llmexport.tiny.qwen3_5 import build_tiny_qwen3_5
+
+    return _cached_variants(tmp_path_factory, "qwen3_5", build_tiny_qwen3_5)

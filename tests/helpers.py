@@ -66,9 +66,9 @@ def edit_checkpoint(src: Path, dst: Path, config: dict | None = None, drop=(), a
     return dst
 
 
-def custom_nodes(arch, path: Path) -> dict[str, list[dict]]:
-    """The MNN-flavoured trace of ``arch``'s graph at ``path``: attributes of its Linear,
-    Attention and MoE placeholder ops."""
+def custom_nodes(arch, path: Path, kinds=("Linear", "Attention", "MoE")) -> dict[str, list[dict]]:
+    """The MNN-flavoured trace of ``arch``'s graph at ``path``: attributes of its placeholder ops
+    of ``kinds`` (Linear, Attention and MoE by default)."""
     import onnx
 
     from llmexport.trace.onnx_export import export_onnx
@@ -76,4 +76,4 @@ def custom_nodes(arch, path: Path) -> dict[str, list[dict]]:
     export_onnx(arch.build_graph(), arch.graph_inputs(3), path, for_mnn=True)
     nodes = [n for n in onnx.load(str(path)).graph.node if n.domain == "LlmExport"]
     attrs = lambda n: {a.name: onnx.helper.get_attribute_value(a) for a in n.attribute}  # noqa: E731
-    return {kind: [attrs(n) for n in nodes if n.op_type == kind] for kind in ("Linear", "Attention", "MoE")}
+    return {kind: [attrs(n) for n in nodes if n.op_type == kind] for kind in kinds}

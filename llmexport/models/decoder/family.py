@@ -107,7 +107,11 @@ class DecoderFamily(Architecture):
 
     def check_weights(self) -> None:
         check_tensors(self.checkpoint.weights, self.expected_tensors(), self.checkpoint.path, self.family,
-                      ignored=lambda name: name.endswith(self.ignored_suffixes))
+                      ignored=self.ignored_tensor)
+
+    def ignored_tensor(self, name: str) -> bool:
+        """A checkpoint tensor the export does not need (by default: ``ignored_suffixes``)."""
+        return name.endswith(self.ignored_suffixes)
 
     def linear_weight(self, name: str) -> tuple[torch.Tensor, torch.Tensor | None]:
         source = self.linear_source(name)
@@ -208,7 +212,7 @@ class DecoderFamily(Architecture):
         with torch.no_grad():
             for tensor in tensors.names():
                 name, index = self.reference_slot(tensor)
-                if name not in state and tensor.endswith(self.ignored_suffixes):
+                if name not in state and self.ignored_tensor(tensor):
                     continue
                 state[name][index].copy_(tensors.read(tensor))
 
