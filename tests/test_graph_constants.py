@@ -3,7 +3,7 @@
 The export goes ONNX -> MNN (converter) -> JSON -> rebuilt JSON -> MNN, and the converter's JSON
 dump prints floats with six decimals (llmexport/mnn/exact_floats.py). For every family and shape,
 each graph (llm, visual, audio, each MoE expert template) of Gemma4, K2-Horizon (incl. its real
-RoPE setting, base 1e7 at head_dim 128), Llama and Qwen3-MoE is checked three ways:
+RoPE setting, base 1e7 at head_dim 128), Llama, Qwen3-MoE and Qwen3.5-MoE is checked three ways:
 
 1. the converter's own output holds the traced ONNX constants bit for bit (the starting point);
 2. every op of the converter's output that carries floats (constants, attention scales, clip
@@ -43,6 +43,8 @@ CASES = [
     # base 5e5 with Llama-3 frequency rescaling; Qwen3-MoE: base 1e6, q/k norms, a router
     pytest.param(("decoder", "llama3"), id="llama3"),
     pytest.param(("decoder", "qwen3-moe"), id="qwen3-moe", marks=pytest.mark.slow),
+    # Qwen3.5: the Gated DeltaNet conv kernels, A_log and dt_bias (the recurrence is sensitive to them)
+    pytest.param(("qwen3_5", "qwen3_5-moe"), id="qwen3_5-moe", marks=pytest.mark.slow),
 ]
 K2_CONFIGS = {"dense-hd128": ("dense", dict(head_dim=128, num_attention_heads=2, num_key_value_heads=1))}
 
@@ -59,6 +61,8 @@ def _checkpoint(request, family: str, name: str, tmp_path_factory) -> Path:
         return request.getfixturevalue("tiny_k2_horizon")(name)
     if family == "decoder":
         return request.getfixturevalue("tiny_decoder")(name)
+    if family == "qwen3_5":
+        return request.getfixturevalue("tiny_qwen3_5")(name)
     from llmexport.tiny.gemma4_towers import build_tiny_multimodal
 
     return build_tiny_multimodal(tmp_path_factory.mktemp(name), name)

@@ -340,8 +340,10 @@ def gated_delta_rule(q, k, v, gate, beta, l2norm: bool, state: torch.Tensor | No
     """The gated delta rule token by token in fp32 (transformers' torch_recurrent_gated_delta_rule,
     models/qwen3_5/modeling_qwen3_5.py). q, k: [1, seq, k_heads, k_dim]; v: [1, seq, v_heads, v_dim];
     gate, beta: [1, seq, v_heads]. Returns [1, seq, v_heads, v_dim] and the final state."""
-    repeat = v.shape[2] // k.shape[2]
-    q, k = q.repeat_interleave(repeat, dim=2), k.repeat_interleave(repeat, dim=2)
+    # each k head serves ``repeat`` consecutive v heads: a Gather along the heads (repeat_interleave
+    # would trace as an Expand fixed to the traced length)
+    heads = torch.arange(k.shape[2]).repeat_interleave(v.shape[2] // k.shape[2])
+    q, k = q.index_select(2, heads), k.index_select(2, heads)
     if l2norm:
         q = q / torch.sqrt((q * q).sum(-1, keepdim=True) + 1e-6)
         k = k / torch.sqrt((k * k).sum(-1, keepdim=True) + 1e-6)
@@ -360,7 +362,9 @@ def _recurrence(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gate: torch.T
     """``gated_delta_rule``'s per-token loop on prepared q, k (repeated per value head, normalised,
     q scaled) from ``state``; TorchScript-compatible (``_scripted_recurrence``)."""
     outputs: list[torch.Tensor] = []
-    for t in range(v.shape[1]):
+    # the length read from ``gate`` (a projection of the input): traced, the conv's output shape
+    # is taken from the example and would fix the trip count at the traced length
+    for t in range(gate.shape[1]):
         state = state * gate[:, t].exp().unsqueeze(-1).unsqueeze(-1)
         predicted = (state * k[:, t].unsqueeze(-1)).sum(-2)
         delta = (v[:, t] - predicted) * beta[:, t].unsqueeze(-1)
