@@ -6,8 +6,9 @@ saves: Qwen3_5ForCausalLM / Qwen3_5MoeForCausalLM).
 Gated DeltaNet layers run on MNN's LinearAttention op, which keeps their conv and recurrent state
 between calls as the Attention op keeps its KV cache; gated full-attention layers on the Attention
 op; routed experts on the MoE op. The graph is in qwen3_5/graph.py. The reference is
-transformers' causal LM in fp32 (AutoModelForCausalLM builds the text model from either layout);
-checkpoints keep one tensor per expert, transformers stacks them (``reference_slot``).
+transformers' model of the checkpoint's layout in fp32 (the conditional-generation class, or
+AutoModelForCausalLM); checkpoints keep one tensor per expert, transformers stacks them
+(``reference_slot``).
 """
 
 from __future__ import annotations
@@ -50,6 +51,8 @@ class Qwen3_5(DecoderFamily):
     family = "Qwen3.5"
     #: transformers' text config class (reads config.json or its ``text_config``)
     config_class = "Qwen3_5TextConfig"
+    #: the reference's class for the multimodal layout
+    multimodal_class = "Qwen3_5ForConditionalGeneration"
     multimodal = True
     moe = False
     ignored_suffixes = ("rotary_emb.inv_freq",)
@@ -150,31 +153,35 @@ class Qwen3_5(DecoderFamily):
         return ("<|im_end|>",)
 
     # --- reference --------------------------------------------------------------------------
+    def reference_loader(self) -> Any:
+        """The checkpoint's own class: for the multimodal layout the conditional-generation model,
+        whose tensor names are the checkpoint's (its tower never runs on text prompts)."""
+        if not self.multimodal:
+            return super().reference_loader()
+        import transformers
+
+        return getattr(transformers, self.multimodal_class)
+
     def reference_slot(self, tensor: str) -> tuple[str, tuple[Any, ...]]:
-        """The text model's tensors where transformers' causal LM keeps them: under ``model.``
-        (the multimodal layout's ``model.language_model.`` prefix dropped); an expert's gate/up
-        rows of the stacked ``gate_up_proj`` [E, 2 * width, hidden] (gate first) or its
-        ``down_proj`` [E, hidden, width]."""
-        reference = QWEN3_5_NAMES.bind(prefix=TEXT_PREFIX)
+        """An expert's gate/up rows of transformers' stacked ``gate_up_proj`` [E, 2 * width, hidden]
+        (Qwen3_5MoeExperts: gate first), or its ``down_proj`` [E, hidden, width]."""
         for key, (stacked, block) in _REFERENCE_SLOTS.items():
             fields = match(weight_name(self.names.pattern(key)), tensor)
             if fields is None:
                 continue
-            name = reference.name(stacked, layer=fields["layer"])
+            name = self.names.name(stacked, layer=fields["layer"])
             if block is None:
                 return name, (fields["expert"],)
             assert self.args.moe is not None  # expert tensors exist only in MoE checkpoints
             width = self.args.moe.width
             return name, (fields["expert"], slice(block * width, (block + 1) * width))
-        prefix = MULTIMODAL_PREFIX + "."
-        if tensor.startswith(prefix):
-            return TEXT_PREFIX + "." + tensor[len(prefix):], ()
         return tensor, ()
 
 
 class Qwen3_5Moe(Qwen3_5):
     family = "Qwen3.5-MoE"
     config_class = "Qwen3_5MoeTextConfig"
+    multimodal_class = "Qwen3_5MoeForConditionalGeneration"
     moe = True
 
 
