@@ -123,7 +123,8 @@ def test_4bit_export(tiny_qwen3_5, tmp_path, variant):
 def test_cli_verify(tiny_qwen3_5, tmp_path, variant):
     dst = tmp_path / "out"
     proc = subprocess.run([sys.executable, "-c", "from llmexport.cli import main; main()", "--path",
-                           str(tiny_qwen3_5(variant)), "--dst_path", str(dst), "--quant_bit", "8", "--verify", "--keep_failed"],
+                           str(tiny_qwen3_5(variant)), "--dst_path", str(dst), "--quant_bit", "8", "--verify",
+                           "--keep_failed"],
                           capture_output=True, text=True)
     report = VerifyReport.from_json(json.loads((dst / "verify.json").read_text()))  # kept: --keep_failed
     # the command's verdict is the report's: every failure is a later conversation turn (module
