@@ -77,3 +77,23 @@ def custom_nodes(arch, path: Path, kinds=("Linear", "Attention", "MoE")) -> dict
     nodes = [n for n in onnx.load(str(path)).graph.node if n.domain == "LlmExport"]
     attrs = lambda n: {a.name: onnx.helper.get_attribute_value(a) for a in n.attribute}  # noqa: E731
     return {kind: [attrs(n) for n in nodes if n.op_type == kind] for kind in kinds}
+
+
+def rewrite_logits(arch, graph, ids: torch.Tensor) -> torch.Tensor:
+    """The eager rewrite's logits [seq, vocab] for the prompt ``ids`` (fed as the runtime feeds it)."""
+    from llmexport.trace.eager import prompt_inputs
+
+    with torch.no_grad():
+        return graph(*prompt_inputs(arch, ids, arch.embedding_table(), None))[0][0]
+
+
+def rewrite_and_reference(path: Path, ids: torch.Tensor):
+    """(architecture, its eager graph with the checkpoint's weights bound, that graph's logits, HF's
+    fp32 logits) for the checkpoint at ``path`` on the prompt ``ids``."""
+    from llmexport.source.checkpoint import Checkpoint
+    from llmexport.source.loading import open_architecture
+    from llmexport.trace.eager import bind_weights
+
+    arch = open_architecture(Checkpoint.open(path))
+    graph = bind_weights(arch.build_graph(), arch.linear_weight)
+    return arch, graph, rewrite_logits(arch, graph, ids), arch.reference_logits(arch.load_reference(None), ids)

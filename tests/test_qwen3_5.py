@@ -17,11 +17,17 @@ from llmexport.source.loading import open_architecture
 from llmexport.spec import LinearRole
 from llmexport.tiny.byte_level_tokenizer import CHATML_TEMPLATE
 from llmexport.tiny.qwen3_5 import MODEL_TYPES, VARIANTS, build_qwen3_5_checkpoint, random_config
-from llmexport.trace.eager import bind_weights, prompt_inputs
+from llmexport.trace.eager import bind_weights
 from llmexport.trace.ops import GATED_DELTA_RULE
 
 from families import parametrize
-from helpers import assert_reference_onnx_matches_eager, custom_nodes, edit_checkpoint
+from helpers import (
+    assert_reference_onnx_matches_eager,
+    custom_nodes,
+    edit_checkpoint,
+    rewrite_and_reference,
+    rewrite_logits,
+)
 
 MODEL_TYPE = {variant: model_type for variant, (model_type, _) in VARIANTS.items()}
 RANDOM_POINTS = [(model_type, seed) for model_type in sorted(MODEL_TYPES) for seed in (400, 401)]
@@ -37,22 +43,11 @@ def _assert_close(ours, ref):
     assert (ours - ref).abs().max().item() < RELATIVE * ref.abs().max().item()
 
 
-def _logits(arch, graph, ids):
-    with torch.no_grad():
-        return graph(*prompt_inputs(arch, ids, arch.embedding_table(), None))[0][0]
-
-
-def _rewrite_and_reference(path, ids):
-    arch = open_architecture(Checkpoint.open(path))
-    graph = bind_weights(arch.build_graph(), arch.linear_weight)
-    return arch, graph, _logits(arch, graph, ids), arch.reference_logits(arch.load_reference(None), ids)
-
-
 @parametrize("rewrite", "variant", sorted(VARIANTS), MODEL_TYPE.get)
 def test_rewrite_matches_hf(tiny_qwen3_5, variant):
     torch.manual_seed(1)
     ids = torch.randint(5, 440, (21,))
-    arch, _, ours, ref = _rewrite_and_reference(tiny_qwen3_5(variant), ids)
+    arch, _, ours, ref = rewrite_and_reference(tiny_qwen3_5(variant), ids)
     assert arch.checkpoint.model_type == MODEL_TYPE[variant]
     assert ours.shape == ref.shape == (21, 512)
     assert ref.abs().max() > 1.0  # not degenerate
@@ -81,10 +76,10 @@ def test_parity_check_detects_a_change(tiny_qwen3_5, variant, alter):
     """Guards against a vacuous comparison: each altered weight or constant moves the logits."""
     torch.manual_seed(1)
     ids = torch.randint(5, 440, (21,))
-    arch, graph, ours, ref = _rewrite_and_reference(tiny_qwen3_5(variant), ids)
+    arch, graph, ours, ref = rewrite_and_reference(tiny_qwen3_5(variant), ids)
     with torch.no_grad():
         alter(graph)
-    assert (_logits(arch, graph, ids) - ref).abs().max().item() > 1e-3
+    assert (rewrite_logits(arch, graph, ids) - ref).abs().max().item() > 1e-3
 
 
 @pytest.mark.parametrize("model_type, seed", RANDOM_POINTS)
@@ -94,7 +89,7 @@ def test_random_configs_match_hf(tmp_path, model_type, seed):
                                     dtype=torch.float32 if seed % 2 else torch.bfloat16)
     torch.manual_seed(seed)
     ids = torch.randint(5, 440, (13,))
-    arch, _, ours, ref = _rewrite_and_reference(path, ids)
+    arch, _, ours, ref = rewrite_and_reference(path, ids)
     assert [layer.linear for layer in arch.args.layers] == [k == "linear_attention" for k in config["layer_types"]]
     _assert_close(ours, ref)
 

@@ -15,19 +15,14 @@ from __future__ import annotations
 from typing import Any
 
 from llmexport.models.decoder.args import BY_LAYER_TYPES, EVERY_LAYER
-from llmexport.models.decoder.names import LLAMA_LAYOUT
+from llmexport.models.decoder.names import LLAMA_LAYOUT, stacked_expert_slot
 from llmexport.models.decoder.plain import PlainDecoder
-from llmexport.models.tensor_names import match, weight_name
 
 #: the Llama layout, and where transformers keeps the experts (Qwen3MoeExperts): stacked
 QWEN3_MOE_NAMES = LLAMA_LAYOUT.extended({
     "reference.experts.gate_up": "model.layers.{layer}.mlp.experts.gate_up_proj",  # [E, 2 * width, hidden]
     "reference.experts.down": "model.layers.{layer}.mlp.experts.down_proj",  # [E, hidden, width]
 })
-#: an expert's linear -> the reference's stacked tensor and which block of width rows it fills (None: all)
-_REFERENCE_SLOTS = {"moe.expert.gate": ("reference.experts.gate_up", 0),
-                    "moe.expert.up": ("reference.experts.gate_up", 1),
-                    "moe.expert.down": ("reference.experts.down", None)}
 
 
 class Qwen3(PlainDecoder):
@@ -45,16 +40,7 @@ class Qwen3Moe(Qwen3):
     sliding = EVERY_LAYER
 
     def reference_slot(self, tensor: str) -> tuple[str, tuple[Any, ...]]:
-        """An expert's gate/up rows of transformers' stacked ``gate_up_proj`` [E, 2 * width, hidden]
-        (Qwen3MoeExperts: gate first), or its ``down_proj`` [E, hidden, width]."""
-        for key, (stacked, block) in _REFERENCE_SLOTS.items():
-            fields = match(weight_name(self.names.pattern(key)), tensor)
-            if fields is None:
-                continue
-            name = self.names.name(stacked, layer=fields["layer"])
-            if block is None:
-                return name, (fields["expert"],)
-            assert self.args.moe is not None  # expert tensors exist only in MoE checkpoints
-            width = self.args.moe.width
-            return name, (fields["expert"], slice(block * width, (block + 1) * width))
-        return super().reference_slot(tensor)
+        """An expert's rows of transformers' stacked ``gate_up_proj`` / ``down_proj``
+        (decoder/names.py ``stacked_expert_slot``)."""
+        slot = stacked_expert_slot(self.names, tensor, self.args.moe.width) if self.args.moe else None
+        return slot if slot is not None else super().reference_slot(tensor)

@@ -21,7 +21,7 @@ import torch
 from tokenizers import Tokenizer
 
 from llmexport.tiny.byte_level_tokenizer import write_checkpoint_tokenizer, write_generation_config
-from llmexport.tiny.weights import randomize
+from llmexport.tiny.weights import save_random
 
 TINY_VOCAB = 512
 
@@ -129,16 +129,11 @@ def build_qwen3_5_checkpoint(out_dir: Path | str, model_type: str, text: dict[st
                              dtype: torch.dtype = torch.bfloat16) -> Path:
     """Write a random-weight checkpoint of ``model_type`` (a key of ``MODEL_TYPES``) whose text
     model has the config ``text`` to ``out_dir``."""
-    import transformers
-
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     token_ids = write_checkpoint_tokenizer(out, "qwen", text["vocab_size"])
     config = _config(model_type, text, token_ids, Tokenizer.from_file(str(out / "tokenizer.json")))
-    torch.manual_seed(seed)
-    model = getattr(transformers, MODEL_TYPES[model_type].model_class)(config).eval()
-    randomize(model, torch.Generator().manual_seed(seed + 1))
-    model.to(dtype).save_pretrained(out, safe_serialization=True)
+    save_random(MODEL_TYPES[model_type].model_class, config, out, seed, dtype)
     write_generation_config(out, token_ids)
     return out
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import AbstractSet, Callable, Union
 
 from llmexport.models.tensor_checks import Shapes
-from llmexport.models.tensor_names import LinearList, NameTable
+from llmexport.models.tensor_names import LinearList, NameTable, match, weight_name
 from llmexport.spec import LinearRole, NormFormula, ScaleGroup
 
 #: a gated MLP's linears (gate, up, down) on dense layers, in a routed expert, in shared experts
@@ -44,6 +44,29 @@ LLAMA_LAYOUT = NameTable({
     "moe.expert.up": "model.layers.{layer}.mlp.experts.{expert}.up_proj",
     "moe.expert.down": "model.layers.{layer}.mlp.experts.{expert}.down_proj",
 })
+
+
+#: an expert's linear -> the table key of the tensor transformers stacks it in and which block of
+#: ``width`` rows it fills (None: the whole expert row): Qwen3MoeExperts and its descendants keep
+#: ``experts.gate_up_proj`` [E, 2 * width, hidden] (gate first) and ``experts.down_proj`` [E, hidden, width]
+STACKED_EXPERT_SLOTS = {"moe.expert.gate": ("reference.experts.gate_up", 0),
+                        "moe.expert.up": ("reference.experts.gate_up", 1),
+                        "moe.expert.down": ("reference.experts.down", None)}
+
+
+def stacked_expert_slot(names: NameTable, tensor: str, width: int) -> tuple[str, tuple[object, ...]] | None:
+    """Where transformers' stacked experts hold the checkpoint's per-expert ``tensor`` (the
+    ``reference.experts.*`` keys of ``names``): the stacked tensor and the index into it; None
+    for a tensor that is not an expert's."""
+    for key, (stacked, block) in STACKED_EXPERT_SLOTS.items():
+        fields = match(weight_name(names.pattern(key)), tensor)
+        if fields is None:
+            continue
+        name = names.name(stacked, layer=fields["layer"])
+        if block is None:
+            return name, (fields["expert"],)
+        return name, (fields["expert"], slice(block * width, (block + 1) * width))
+    return None
 
 
 #: which attention projections carry a bias: all or none, or the set of their keys (Qwen2: q, k, v)

@@ -20,7 +20,7 @@ from torch import nn
 
 from llmexport.models.decoder.family import DecoderFamily, expert_template
 from llmexport.models.decoder.graph import SwiGlu
-from llmexport.models.decoder.names import EXPERT_MLP, MLP, add_mlp, add_routed, pre_norm_shapes
+from llmexport.models.decoder.names import EXPERT_MLP, MLP, add_mlp, add_routed, pre_norm_shapes, stacked_expert_slot
 from llmexport.models.qwen3_5.args import Qwen3_5Args, parse_args
 from llmexport.models.qwen3_5.graph import Qwen3_5Graph
 from llmexport.models.qwen3_5.names import (
@@ -32,7 +32,7 @@ from llmexport.models.qwen3_5.names import (
     VISION_PREFIX,
 )
 from llmexport.models.tensor_checks import Shapes, count_limit, finite_lookup
-from llmexport.models.tensor_names import LinearList, match, weight_name
+from llmexport.models.tensor_names import LinearList
 from llmexport.source.checkpoint import Checkpoint
 from llmexport.spec import ArchitectureSummary, ExpertTemplate, LinearRole
 
@@ -41,10 +41,6 @@ log = logging.getLogger(__name__)
 #: checkpoint tensors the text export does not read: the multi-token-prediction head the released
 #: checkpoints ship (Qwen3_5ForCausalLM ignores ``mtp.*`` on load too) and the vision tower
 _NOT_TEXT = ("mtp.", VISION_PREFIX)
-#: an expert's linear -> the reference's stacked tensor and which block of width rows it fills (None: all)
-_REFERENCE_SLOTS = {"moe.expert.gate": ("reference.experts.gate_up", 0),
-                    "moe.expert.up": ("reference.experts.gate_up", 1),
-                    "moe.expert.down": ("reference.experts.down", None)}
 
 
 class Qwen3_5(DecoderFamily):
@@ -163,19 +159,10 @@ class Qwen3_5(DecoderFamily):
         return getattr(transformers, self.multimodal_class)
 
     def reference_slot(self, tensor: str) -> tuple[str, tuple[Any, ...]]:
-        """An expert's gate/up rows of transformers' stacked ``gate_up_proj`` [E, 2 * width, hidden]
-        (Qwen3_5MoeExperts: gate first), or its ``down_proj`` [E, hidden, width]."""
-        for key, (stacked, block) in _REFERENCE_SLOTS.items():
-            fields = match(weight_name(self.names.pattern(key)), tensor)
-            if fields is None:
-                continue
-            name = self.names.name(stacked, layer=fields["layer"])
-            if block is None:
-                return name, (fields["expert"],)
-            assert self.args.moe is not None  # expert tensors exist only in MoE checkpoints
-            width = self.args.moe.width
-            return name, (fields["expert"], slice(block * width, (block + 1) * width))
-        return tensor, ()
+        """An expert's rows of transformers' stacked ``gate_up_proj`` / ``down_proj``
+        (decoder/names.py ``stacked_expert_slot``); every other tensor where the checkpoint has it."""
+        slot = stacked_expert_slot(self.names, tensor, self.args.moe.width) if self.args.moe else None
+        return slot if slot is not None else (tensor, ())
 
 
 class Qwen3_5Moe(Qwen3_5):
