@@ -187,7 +187,15 @@ FAMILIES = {
     "smollm3": ("smollm3", 16, RuntimeProfile.FAST),
     "gemma3_text": ("gemma3_text", 8, RuntimeProfile.EXACT),
     "phi3": ("phi3", 16, RuntimeProfile.FAST),
+    "qwen3_5": ("qwen3_5", 8, RuntimeProfile.FAST),
+    "qwen3_5_moe": ("qwen3_5_moe", 4, RuntimeProfile.EXACT),
+    "qwen3_5_text": ("qwen3_5_text", 16, RuntimeProfile.FAST),
+    "qwen3_5_moe_text": ("qwen3_5_moe_text", 8, RuntimeProfile.EXACT),
 }
+#: families with a recurrent state (Qwen3.5's Gated DeltaNet): the harness (mnn/runtime.py ``run_chat``)
+#: rewinds with ``erase_history`` and prefills a turn's new tokens twice, which a recurrent state
+#: cannot undo; their later turns disagree until the harness carries such a state
+RECURRENT = {"qwen3_5", "qwen3_5_moe", "qwen3_5_text", "qwen3_5_moe_text"}
 
 
 def test_every_registered_family_holds_a_conversation():
@@ -210,7 +218,9 @@ def _conversation(out, path, bits: int, trust: bool) -> tuple[ConversationCheck,
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("family", sorted(FAMILIES))
+@pytest.mark.parametrize("family", [pytest.param(f, marks=pytest.mark.xfail(
+    strict=True, reason="recurrent state: the chat harness rewinds and re-prefills (RECURRENT)"))
+    if f in RECURRENT else f for f in sorted(FAMILIES)])
 def test_each_family_chats_like_hf(tmp_path, family):
     checkpoint, bits, profile = FAMILIES[family]
     path = build_tiny_multimodal(tmp_path / "model", checkpoint) if checkpoint.startswith("vision") \
