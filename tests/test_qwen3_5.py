@@ -6,11 +6,15 @@ from __future__ import annotations
 
 import json
 import logging
+import os
+import shutil
 
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
-from llmexport.errors import InputError
+from llmexport.errors import InputError, LlmExportError
 from llmexport.models.rope import RopeSpec, rope_cos_sin
 from llmexport.source.checkpoint import Checkpoint
 from llmexport.source.loading import open_architecture
@@ -219,6 +223,21 @@ def test_vision_tower_is_left_out_with_one_info_line(tiny_qwen3_5, caplog):
     assert not [r for r in caplog.records if r.name == "llmexport.models.qwen3_5.family"]
 
 
+def test_released_config_keys_read_the_same(tiny_qwen3_5, tmp_path):
+    """The released checkpoints' spellings: layer kinds from ``full_attention_interval``, the keys
+    transformers keeps but does not read (``attn_output_gate``, ``mamba_ssm_dtype``, the MTP head's),
+    the MTP head's tensors beside the text model."""
+    src = tiny_qwen3_5("qwen3_5")
+    path = edit_checkpoint(src, tmp_path / "released", add={"mtp.fc.weight": torch.zeros(64, 128)})
+    config = json.loads((path / "config.json").read_text())
+    text = config["text_config"]
+    text.pop("layer_types")
+    text.update(full_attention_interval=2, attn_output_gate=True, mamba_ssm_dtype="float32", mtp_num_hidden_layers=1,
+                mtp_use_dedicated_embeddings=False, partial_rotary_factor=0.25)
+    (path / "config.json").write_text(json.dumps(config))
+    assert open_architecture(Checkpoint.open(path)).args == open_architecture(Checkpoint.open(src)).args
+
+
 def _text(variant: str, **keys):
     """config.json edits of ``variant``'s text model (under text_config when multimodal)."""
     if MODEL_TYPES[MODEL_TYPE[variant]].multimodal:
@@ -241,6 +260,7 @@ P = "model.language_model.layers"
     ("qwen3_5", dict(edit=_text("qwen3_5", layer_types=["linear_attention", "sliding_attention"] * 2)), "layer_type"),
     ("qwen3_5-text", dict(edit=_text("qwen3_5-text", layer_types=["linear_attention"] * 3)), "layer_type"),
     ("qwen3_5-text", dict(edit=_text("qwen3_5-text", attention_bias=True)), "attention_bias"),
+    ("qwen3_5", dict(edit=_text("qwen3_5", attn_output_gate=False)), "attn_output_gate"),
     ("qwen3_5-text", dict(edit=_text("qwen3_5-text", hidden_act="gelu")), "hidden_act"),
     ("qwen3_5-text", dict(edit=_text("qwen3_5-text", linear_num_value_heads=3)), "multiple of linear_num_key_heads"),
     ("qwen3_5", dict(edit=_text("qwen3_5", rope_parameters={"rope_type": "yarn", "rope_theta": 1e6, "factor": 4.0,
@@ -261,3 +281,37 @@ def test_checkpoint_problems_are_input_errors(tiny_qwen3_5, tmp_path, variant, e
     with pytest.raises(InputError, match=message) as err:
         open_architecture(Checkpoint.open(path))
     assert "\n" not in str(err.value).strip()
+
+
+_JUNK = st.one_of(st.none(), st.booleans(), st.integers(-3, 10**6), st.floats(allow_nan=True), st.text(max_size=6),
+                  st.lists(st.sampled_from(["linear_attention", "full_attention", "x"]), max_size=5),
+                  st.dictionaries(st.text(max_size=3), st.integers(), max_size=2))
+_KEYS = ["num_hidden_layers", "hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim",
+         "intermediate_size", "vocab_size", "rms_norm_eps", "rope_parameters", "tie_word_embeddings", "attention_bias",
+         "hidden_act", "max_position_embeddings", "layer_types", "full_attention_interval", "linear_conv_kernel_dim",
+         "linear_key_head_dim", "linear_value_head_dim", "linear_num_key_heads", "linear_num_value_heads",
+         "num_experts", "num_experts_per_tok", "moe_intermediate_size", "shared_expert_intermediate_size",
+         "attn_output_gate", "text_config"]
+
+
+@settings(max_examples=int(os.environ.get("FUZZ_EXAMPLES", 60)), deadline=None,
+          derandomize=not os.environ.get("FUZZ_EXAMPLES"), suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(variant=st.sampled_from(["qwen3_5", "qwen3_5-text", "qwen3_5-moe-text"]), key=st.sampled_from(_KEYS),
+       value=_JUNK, delete=st.booleans())
+def test_mutated_config_gives_typed_errors(tiny_qwen3_5, tmp_path_factory, variant, key, value, delete):
+    """Whatever a config value is (the text model's, under text_config when multimodal), a typed
+    one-line error or a working architecture comes out."""
+    path = shutil.copytree(tiny_qwen3_5(variant), tmp_path_factory.mktemp("fuzz"), dirs_exist_ok=True)
+    config = json.loads((path / "config.json").read_text())
+    target = config["text_config"] if MODEL_TYPES[MODEL_TYPE[variant]].multimodal and key != "text_config" \
+        else config
+    if delete:
+        target.pop(key, None)
+    else:
+        target[key] = value
+    (path / "config.json").write_text(json.dumps(config))
+    try:
+        arch = open_architecture(Checkpoint.open(path))
+        arch.build_graph()
+    except LlmExportError as exc:
+        assert str(exc) and "\n" not in str(exc).strip()

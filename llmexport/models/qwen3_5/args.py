@@ -5,8 +5,8 @@ The multimodal types (``qwen3_5``, ``qwen3_5_moe``) keep the text model's config
 ``qwen3_5_moe_text``) are that config itself. Either goes through the text config class
 (``Qwen3_5TextConfig`` / ``Qwen3_5MoeTextConfig``, ``from_dict``) first, so absent keys take
 transformers' defaults and ``layer_types`` is derived from ``full_attention_interval`` as the
-reference derives it. Refused by key: attention biases, RoPE types other than the default, an
-activation other than SiLU. M-RoPE's ``mrope_section`` only matters when the three position rows
+reference derives it. Refused by key: attention biases, an ungated attention
+(``attn_output_gate`` false), RoPE types other than the default, an activation other than SiLU. M-RoPE's ``mrope_section`` only matters when the three position rows
 differ (images, video): text prompts give equal rows, and the rotation is 1-D RoPE over the
 first ``head_dim * partial_rotary_factor`` dims (Qwen3_5TextRotaryEmbedding).
 """
@@ -136,6 +136,9 @@ def parse_args(raw: dict[str, Any], config_class: Any, where: str, *, multimodal
     str_value(cfg, "hidden_act", label, "silu", ("silu",))
     if flag_value(cfg, "attention_bias", label, False):
         raise InputError(f"{label}: 'attention_bias' true is not supported")
+    if not flag_value(cfg, "attn_output_gate", label, True):
+        # Qwen3_5Attention always gates (q_proj carries the gate): a checkpoint without it is another model
+        raise InputError(f"{label}: 'attn_output_gate' false is not supported (the gated attention of Qwen3.5)")
     n = int_value(cfg, "num_hidden_layers", label, maximum=max_count)
     hidden, heads = int_value(cfg, "hidden_size", label), int_value(cfg, "num_attention_heads", label)
     kv_heads = int_value(cfg, "num_key_value_heads", label, heads)
