@@ -6,9 +6,10 @@ The multimodal types (``qwen3_5``, ``qwen3_5_moe``) keep the text model's config
 (``Qwen3_5TextConfig`` / ``Qwen3_5MoeTextConfig``, ``from_dict``) first, so absent keys take
 transformers' defaults and ``layer_types`` is derived from ``full_attention_interval`` as the
 reference derives it. Refused by key: attention biases, an ungated attention
-(``attn_output_gate`` false), RoPE types other than the default, an activation other than SiLU. M-RoPE's ``mrope_section`` only matters when the three position rows
-differ (images, video): text prompts give equal rows, and the rotation is 1-D RoPE over the
-first ``head_dim * partial_rotary_factor`` dims (Qwen3_5TextRotaryEmbedding).
+(``attn_output_gate`` false), RoPE types other than the default, an activation other than SiLU.
+M-RoPE's ``mrope_section`` only matters when the three position rows differ (images, video):
+text prompts give equal rows, and the rotation is 1-D RoPE over the first
+``head_dim * partial_rotary_factor`` dims (Qwen3_5TextRotaryEmbedding).
 """
 
 from __future__ import annotations
