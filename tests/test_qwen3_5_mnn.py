@@ -103,6 +103,7 @@ def test_long_prompt_agrees(exported_q16, variant):
     prompt = torch.randint(5, 440, (300,), generator=torch.Generator().manual_seed(7)).tolist()
     report = verify_export(out, path, steps=8, prompt_ids=prompt)
     print(f"\n{variant} q16, 300-token prompt: {summary_line(report)}")
+    assert report.prompt_tokens == 300
     _assert_agrees(report, 8)
     assert report.oracle.max_abs_err < 0.005 and report.fp32.max_abs_err < 0.005
 
