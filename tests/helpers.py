@@ -97,3 +97,12 @@ def rewrite_and_reference(path: Path, ids: torch.Tensor):
     arch = open_architecture(Checkpoint.open(path))
     graph = bind_weights(arch.build_graph(), arch.linear_weight)
     return arch, graph, rewrite_logits(arch, graph, ids), arch.reference_logits(arch.load_reference(None), ids)
+
+
+def assert_alteration_shows(path: Path, alter, ids: torch.Tensor) -> None:
+    """A parity check's guard against being vacuous: ``alter`` (a change to the eager graph of the
+    checkpoint at ``path``) moves its logits on ``ids`` visibly away from HF's."""
+    arch, graph, _, ref = rewrite_and_reference(path, ids)
+    with torch.no_grad():
+        alter(graph)
+    assert (rewrite_logits(arch, graph, ids) - ref).abs().max().item() > 1e-3
