@@ -96,3 +96,12 @@ def tiny_lfm2(tmp_path_factory):
     from llmexport.tiny.lfm2 import build_tiny_lfm2
 
     return _cached_variants(tmp_path_factory, "lfm2", build_tiny_lfm2)
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen3_5(tmp_path_factory):
+    """``tiny_qwen3_5(variant, seed=0)`` -> path of a cached tiny Qwen3.5 checkpoint
+    (variants: llmexport.tiny.qwen3_5.VARIANTS)."""
+    from llmexport.tiny.qwen3_5 import build_tiny_qwen3_5
+
+    return _cached_variants(tmp_path_factory, "qwen3_5", build_tiny_qwen3_5)

@@ -22,9 +22,9 @@ def rewrite_safetensors_header(path: Path, mutate: Callable[[dict], None]) -> No
     path.write_bytes(struct.pack("<Q", len(raw)) + raw + data[8 + n:])
 
 
-def assert_reference_onnx_matches_eager(arch, graph, path: Path, vocab: int = 512) -> None:
+def assert_reference_onnx_matches_eager(arch, graph, path: Path, vocab: int = 512, atol: float = 1e-4) -> None:
     """The standard-op ONNX of ``graph`` (weights bound), run by onnxruntime at other lengths than
-    traced and with both logits_index modes, equals the eager graph within 1e-4."""
+    traced and with both logits_index modes, equals the eager graph within ``atol``."""
     import onnxruntime as ort
 
     from llmexport.trace.eager import prompt_inputs
@@ -40,7 +40,7 @@ def assert_reference_onnx_matches_eager(arch, graph, path: Path, vocab: int = 51
         with torch.no_grad():
             want = graph(*args)[0].numpy()
         assert got.shape == want.shape == (1, seq if all_logits else 1, vocab)
-        assert np.abs(got - want).max() < 1e-4
+        assert np.abs(got - want).max() < atol
 
 
 def edit_checkpoint(src: Path, dst: Path, config: dict | None = None, drop=(), add: dict | None = None,
@@ -66,9 +66,9 @@ def edit_checkpoint(src: Path, dst: Path, config: dict | None = None, drop=(), a
     return dst
 
 
-def custom_nodes(arch, path: Path) -> dict[str, list[dict]]:
-    """The MNN-flavoured trace of ``arch``'s graph at ``path``: attributes of its Linear,
-    Attention, LinearAttention and MoE placeholder ops."""
+def custom_nodes(arch, path: Path, kinds=("Linear", "Attention", "LinearAttention", "MoE")) -> dict[str, list[dict]]:
+    """The MNN-flavoured trace of ``arch``'s graph at ``path``: attributes of its placeholder ops
+    of ``kinds`` (all four by default)."""
     import onnx
 
     from llmexport.trace.onnx_export import export_onnx
@@ -76,5 +76,33 @@ def custom_nodes(arch, path: Path) -> dict[str, list[dict]]:
     export_onnx(arch.build_graph(), arch.graph_inputs(3), path, for_mnn=True)
     nodes = [n for n in onnx.load(str(path)).graph.node if n.domain == "LlmExport"]
     attrs = lambda n: {a.name: onnx.helper.get_attribute_value(a) for a in n.attribute}  # noqa: E731
-    kinds = ("Linear", "Attention", "LinearAttention", "MoE")
     return {kind: [attrs(n) for n in nodes if n.op_type == kind] for kind in kinds}
+
+
+def rewrite_logits(arch, graph, ids: torch.Tensor) -> torch.Tensor:
+    """The eager rewrite's logits [seq, vocab] for the prompt ``ids`` (fed as the runtime feeds it)."""
+    from llmexport.trace.eager import prompt_inputs
+
+    with torch.no_grad():
+        return graph(*prompt_inputs(arch, ids, arch.embedding_table(), None))[0][0]
+
+
+def rewrite_and_reference(path: Path, ids: torch.Tensor):
+    """(architecture, its eager graph with the checkpoint's weights bound, that graph's logits, HF's
+    fp32 logits) for the checkpoint at ``path`` on the prompt ``ids``."""
+    from llmexport.source.checkpoint import Checkpoint
+    from llmexport.source.loading import open_architecture
+    from llmexport.trace.eager import bind_weights
+
+    arch = open_architecture(Checkpoint.open(path))
+    graph = bind_weights(arch.build_graph(), arch.linear_weight)
+    return arch, graph, rewrite_logits(arch, graph, ids), arch.reference_logits(arch.load_reference(None), ids)
+
+
+def assert_alteration_shows(path: Path, alter, ids: torch.Tensor) -> None:
+    """A parity check's guard against being vacuous: ``alter`` (a change to the eager graph of the
+    checkpoint at ``path``) moves its logits on ``ids`` visibly away from HF's."""
+    arch, graph, _, ref = rewrite_and_reference(path, ids)
+    with torch.no_grad():
+        alter(graph)
+    assert (rewrite_logits(arch, graph, ids) - ref).abs().max().item() > 1e-3

@@ -19,31 +19,26 @@ from llmexport.source.checkpoint import Checkpoint
 from llmexport.source.loading import open_architecture
 from llmexport.spec import LinearRole
 from llmexport.tiny.decoders import FAMILIES, VARIANTS, build_decoder_checkpoint, random_config
-from llmexport.trace.eager import bind_weights, prompt_inputs
+from llmexport.trace.eager import bind_weights
 
 from families import parametrize
-from helpers import assert_reference_onnx_matches_eager, custom_nodes, edit_checkpoint
+from helpers import (
+    assert_alteration_shows,
+    assert_reference_onnx_matches_eager,
+    custom_nodes,
+    edit_checkpoint,
+    rewrite_and_reference,
+)
 
 MODEL_TYPE = {variant: family for variant, (family, _) in VARIANTS.items()}
 RANDOM_POINTS = [(family, seed) for family in sorted(FAMILIES) for seed in range(300, 304)]
-
-
-def _logits(arch, graph, ids):
-    with torch.no_grad():
-        return graph(*prompt_inputs(arch, ids, arch.embedding_table(), None))[0][0]
-
-
-def _rewrite_and_reference(path, ids):
-    arch = open_architecture(Checkpoint.open(path))
-    graph = bind_weights(arch.build_graph(), arch.linear_weight)
-    return arch, graph, _logits(arch, graph, ids), arch.reference_logits(arch.load_reference(None), ids)
 
 
 @parametrize("rewrite", "variant", sorted(VARIANTS), MODEL_TYPE.get)
 def test_rewrite_matches_hf(tiny_decoder, variant):
     torch.manual_seed(1)
     ids = torch.randint(5, 440, (21,))
-    arch, _, ours, ref = _rewrite_and_reference(tiny_decoder(variant), ids)
+    arch, _, ours, ref = rewrite_and_reference(tiny_decoder(variant), ids)
     assert arch.checkpoint.model_type == MODEL_TYPE[variant]
     assert ours.shape == ref.shape == (21, 512)
     assert ref.abs().max() > 1.0  # not degenerate
@@ -66,11 +61,7 @@ def test_parity_check_detects_a_change(tiny_decoder, variant, alter):
     """Guards against a vacuous comparison: a q/k norm gamma, the Llama-3 frequency rescaling and
     the router, a sliding layer's window, a q/k/v bias and a NoPE layer each change the logits."""
     torch.manual_seed(1)
-    ids = torch.randint(5, 440, (21,))
-    arch, graph, ours, ref = _rewrite_and_reference(tiny_decoder(variant), ids)
-    with torch.no_grad():
-        alter(graph)
-    assert (_logits(arch, graph, ids) - ref).abs().max().item() > 1e-3
+    assert_alteration_shows(tiny_decoder(variant), alter, torch.randint(5, 440, (21,)))
 
 
 @pytest.mark.parametrize("family, seed", RANDOM_POINTS)
@@ -80,7 +71,7 @@ def test_random_configs_match_hf(tmp_path, family, seed):
                                     dtype=torch.float32 if seed % 2 else torch.bfloat16)
     torch.manual_seed(seed)
     ids = torch.randint(5, 440, (13,))
-    arch, _, ours, ref = _rewrite_and_reference(path, ids)
+    arch, _, ours, ref = rewrite_and_reference(path, ids)
     reference = arch.load_reference(None)
     sparse = [i for i, layer in enumerate(reference.model.layers)
               if type(layer.mlp).__name__.endswith("SparseMoeBlock")]

@@ -8,7 +8,6 @@ import shutil
 
 import pytest
 import torch
-from test_decoder_families import _logits, _rewrite_and_reference
 
 from llmexport.errors import InputError
 from llmexport.source.checkpoint import Checkpoint
@@ -17,7 +16,13 @@ from llmexport.tiny.gemma3 import VARIANTS, build_gemma3_checkpoint, random_conf
 from llmexport.trace.eager import bind_weights
 
 from families import parametrize
-from helpers import assert_reference_onnx_matches_eager, custom_nodes, edit_checkpoint
+from helpers import (
+    assert_reference_onnx_matches_eager,
+    custom_nodes,
+    edit_checkpoint,
+    rewrite_and_reference,
+    rewrite_logits,
+)
 
 
 def _ids(n=21):
@@ -27,7 +32,7 @@ def _ids(n=21):
 
 @parametrize("rewrite", "variant", sorted(VARIANTS), "gemma3_text")
 def test_rewrite_matches_hf(tiny_gemma3, variant):
-    arch, _, ours, ref = _rewrite_and_reference(tiny_gemma3(variant), _ids())
+    arch, _, ours, ref = rewrite_and_reference(tiny_gemma3(variant), _ids())
     assert arch.checkpoint.model_type == "gemma3_text"
     assert ours.shape == ref.shape == (21, 512)
     assert ref.abs().max() > 1.0  # not degenerate
@@ -44,10 +49,10 @@ def test_rewrite_matches_hf(tiny_gemma3, variant):
     ("scaled", lambda g: g.inv_freq_full_attention.mul_(8.0)),
 ])
 def test_parity_check_detects_a_change(tiny_gemma3, variant, alter):
-    arch, graph, _, ref = _rewrite_and_reference(tiny_gemma3(variant), _ids())
+    arch, graph, _, ref = rewrite_and_reference(tiny_gemma3(variant), _ids())
     with torch.no_grad():
         alter(graph)
-    assert (_logits(arch, graph, _ids()) - ref).abs().max().item() > 1e-3
+    assert (rewrite_logits(arch, graph, _ids()) - ref).abs().max().item() > 1e-3
 
 
 def test_sliding_window_is_visible(tiny_gemma3, tmp_path):
@@ -55,8 +60,8 @@ def test_sliding_window_is_visible(tiny_gemma3, tmp_path):
     rewrite follows the window it is given."""
     src = tiny_gemma3("1b")
     wide = edit_checkpoint(src, tmp_path / "wide", config={"sliding_window": 64})
-    _, _, ours, ref = _rewrite_and_reference(wide, _ids())
-    _, _, _, narrow = _rewrite_and_reference(src, _ids())
+    _, _, ours, ref = rewrite_and_reference(wide, _ids())
+    _, _, _, narrow = rewrite_and_reference(src, _ids())
     assert (ours - ref).abs().max().item() < 1e-4
     assert (ref - narrow).abs().max().item() > 1e-3
 
@@ -66,7 +71,7 @@ def test_random_configs_match_hf(tmp_path, seed):
     config = random_config(seed)
     path = build_gemma3_checkpoint(tmp_path / "model", config, seed=seed,
                                    dtype=torch.float32 if seed % 2 else torch.bfloat16)
-    _, _, ours, ref = _rewrite_and_reference(path, _ids(13))
+    _, _, ours, ref = rewrite_and_reference(path, _ids(13))
     assert (ours - ref).abs().max().item() < 1e-4, config
 
 

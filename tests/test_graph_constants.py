@@ -3,7 +3,8 @@
 The export goes ONNX -> MNN (converter) -> JSON -> rebuilt JSON -> MNN, and the converter's JSON
 dump prints floats with six decimals (llmexport/mnn/exact_floats.py). For every family and shape,
 each graph (llm, visual, audio, each MoE expert template) of Gemma4, K2-Horizon (incl. its real
-RoPE setting, base 1e7 at head_dim 128), Llama, Qwen3-MoE and LFM2 (its conv kernels) is checked three ways:
+RoPE setting, base 1e7 at head_dim 128), Llama, Qwen3-MoE, LFM2 (its conv kernels) and Qwen3.5-MoE
+is checked three ways:
 
 1. the converter's own output holds the traced ONNX constants bit for bit (the starting point);
 2. every op of the converter's output that carries floats (constants, attention scales, clip
@@ -46,6 +47,8 @@ CASES = [
     # LFM2: the short convs' kernels [hidden, 1, kernel] are graph constants (LinearAttention's input)
     pytest.param(("lfm2", "dense"), id="lfm2-dense"),
     pytest.param(("lfm2", "moe"), id="lfm2-moe", marks=pytest.mark.slow),
+    # Qwen3.5: the Gated DeltaNet conv kernels, A_log and dt_bias (the recurrence is sensitive to them)
+    pytest.param(("qwen3_5", "qwen3_5-moe"), id="qwen3_5-moe", marks=pytest.mark.slow),
 ]
 K2_CONFIGS = {"dense-hd128": ("dense", dict(head_dim=128, num_attention_heads=2, num_key_value_heads=1))}
 
@@ -64,6 +67,8 @@ def _checkpoint(request, family: str, name: str, tmp_path_factory) -> Path:
         return request.getfixturevalue("tiny_decoder")(name)
     if family == "lfm2":
         return request.getfixturevalue("tiny_lfm2")(name)
+    if family == "qwen3_5":
+        return request.getfixturevalue("tiny_qwen3_5")(name)
     from llmexport.tiny.gemma4_towers import build_tiny_multimodal
 
     return build_tiny_multimodal(tmp_path_factory.mktemp(name), name)

@@ -11,7 +11,6 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from test_decoder_families import _logits, _rewrite_and_reference
 
 from llmexport.errors import InputError, LlmExportError
 from llmexport.source.checkpoint import Checkpoint
@@ -21,7 +20,13 @@ from llmexport.tiny.lfm2 import TOKENIZER_STYLE, VARIANTS, build_lfm2_checkpoint
 from llmexport.trace.eager import bind_weights
 
 from families import parametrize
-from helpers import assert_reference_onnx_matches_eager, custom_nodes, edit_checkpoint
+from helpers import (
+    assert_alteration_shows,
+    assert_reference_onnx_matches_eager,
+    custom_nodes,
+    edit_checkpoint,
+    rewrite_and_reference,
+)
 
 MODEL_TYPE = {variant: model_type for variant, (model_type, _) in VARIANTS.items()}
 
@@ -33,7 +38,7 @@ def _ids(n=21):
 
 @parametrize("rewrite", "variant", sorted(VARIANTS), MODEL_TYPE.get)
 def test_rewrite_matches_hf(tiny_lfm2, variant):
-    arch, _, ours, ref = _rewrite_and_reference(tiny_lfm2(variant), _ids())
+    arch, _, ours, ref = rewrite_and_reference(tiny_lfm2(variant), _ids())
     assert arch.checkpoint.model_type == MODEL_TYPE[variant]
     assert ours.shape == ref.shape == (21, 512)
     assert ref.abs().max() > 1.0  # not degenerate
@@ -45,7 +50,7 @@ def test_random_configs_match_hf(tmp_path, seed):
     model_type, config = random_config(seed)
     path = build_lfm2_checkpoint(tmp_path / "model", model_type, config, seed=seed,
                                  dtype=torch.float32 if seed % 2 else torch.bfloat16)
-    arch, _, ours, ref = _rewrite_and_reference(path, _ids(13))
+    arch, _, ours, ref = rewrite_and_reference(path, _ids(13))
     reference = arch.load_reference(None)
     assert [not hasattr(layer, "conv") for layer in reference.model.layers] == \
         [layer.attention for layer in arch.args.layers]
@@ -67,10 +72,7 @@ def test_random_configs_match_hf(tmp_path, seed):
 def test_parity_check_detects_a_change(tiny_lfm2, variant, alter):
     """Guards against a vacuous comparison: a conv tap, a k norm gamma, the final norm, the
     router's selection bias, its renormalisation and its scale each change the logits."""
-    arch, graph, _, ref = _rewrite_and_reference(tiny_lfm2(variant), _ids())
-    with torch.no_grad():
-        alter(graph)
-    assert (_logits(arch, graph, _ids()) - ref).abs().max().item() > 1e-3
+    assert_alteration_shows(tiny_lfm2(variant), alter, _ids())
 
 
 @parametrize("onnx", "variant", sorted(VARIANTS), MODEL_TYPE.get)

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_decoder_families import _logits, _rewrite_and_reference
 
 from llmexport.errors import InputError
 from llmexport.source.checkpoint import Checkpoint
@@ -14,7 +13,13 @@ from llmexport.tiny.phi3 import VARIANTS
 from llmexport.trace.eager import bind_weights
 
 from families import parametrize
-from helpers import assert_reference_onnx_matches_eager, custom_nodes, edit_checkpoint
+from helpers import (
+    assert_reference_onnx_matches_eager,
+    custom_nodes,
+    edit_checkpoint,
+    rewrite_and_reference,
+    rewrite_logits,
+)
 
 
 def _ids(n=21):
@@ -24,7 +29,7 @@ def _ids(n=21):
 
 @parametrize("rewrite", "variant", sorted(VARIANTS), "phi3")
 def test_rewrite_matches_hf(tiny_phi3, variant):
-    arch, _, ours, ref = _rewrite_and_reference(tiny_phi3(variant), _ids())
+    arch, _, ours, ref = rewrite_and_reference(tiny_phi3(variant), _ids())
     assert arch.checkpoint.model_type == "phi3"
     assert ref.abs().max() > 1.0
     assert (ours - ref).abs().max().item() < 1e-4
@@ -35,10 +40,10 @@ def test_rewrite_matches_hf(tiny_phi3, variant):
     lambda g: setattr(g.layers[0].self_attn, "factor", 1.0),  # no longrope attention factor
 ])
 def test_parity_check_detects_a_change(tiny_phi3, alter):
-    arch, graph, _, ref = _rewrite_and_reference(tiny_phi3("phi4-mini"), _ids())
+    arch, graph, _, ref = rewrite_and_reference(tiny_phi3("phi4-mini"), _ids())
     with torch.no_grad():
         alter(graph)
-    assert (_logits(arch, graph, _ids()) - ref).abs().max().item() > 1e-3
+    assert (rewrite_logits(arch, graph, _ids()) - ref).abs().max().item() > 1e-3
 
 
 @parametrize("onnx", "variant", sorted(VARIANTS), "phi3")

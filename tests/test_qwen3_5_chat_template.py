@@ -3,7 +3,7 @@
 The real template (HF ``Qwen/Qwen3.5-4B``, vendored by llama.cpp as ``models/templates/Qwen3.5-4B.jinja``
 in the llama-cpp-python sdist: tests/real_vocab.py; ``ggml-vocab-qwen35.gguf``'s own
 ``tokenizer.chat_template`` is a plain ChatML template, not Qwen3.5's) is rendered by transformers
-and, in its runtime form (llmexport.models.qwen3_5_chat_template), by the runtime
+and, in its runtime form (llmexport.models.qwen3_5.chat_template), by the runtime
 (``Llm.apply_chat_template`` in a child process that loads a dummy model: tests/mnn_dummy.py,
 tests/mnn_tokenizer_server.py). Every conversation of the corpus (fixed cases plus seeded random
 ones) is compared with thinking off and on.
@@ -24,7 +24,7 @@ from llmexport.errors import InputError
 from llmexport.mnn.config import llm_config
 from llmexport.mnn.tokenizer.writer import write_mnn_tokenizer
 from llmexport.models.chat_templates import ChatCase, TemplateNotDerivable, runtime_messages
-from llmexport.models.qwen3_5_chat_template import (
+from llmexport.models.qwen3_5.chat_template import (
     END_OF_TURN,
     JSON_MACRO,
     REWRITES,

@@ -26,6 +26,7 @@ from llmexport.tiny.decoders import VARIANTS as DECODER_VARIANTS
 from llmexport.tiny.gemma4 import build_gemma4_checkpoint
 from llmexport.tiny.gemma4_towers import build_tiny_multimodal
 from llmexport.tiny.k2_horizon import VARIANTS as K2_VARIANTS
+from llmexport.tiny.qwen3_5 import VARIANTS as QWEN3_5_VARIANTS
 from llmexport.verification.verify import stored_tensors
 
 from conftest import GEMMA4_SHAPES
@@ -93,6 +94,14 @@ def test_gemma4_feature_space(tmp_path, seed):
 def test_decoder_families(tiny_decoder, variant):
     """Llama and Qwen3 variants; Qwen3-MoE's per-expert tensors go through ``reference_slot``."""
     _check_checkpoint(tiny_decoder(variant))
+
+
+@pytest.mark.parametrize("variant", sorted(QWEN3_5_VARIANTS))
+def test_qwen3_5(tiny_qwen3_5, variant):
+    """The multimodal layout's conditional-generation reference (its tower never filled: text
+    prompts do not run it) and the causal LMs; the MoE types' per-expert tensors through
+    ``reference_slot``; the recurrent layers' conv kernels and 1-D constants read once."""
+    _check_checkpoint(tiny_qwen3_5(variant))
 
 
 @pytest.mark.parametrize("variant", sorted(K2_VARIANTS))
@@ -188,6 +197,12 @@ def test_stored_oracle_gemma4(tiny_gemma4, tmp_path, shape, options):
 def test_stored_oracle_decoders(tiny_decoder, tmp_path, variant):
     """Bias records (llama3-tied) and per-expert checkpoint tensors (qwen3-moe)."""
     _check_stored(tiny_decoder(variant), tmp_path / "out", ExportOptions(quant=QuantScheme(4, 32), embed_bit=8))
+
+
+@pytest.mark.slow
+def test_stored_oracle_qwen3_5_moe(tiny_qwen3_5, tmp_path):
+    """The multimodal layout's text linears and per-expert records beside an untouched tower."""
+    _check_stored(tiny_qwen3_5("qwen3_5-moe"), tmp_path / "out", ExportOptions(quant=QuantScheme(4, 32), embed_bit=8))
 
 
 @pytest.mark.slow

@@ -189,6 +189,10 @@ FAMILIES = {
     "phi3": ("phi3", 16, RuntimeProfile.FAST),
     "lfm2": ("lfm2", 8, RuntimeProfile.EXACT),
     "lfm2_moe": ("lfm2_moe", 4, RuntimeProfile.FAST),
+    "qwen3_5": ("qwen3_5", 8, RuntimeProfile.FAST),
+    "qwen3_5_moe": ("qwen3_5_moe", 4, RuntimeProfile.EXACT),
+    "qwen3_5_text": ("qwen3_5_text", 16, RuntimeProfile.FAST),
+    "qwen3_5_moe_text": ("qwen3_5_moe_text", 8, RuntimeProfile.EXACT),
 }
 
 

@@ -28,6 +28,10 @@ FAMILIES: dict[str, str] = {
     "phi3": "llmexport.models.phi3:Phi3",
     "qwen3": "llmexport.models.qwen3:Qwen3",
     "qwen3_moe": "llmexport.models.qwen3:Qwen3Moe",
+    "qwen3_5": "llmexport.models.qwen3_5.family:Qwen3_5",
+    "qwen3_5_moe": "llmexport.models.qwen3_5.family:Qwen3_5Moe",
+    "qwen3_5_moe_text": "llmexport.models.qwen3_5.family:Qwen3_5MoeText",
+    "qwen3_5_text": "llmexport.models.qwen3_5.family:Qwen3_5Text",
     "smollm3": "llmexport.models.smollm3:SmolLM3",
 }
 

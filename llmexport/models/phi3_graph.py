@@ -10,7 +10,7 @@ from torch import nn
 from llmexport.models.decoder.graph import DecoderStack, PreNormLayer
 from llmexport.models.graph_parts import Norm, TensorLookup, const
 from llmexport.models.phi3_args import Phi3Args
-from llmexport.models.rope import rotate
+from llmexport.models.rope import rotate_prefix
 from llmexport.models.tensor_names import NameTable
 from llmexport.trace.ops import FusedAttention, PlaceholderLinear
 
@@ -27,10 +27,7 @@ class FusedQkvAttention(nn.Module):
         self.attn = FusedAttention(index, -1, a.head_dim ** -0.5)
 
     def _rotate(self, x, cos, sin):
-        r = self.rotary_dim
-        if r == self.head_dim:
-            return rotate(x, cos, sin, r)
-        return torch.cat([rotate(x[..., :r], cos, sin, r), x[..., r:]], dim=-1)
+        return rotate_prefix(x, cos, sin, self.rotary_dim, self.head_dim)
 
     def forward(self, x, cos, sin, mask):
         if self.factor != 1.0:

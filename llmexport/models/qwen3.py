@@ -40,10 +40,7 @@ class Qwen3Moe(Qwen3):
     sliding = EVERY_LAYER
 
     def reference_slot(self, tensor: str) -> tuple[str, tuple[Any, ...]]:
-        """An expert's gate/up rows of transformers' stacked ``gate_up_proj`` [E, 2 * width, hidden]
-        (Qwen3MoeExperts: gate first), or its ``down_proj`` [E, hidden, width]."""
-        if self.args.moe is not None:
-            slot = stacked_expert_slot(self.names, tensor, self.args.moe.width)
-            if slot is not None:
-                return slot
-        return super().reference_slot(tensor)
+        """An expert's rows of transformers' stacked ``gate_up_proj`` / ``down_proj``
+        (decoder/names.py ``stacked_expert_slot``)."""
+        slot = stacked_expert_slot(self.names, tensor, self.args.moe.width) if self.args.moe else None
+        return slot if slot is not None else super().reference_slot(tensor)

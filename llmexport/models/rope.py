@@ -72,3 +72,13 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, head_dim: int)
     int: ``x.shape[-1]`` would trace as a dozen shape ops (Shape, Gather, Div, ...) per call."""
     half = head_dim // 2
     return x * cos + torch.cat([-x[..., half:], x[..., :half]], dim=-1) * sin
+
+
+def rotate_prefix(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rotary_dim: int,
+                  head_dim: int) -> torch.Tensor:
+    """Partial rotary (Phi-3, Qwen3.5; transformers' apply_rotary_pos_emb with a narrower
+    cos/sin): ``rotate`` on the first ``rotary_dim`` dims of [1, seq, heads, head_dim] (cos/sin
+    that wide), the rest passed through."""
+    if rotary_dim == head_dim:
+        return rotate(x, cos, sin, rotary_dim)
+    return torch.cat([rotate(x[..., :rotary_dim], cos, sin, rotary_dim), x[..., rotary_dim:]], dim=-1)

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from llmexport.tiny.byte_level_tokenizer import write_checkpoint_tokenizer, write_generation_config
-from llmexport.tiny.weights import randomize
+from llmexport.tiny.weights import save_random
 
 TINY_VOCAB = 512
 # Llama 3.1's RoPE: theta 5e5, frequencies rescaled beyond an 8192-token original context (all three
@@ -150,10 +150,7 @@ def build_decoder_checkpoint(out_dir: Path | str, family: str, config_kwargs: di
     out.mkdir(parents=True, exist_ok=True)
     token_ids = write_checkpoint_tokenizer(out, spec.tokenizer, config_kwargs["vocab_size"], tokenizer_corpus)
     config = getattr(transformers, spec.config_class)(**config_kwargs, **token_ids)
-    torch.manual_seed(seed)
-    model = getattr(transformers, spec.model_class)(config).eval()
-    randomize(model, torch.Generator().manual_seed(seed + 1))
-    model.to(dtype).save_pretrained(out, safe_serialization=True)
+    save_random(spec.model_class, config, out, seed, dtype)
     write_generation_config(out, token_ids)
     return out
 

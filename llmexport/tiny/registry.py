@@ -57,6 +57,15 @@ def _decoder(variant: str) -> Builder:
     return build
 
 
+def _qwen3_5(variant: str) -> Builder:
+    def build(out: Path, seed: int) -> Path:
+        from llmexport.tiny.qwen3_5 import build_tiny_qwen3_5
+
+        return build_tiny_qwen3_5(out, variant, seed=seed)
+
+    return build
+
+
 TINY_BUILDERS: dict[str, Builder] = {
     "gemma3_text": _gemma3,
     "gemma4": _gemma4(text_only=False),
@@ -71,5 +80,9 @@ TINY_BUILDERS: dict[str, Builder] = {
     "phi3": _phi3,
     "qwen3": _decoder("qwen3"),
     "qwen3_moe": _decoder("qwen3-moe"),
+    "qwen3_5": _qwen3_5("qwen3_5"),
+    "qwen3_5_moe": _qwen3_5("qwen3_5-moe"),
+    "qwen3_5_moe_text": _qwen3_5("qwen3_5-moe-text"),
+    "qwen3_5_text": _qwen3_5("qwen3_5-text"),
     "smollm3": _decoder("smollm3"),
 }

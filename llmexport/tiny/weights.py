@@ -26,3 +26,14 @@ def randomize(model: torch.nn.Module, generator: torch.Generator, router_bias_ra
             else:  # norm gammas
                 value = torch.rand(tensor.shape, generator=generator) * 0.8 + 0.6
             tensor.copy_(value.to(tensor.dtype))
+
+
+def save_random(model_class: str, config, out, seed: int, dtype: torch.dtype) -> None:
+    """The transformers class ``model_class`` built from ``config`` (seeded with ``seed``), given
+    random weights (``randomize``, seeded with ``seed + 1``) and saved in ``dtype`` to ``out``."""
+    import transformers
+
+    torch.manual_seed(seed)
+    model = getattr(transformers, model_class)(config).eval()
+    randomize(model, torch.Generator().manual_seed(seed + 1))
+    model.to(dtype).save_pretrained(out, safe_serialization=True)

@@ -11,6 +11,7 @@ reference math with real weights.
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 from typing import Iterator, NamedTuple, Sequence
 
@@ -339,19 +340,40 @@ def gated_delta_rule(q, k, v, gate, beta, l2norm: bool, state: torch.Tensor | No
     """The gated delta rule token by token in fp32 (transformers' torch_recurrent_gated_delta_rule,
     models/qwen3_5/modeling_qwen3_5.py). q, k: [1, seq, k_heads, k_dim]; v: [1, seq, v_heads, v_dim];
     gate, beta: [1, seq, v_heads]. Returns [1, seq, v_heads, v_dim] and the final state."""
-    repeat = v.shape[2] // k.shape[2]
-    q, k = q.repeat_interleave(repeat, dim=2), k.repeat_interleave(repeat, dim=2)
+    # each k head serves ``repeat`` consecutive v heads: a Gather along the heads (repeat_interleave
+    # would trace as an Expand fixed to the traced length)
+    heads = torch.arange(k.shape[2]).repeat_interleave(v.shape[2] // k.shape[2])
+    q, k = q.index_select(2, heads), k.index_select(2, heads)
     if l2norm:
         q = q / torch.sqrt((q * q).sum(-1, keepdim=True) + 1e-6)
         k = k / torch.sqrt((k * k).sum(-1, keepdim=True) + 1e-6)
     q = q / math.sqrt(q.shape[-1])
     if state is None:
         state = v.new_zeros(v.shape[0], v.shape[2], k.shape[-1], v.shape[-1])
-    outputs = []
-    for t in range(v.shape[1]):
-        state = state * gate[:, t].exp()[..., None, None]
-        predicted = (state * k[:, t, :, :, None]).sum(-2)
-        delta = (v[:, t] - predicted) * beta[:, t, :, None]
-        state = state + k[:, t, :, :, None] * delta[:, :, None, :]
-        outputs.append((state * q[:, t, :, :, None]).sum(-2))
+    # Traced for plain ONNX, a Python loop would be unrolled at the traced length: the scripted
+    # copy of the same function exports as an ONNX Loop over the sequence instead. Eager runs the
+    # Python function itself (no TorchScript executor, so no fused kernels change its numerics).
+    recurrence = _scripted_recurrence() if torch.onnx.is_in_onnx_export() else _recurrence
+    return recurrence(q, k, v, gate, beta, state)
+
+
+def _recurrence(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gate: torch.Tensor, beta: torch.Tensor,
+                state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``gated_delta_rule``'s per-token loop on prepared q, k (repeated per value head, normalised,
+    q scaled) from ``state``; TorchScript-compatible (``_scripted_recurrence``)."""
+    outputs: list[torch.Tensor] = []
+    # the length read from ``gate`` (a projection of the input): traced, the conv's output shape
+    # is taken from the example and would fix the trip count at the traced length
+    for t in range(gate.shape[1]):
+        state = state * gate[:, t].exp().unsqueeze(-1).unsqueeze(-1)
+        predicted = (state * k[:, t].unsqueeze(-1)).sum(-2)
+        delta = (v[:, t] - predicted) * beta[:, t].unsqueeze(-1)
+        state = state + k[:, t].unsqueeze(-1) * delta.unsqueeze(-2)
+        outputs.append((state * q[:, t].unsqueeze(-1)).sum(-2))
     return torch.stack(outputs, dim=1), state
+
+
+@functools.cache
+def _scripted_recurrence():
+    """``_recurrence`` compiled by TorchScript (once, on first export)."""
+    return torch.jit.script(_recurrence)

@@ -107,7 +107,11 @@ class DecoderFamily(Architecture):
 
     def check_weights(self) -> None:
         check_tensors(self.checkpoint.weights, self.expected_tensors(), self.checkpoint.path, self.family,
-                      ignored=lambda name: name.endswith(self.ignored_suffixes))
+                      ignored=self.ignored_tensor)
+
+    def ignored_tensor(self, name: str) -> bool:
+        """A checkpoint tensor the export does not need (by default: ``ignored_suffixes``)."""
+        return name.endswith(self.ignored_suffixes)
 
     def linear_weight(self, name: str) -> tuple[torch.Tensor, torch.Tensor | None]:
         source = self.linear_source(name)
@@ -151,10 +155,15 @@ class DecoderFamily(Architecture):
                                   "max_position_embeddings": a.max_position_embeddings}
         if self.sliding_window:
             config["sliding_window"] = self.sliding_window
-        jinja = self.checkpoint_chat_template()
+        jinja = self.runtime_chat_template()
         if jinja:
             config["jinja"] = jinja
         return config
+
+    def runtime_chat_template(self) -> dict[str, Any] | None:
+        """llm_config.json's ``jinja`` block: the checkpoint's own template (a family whose real
+        template the runtime renders differently returns its runtime form)."""
+        return self.checkpoint_chat_template()
 
     def checkpoint_chat_template(self) -> dict[str, str] | None:
         """The checkpoint's own chat template (``chat_template.jinja`` over tokenizer_config.json's)
@@ -208,7 +217,7 @@ class DecoderFamily(Architecture):
         with torch.no_grad():
             for tensor in tensors.names():
                 name, index = self.reference_slot(tensor)
-                if name not in state and tensor.endswith(self.ignored_suffixes):
+                if name not in state and self.ignored_tensor(tensor):
                     continue
                 state[name][index].copy_(tensors.read(tensor))
 

@@ -1,0 +1,187 @@
+"""Qwen3.5 family: ``qwen3_5`` / ``qwen3_5_moe`` (the released multimodal checkpoints,
+Qwen3_5ForConditionalGeneration / Qwen3_5MoeForConditionalGeneration: the text side is exported,
+the vision tower left out) and ``qwen3_5_text`` / ``qwen3_5_moe_text`` (what AutoModelForCausalLM
+saves: Qwen3_5ForCausalLM / Qwen3_5MoeForCausalLM).
+
+Gated DeltaNet layers run on MNN's LinearAttention op, which keeps their conv and recurrent state
+between calls as the Attention op keeps its KV cache; gated full-attention layers on the Attention
+op; routed experts on the MoE op. The graph is in qwen3_5/graph.py. The reference is
+transformers' model of the checkpoint's layout in fp32 (the conditional-generation class, or
+AutoModelForCausalLM); checkpoints keep one tensor per expert, transformers stacks them
+(``reference_slot``).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from torch import nn
+
+from llmexport.models.decoder.family import DecoderFamily, expert_template
+from llmexport.models.decoder.graph import SwiGlu
+from llmexport.models.decoder.names import EXPERT_MLP, MLP, add_mlp, add_routed, pre_norm_shapes, stacked_expert_slot
+from llmexport.models.qwen3_5.args import Qwen3_5Args, parse_args
+from llmexport.models.qwen3_5.chat_template import qwen3_5_jinja
+from llmexport.models.qwen3_5.graph import Qwen3_5Graph
+from llmexport.models.qwen3_5.names import (
+    DELTA_CONSTANTS,
+    MULTIMODAL_PREFIX,
+    QWEN3_5_NAMES,
+    SHARED_MLP,
+    TEXT_PREFIX,
+    VISION_PREFIX,
+)
+from llmexport.models.tensor_checks import Shapes, count_limit, finite_lookup
+from llmexport.models.tensor_names import LinearList
+from llmexport.source.checkpoint import Checkpoint
+from llmexport.spec import ArchitectureSummary, ExpertTemplate, LinearRole
+
+log = logging.getLogger(__name__)
+
+#: checkpoint tensors the text export does not read: the multi-token-prediction head the released
+#: checkpoints ship (Qwen3_5ForCausalLM ignores ``mtp.*`` on load too) and the vision tower
+_NOT_TEXT = ("mtp.", VISION_PREFIX)
+
+
+class Qwen3_5(DecoderFamily):
+    family = "Qwen3.5"
+    #: transformers' text config class (reads config.json or its ``text_config``)
+    config_class = "Qwen3_5TextConfig"
+    #: the reference's class for the multimodal layout
+    multimodal_class = "Qwen3_5ForConditionalGeneration"
+    multimodal = True
+    moe = False
+    ignored_suffixes = ("rotary_emb.inv_freq",)
+
+    def __init__(self, checkpoint: Checkpoint):
+        super().__init__(checkpoint)
+        import transformers
+
+        self.names = QWEN3_5_NAMES.bind(prefix=MULTIMODAL_PREFIX if self.multimodal else TEXT_PREFIX)
+        self.args: Qwen3_5Args = parse_args(checkpoint.config, getattr(transformers, self.config_class),
+                                            str(checkpoint.path / "config.json"), multimodal=self.multimodal,
+                                            moe=self.moe, max_count=count_limit(checkpoint.weights))
+        self._linears = self._collect_linears()
+        self.check_weights()
+        if any(name.startswith(VISION_PREFIX) for name in checkpoint.weights.names()):
+            log.info("%s: the vision tower (%s*) is left out; the text model is exported", checkpoint.path,
+                     VISION_PREFIX)
+
+    def ignored_tensor(self, name: str) -> bool:
+        return name.startswith(_NOT_TEXT) or super().ignored_tensor(name)
+
+    # --- weights ----------------------------------------------------------------------------
+    def _collect_linears(self) -> LinearList:
+        a = self.args
+        h, s = a.hidden_size, a.delta
+        linears = LinearList(self.names)
+        for layer in a.layers:
+            i = layer.index
+            if layer.linear:
+                for key, width in (("delta.qkv", s.channels), ("delta.z", s.value_width), ("delta.b", s.v_heads),
+                                   ("delta.a", s.v_heads)):
+                    linears.add(key, h, width, LinearRole.ATTENTION, layer=i)
+                linears.add("delta.out", s.value_width, h, LinearRole.ATTENTION, layer=i)
+            else:
+                q_width = a.num_heads * a.head_dim
+                linears.add("attn.q", h, 2 * q_width, LinearRole.ATTENTION, layer=i)
+                linears.add("attn.k", h, a.kv_width, LinearRole.ATTENTION, layer=i)
+                linears.add("attn.v", h, a.kv_width, LinearRole.ATTENTION, layer=i)
+                linears.add("attn.o", q_width, h, LinearRole.ATTENTION, layer=i)
+            if a.moe is None:
+                add_mlp(linears, MLP, h, a.intermediate_size, LinearRole.MLP, layer=i)
+            else:
+                add_routed(linears, i, h, a.moe.num_experts, a.moe.width)
+                add_mlp(linears, SHARED_MLP, h, a.moe.shared_width, LinearRole.MLP, layer=i)
+                linears.add("shared.router", h, 1, LinearRole.ROUTER, layer=i)
+        self.add_head(linears)
+        return linears
+
+    def constant_shapes(self) -> Shapes:
+        """Norm gammas, the DeltaNet conv kernels and 1-D constants (A_log, dt_bias)."""
+        a, names, s = self.args, self.names, self.args.delta
+        shapes: Shapes = {names.name("norm.final"): (a.hidden_size,)}
+        for layer in a.layers:
+            i = layer.index
+            if layer.linear:
+                shapes.update(pre_norm_shapes(names, i, a.hidden_size, None))
+                shapes[names.name("delta.conv", layer=i)] = (s.channels, 1, s.kernel)
+                shapes.update({names.name(key, layer=i): (s.v_heads,) for key in DELTA_CONSTANTS})
+                shapes[names.name("delta.norm", layer=i)] = (s.v_dim,)
+            else:
+                shapes.update(pre_norm_shapes(names, i, a.hidden_size, (a.head_dim, a.head_dim)))
+        return shapes
+
+    # --- graph ------------------------------------------------------------------------------
+    def build_graph(self) -> nn.Module:
+        lookup = finite_lookup(self.checkpoint.weights, self.checkpoint.path)
+        return Qwen3_5Graph(self.args, self.names, lookup).eval()
+
+    def expert_templates(self) -> list[ExpertTemplate]:
+        a = self.args
+        if a.moe is None:
+            return []
+        width, h = a.moe.width, a.hidden_size
+        return [expert_template(self.names, "moe.expert", EXPERT_MLP, lambda names: SwiGlu(names, h, width), h,
+                                ((layer.index, layer.index, e) for layer in a.layers
+                                 for e in range(a.moe.num_experts)))]
+
+    def describe(self) -> ArchitectureSummary:
+        a = self.args
+        kinds = tuple(f"{layer.index}: {'gated deltanet' if layer.linear else 'gated attention'}"
+                      f"{', MoE' if a.moe else ''}" for layer in a.layers)
+        details = {"heads": a.num_heads, "kv_heads": a.kv_heads, "head_dim": a.head_dim, "rotary_dim": a.rotary_dim,
+                   "linear_attention": vars(a.delta), "moe": None if a.moe is None else vars(a.moe)}
+        return ArchitectureSummary(self.family, self.checkpoint.model_type, a.num_layers, a.hidden_size, a.vocab_size,
+                                   a.tie_embeddings, kinds, details)
+
+    # --- runtime files ----------------------------------------------------------------------
+    def llm_config(self) -> dict[str, Any]:
+        # "full": the Attention layers take the causal mask, the LinearAttention layers no mask;
+        # text positions need no M-RoPE (no is_mrope key, see graph.py)
+        return self.full_attention_config(self.checkpoint.model_type)
+
+    def runtime_chat_template(self) -> dict[str, Any] | None:
+        """Qwen3.5's real template in the form MNN's runtime renders as transformers does
+        (models/qwen3_5/chat_template.py); another template passes through with the runtime's
+        known differences logged."""
+        return qwen3_5_jinja(self.checkpoint_chat_template())
+
+    def runtime_config(self) -> dict[str, Any]:
+        # fp32 activations, as the other families (docs/supported-models.md)
+        return {"precision": "normal"}
+
+    def end_of_turn_tokens(self) -> tuple[str, ...]:
+        return ("<|im_end|>",)
+
+    # --- reference --------------------------------------------------------------------------
+    def reference_loader(self) -> Any:
+        """The checkpoint's own class: for the multimodal layout the conditional-generation model,
+        whose tensor names are the checkpoint's (its tower never runs on text prompts)."""
+        if not self.multimodal:
+            return super().reference_loader()
+        import transformers
+
+        return getattr(transformers, self.multimodal_class)
+
+    def reference_slot(self, tensor: str) -> tuple[str, tuple[Any, ...]]:
+        """An expert's rows of transformers' stacked ``gate_up_proj`` / ``down_proj``
+        (decoder/names.py ``stacked_expert_slot``); every other tensor where the checkpoint has it."""
+        slot = stacked_expert_slot(self.names, tensor, self.args.moe.width) if self.args.moe else None
+        return slot if slot is not None else (tensor, ())
+
+
+class Qwen3_5Moe(Qwen3_5):
+    family = "Qwen3.5-MoE"
+    config_class = "Qwen3_5MoeTextConfig"
+    multimodal_class = "Qwen3_5MoeForConditionalGeneration"
+    moe = True
+
+
+class Qwen3_5Text(Qwen3_5):
+    multimodal = False
+
+
+class Qwen3_5MoeText(Qwen3_5Moe):
+    multimodal = False
