@@ -89,13 +89,13 @@ def test_a_folded_norm_divides_its_output(formula, seed):
 
 FAMILIES = [("decoder", "llama3"), ("decoder", "llama3-tied"), ("decoder", "qwen2"), ("decoder", "qwen3"),
             ("decoder", "qwen3-moe-mixed"), ("gemma3", "scaled"), ("gemma4", "e2b"), ("lfm2", "dense"),
-            ("lfm2", "moe")]
+            ("lfm2", "moe"), ("qwen3_5", "qwen3_5-text"), ("qwen3_5", "qwen3_5-moe")]
 
 
 @pytest.fixture
-def family_checkpoint(request, tiny_decoder, tiny_gemma3, tiny_gemma4, tiny_lfm2):
+def family_checkpoint(request, tiny_decoder, tiny_gemma3, tiny_gemma4, tiny_lfm2, tiny_qwen3_5):
     kind, variant = request.param
-    return {"decoder": tiny_decoder, "gemma3": tiny_gemma3, "lfm2": tiny_lfm2}[kind](variant) \
+    return {"decoder": tiny_decoder, "gemma3": tiny_gemma3, "lfm2": tiny_lfm2, "qwen3_5": tiny_qwen3_5}[kind](variant) \
         if kind != "gemma4" else tiny_gemma4(variant, text_only=True)
 
 

@@ -20,7 +20,16 @@ from torch import nn
 
 from llmexport.models.decoder.family import DecoderFamily, expert_template
 from llmexport.models.decoder.graph import SwiGlu
-from llmexport.models.decoder.names import EXPERT_MLP, MLP, add_mlp, add_routed, pre_norm_shapes, stacked_expert_slot
+from llmexport.models.decoder.names import (
+    EXPERT_MLP,
+    MLP,
+    ROUTED_EXPERTS,
+    add_mlp,
+    add_routed,
+    layer_scale_groups,
+    pre_norm_shapes,
+    stacked_expert_slot,
+)
 from llmexport.models.qwen3_5.args import Qwen3_5Args, parse_args
 from llmexport.models.qwen3_5.chat_template import qwen3_5_jinja
 from llmexport.models.qwen3_5.graph import Qwen3_5Graph
@@ -35,7 +44,7 @@ from llmexport.models.qwen3_5.names import (
 from llmexport.models.tensor_checks import Shapes, count_limit, finite_lookup
 from llmexport.models.tensor_names import LinearList
 from llmexport.source.checkpoint import Checkpoint
-from llmexport.spec import ArchitectureSummary, ExpertTemplate, LinearRole
+from llmexport.spec import ArchitectureSummary, ExpertTemplate, LinearRole, NormFormula, ScaleGroup
 
 log = logging.getLogger(__name__)
 
@@ -97,6 +106,19 @@ class Qwen3_5(DecoderFamily):
                 linears.add("shared.router", h, 1, LinearRole.ROUTER, layer=i)
         self.add_head(linears)
         return linears
+
+    def scale_groups(self) -> list[ScaleGroup]:
+        """input_layernorm before q/k/v or the DeltaNet's four input projections, the MLP norm before
+        gate/up, v before o (the output gate multiplies each channel, so a scale passes through it),
+        up before down; Qwen3.5's RMSNorms multiply by ``1 + w``. The DeltaNet's out_proj reads the
+        gated norm of the recurrence (not linear in its inputs) and is left alone; the sparse
+        block's norm feeds the routed experts and is skipped."""
+        a = self.args
+        return [group for layer in a.layers for group in layer_scale_groups(
+            self.names, layer.index, ("norm.input", "norm.post_attention"),
+            ("delta.qkv", "delta.z", "delta.b", "delta.a") if layer.linear else ("attn.q", "attn.k", "attn.v"),
+            a.num_heads // a.kv_heads, a.head_dim, NormFormula.OFFSET,
+            mlp_skip=ROUTED_EXPERTS if a.moe is not None else None)]
 
     def constant_shapes(self) -> Shapes:
         """Norm gammas, the DeltaNet conv kernels and 1-D constants (A_log, dt_bias)."""
