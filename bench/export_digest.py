@@ -4,7 +4,7 @@
     python bench/export_digest.py OUT.json --compare BASE.json   # ... and list every difference
 
 Tiny checkpoints of every registered family and variant (Gemma4 in its four shapes and with its
-vision and audio towers, K2-Horizon, the Llama/Qwen3/Qwen3-MoE variants, MLX-quantized Gemma4 and
+vision and audio towers, K2-Horizon, the Llama/Qwen3/Qwen3-MoE variants, LFM2, Qwen3.5, MLX-quantized Gemma4 and
 K2-Horizon) are built from fixed seeds and exported with a spread of options (bits, blocks, sym, HQQ, recipes, a
 quant_config file, lm_head and tower schemes, table widths, runtime profile, chat thinking, ONNX).
 Each case records every file's sha256 (manifest.json too: it lists the options and the plan's
@@ -58,6 +58,10 @@ def _checkpoints(root: Path) -> dict[str, tuple[Path, list[list[str]]]]:
     from llmexport.tiny.gemma4_towers import MULTIMODAL, build_tiny_multimodal
     from llmexport.tiny.k2_horizon import VARIANTS as K2
     from llmexport.tiny.k2_horizon import build_tiny_k2_horizon
+    from llmexport.tiny.lfm2 import VARIANTS as LFM2
+    from llmexport.tiny.lfm2 import build_tiny_lfm2
+    from llmexport.tiny.qwen3_5 import VARIANTS as QWEN3_5
+    from llmexport.tiny.qwen3_5 import build_tiny_qwen3_5
 
     cases: dict[str, tuple[Path, list[list[str]]]] = {}
     for shape in SHAPES:
@@ -70,6 +74,10 @@ def _checkpoints(root: Path) -> dict[str, tuple[Path, list[list[str]]]]:
         cases[f"k2-{variant}"] = (build_tiny_k2_horizon(root / f"k2-{variant}", variant, seed=1), OTHER)
     for variant in DECODERS:
         cases[f"decoder-{variant}"] = (build_tiny_decoder(root / f"decoder-{variant}", variant, seed=1), OTHER)
+    for variant in LFM2:
+        cases[f"lfm2-{variant}"] = (build_tiny_lfm2(root / f"lfm2-{variant}", variant, seed=1), OTHER)
+    for variant in QWEN3_5:
+        cases[f"qwen3_5-{variant}"] = (build_tiny_qwen3_5(root / f"qwen3_5-{variant}", variant, seed=1), OTHER)
     cases.update(_mlx_checkpoints(root))
     return cases
 
