@@ -126,16 +126,28 @@ def _config(model_type: str, text: dict[str, Any], token_ids: dict[str, Any], to
 
 
 def build_qwen3_5_checkpoint(out_dir: Path | str, model_type: str, text: dict[str, Any], *, seed: int = 0,
-                             dtype: torch.dtype = torch.bfloat16) -> Path:
+                             dtype: torch.dtype = torch.bfloat16, tokenizer_corpus: str | None = None) -> Path:
     """Write a random-weight checkpoint of ``model_type`` (a key of ``MODEL_TYPES``) whose text
-    model has the config ``text`` to ``out_dir``."""
+    model has the config ``text`` to ``out_dir`` (``tokenizer_corpus``: the text its tokenizer
+    learns on; default the embedded one)."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    token_ids = write_checkpoint_tokenizer(out, "qwen", text["vocab_size"])
+    token_ids = write_checkpoint_tokenizer(out, "qwen", text["vocab_size"], tokenizer_corpus)
     config = _config(model_type, text, token_ids, Tokenizer.from_file(str(out / "tokenizer.json")))
     save_random(MODEL_TYPES[model_type].model_class, config, out, seed, dtype)
     write_generation_config(out, token_ids)
     return out
+
+
+def trained_config(vocab_size: int) -> tuple[str, dict[str, Any]]:
+    """A text-only Qwen3.5 of about 1M parameters in the released pattern (three Gated DeltaNet
+    layers per full-attention layer, tied embeddings), for models trained on real text
+    (llmexport.tiny.trained): (model type, text config)."""
+    return "qwen3_5_text", {**TEXT_BASE, **dict(
+        vocab_size=vocab_size, hidden_size=128, intermediate_size=256, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=32, tie_word_embeddings=True,
+        layer_types=["linear_attention"] * 3 + ["full_attention"], linear_key_head_dim=32,
+        linear_value_head_dim=32, linear_num_key_heads=2, linear_num_value_heads=4)}
 
 
 def build_tiny_qwen3_5(out_dir: Path | str, variant: str, *, seed: int = 0,

@@ -58,7 +58,15 @@ def _llama_writer(out: Path, vocab_size: int, overrides: dict[str, Any], text: s
                                     tokenizer_corpus=text)
 
 
-WRITERS: dict[str, Writer] = {"gemma4": _gemma4_writer, "llama": _llama_writer}
+def _qwen3_5_writer(out: Path, vocab_size: int, overrides: dict[str, Any], text: str, seed: int) -> Path:
+    from llmexport.tiny.qwen3_5 import build_qwen3_5_checkpoint, trained_config
+
+    model_type, config = trained_config(vocab_size)
+    return build_qwen3_5_checkpoint(out, model_type, {**config, **overrides}, seed=seed, dtype=torch.float32,
+                                    tokenizer_corpus=text)
+
+
+WRITERS: dict[str, Writer] = {"gemma4": _gemma4_writer, "llama": _llama_writer, "qwen3_5": _qwen3_5_writer}
 
 
 @dataclass(frozen=True)
@@ -105,6 +113,9 @@ RECIPES: dict[str, TrainRecipe] = {
                                 ("layer_types", ("sliding_attention", "sliding_attention", "sliding_attention",
                                                  "full_attention", "sliding_attention", "full_attention")),
                                 ("num_hidden_layers", 6), ("num_kv_shared_layers", 2))),
+    # a Qwen3.5 text model (Gated DeltaNet + gated attention) trained on the built-in text: the
+    # recurrence's sensitivity judged on trained weights rather than random ones
+    "qwen3_5": TrainRecipe("qwen3_5", "qwen3_5", vocab_size=1024, seq_len=64, batch_size=16, steps=400, lr=4e-3),
 }
 
 
