@@ -213,6 +213,15 @@ class Qwen3_5(DecoderFamily):
 
         return getattr(transformers, self.multimodal_class)
 
+    def empty_reference(self, trust_remote_code: bool = False) -> nn.Module:
+        """The reference on the meta device; where the checkpoint has no tower (mlx-lm's port drops
+        it and its config, so transformers would build its default one), the tower is left out:
+        it never runs on text prompts and has nothing to be filled from."""
+        model = super().empty_reference(trust_remote_code)
+        if self.multimodal and not any(n.startswith(VISION_PREFIX) for n in self.checkpoint.weights.names()):
+            model.get_submodule("model").visual = nn.Module()
+        return model
+
     def reference_slot(self, tensor: str) -> tuple[str, tuple[Any, ...]]:
         """An expert's rows of transformers' stacked ``gate_up_proj`` / ``down_proj``
         (decoder/names.py ``stacked_expert_slot``); every other tensor where the checkpoint has it."""
