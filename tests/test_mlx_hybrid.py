@@ -37,7 +37,8 @@ from llmexport.errors import InputError  # noqa: E402
 from llmexport.mnn.config import RuntimeProfile  # noqa: E402
 from llmexport.models.tensor_names import rename_rule  # noqa: E402
 from llmexport.quant.scheme import QuantMethod  # noqa: E402
-from llmexport.source.checkpoint import Checkpoint  # noqa: E402
+from llmexport.reference.streamed import mapped_blocks, streamed_reference  # noqa: E402
+from llmexport.source.checkpoint import Checkpoint, CheckpointTensors  # noqa: E402
 from llmexport.source.importers.mlx import MlxCheckpoint  # noqa: E402
 from llmexport.source.loading import open_architecture  # noqa: E402
 from llmexport.spec import MlxLayout  # noqa: E402
@@ -161,6 +162,34 @@ def test_reshaping_rule_on_a_quantized_tensor_is_refused(converted):
                                     "model.layers.{layer}.conv.in_proj.weight", transpose=True),))
     with pytest.raises(InputError, match=r"model\.layers\.0\.conv\.in_proj\.weight: stored \[192, 8\] quantized"):
         MlxCheckpoint(Checkpoint.open(mlx_path), layout)
+
+
+def _reference_logits(arch, ids: list[int]) -> np.ndarray:
+    with mapped_blocks():
+        model = streamed_reference(arch, CheckpointTensors(arch.checkpoint.weights))
+        return arch.reference_logits(model, torch.tensor(ids)).numpy()
+
+
+@pytest.mark.parametrize("name", sorted(BUILDS))
+def test_hf_view_is_the_mlx_model(converted, name):
+    """The HF model built from the MLX view (what verification's references carry) gives mlx-lm's
+    own model's logits, both in fp32 (mlx-lm's run cast to fp32: its scales and biases exactly);
+    not vacuous: the same view without the layout's value rules (conv kernels as reshaped, the
+    ``1 + w`` gammas as stored) is far off on Qwen3.5."""
+    from mlx_lm.utils import load as mlx_load
+
+    _, mlx_path = converted(name)
+    ids = [int(i) for i in np.random.RandomState(0).randint(0, 500, 16)]
+    model, _ = mlx_load(str(mlx_path))
+    model.set_dtype(mx.float32)
+    mlx_logits = np.array(model(mx.array(ids)[None]).astype(mx.float32))[0]
+    arch = open_architecture(Checkpoint.open(mlx_path))
+    assert np.abs(_reference_logits(arch, ids) - mlx_logits).max() < 2e-4
+    if name.startswith("qwen3_5"):
+        cls = type(arch)
+        plain = MlxLayout(tuple(r for r in cls.mlx_layout(arch.checkpoint.config).rules if not r.offset))
+        wrong = cls(MlxCheckpoint(Checkpoint.open(mlx_path), plain))
+        assert np.abs(_reference_logits(wrong, ids) - mlx_logits).max() > 0.1
 
 
 def test_text_only_qwen3_5_has_no_mlx_layout(converted, tmp_path):
