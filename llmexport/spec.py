@@ -454,12 +454,23 @@ class MlxRule:
     ``hf``: the ``re`` replacement giving the HF name. ``split``: the MLX tensor stacks experts
     along axis 0 and ``hf`` holds ``{e}``, one HF tensor per expert. ``part``: (index, count) when
     ``count`` MLX tensors are one HF tensor joined along the rows (axis -2), in index order.
+    ``transpose``: a float tensor whose last two axes are HF's swapped (mlx-lm's ``Conv1d`` kernel
+    ``[C, K, 1]`` for HF's ``[C, 1, K]``). ``offset``: a float tensor mlx-lm stores as HF's value
+    plus ``offset`` (norm gammas whose ``1 + w`` mlx-lm folds in); HF's value is read back as
+    ``stored - offset`` in fp32.
     """
 
     pattern: str
     hf: str
     split: bool = False
     part: tuple[int, int] = (0, 1)
+    transpose: bool = False
+    offset: float = 0.0
+
+    @property
+    def reshapes(self) -> bool:
+        """Whether HF's value differs from the stored one (only float tensors can be mapped back)."""
+        return self.transpose or self.offset != 0.0
 
 
 @dataclass(frozen=True)

@@ -146,12 +146,14 @@ def _replacement(pattern: str, literal: Mapping[str, str]) -> str:
     return "".join(out)
 
 
-def rename_rule(source: str, target: str, split: str | None = None, part: tuple[int, int] = (0, 1)) -> MlxRule:
+def rename_rule(source: str, target: str, split: str | None = None, part: tuple[int, int] = (0, 1), *,
+                transpose: bool = False, offset: float = 0.0) -> MlxRule:
     """The MLX importer's rule from names of the open pattern ``source`` to ``target`` (same
     fields); ``split``: the field ``source`` stacks along its first axis (one ``target`` per value);
-    ``part``: which of the row blocks of ``target`` it is (``MlxRule``)."""
+    ``part``: which of the row blocks of ``target`` it is; ``transpose``/``offset``: how a float
+    tensor's stored value differs from HF's (``MlxRule``)."""
     literal = {split: "{e}"} if split else {}  # the importer fills in each expert for "{e}"
-    return MlxRule(regex(source), _replacement(target, literal), split is not None, part)
+    return MlxRule(regex(source), _replacement(target, literal), split is not None, part, transpose, offset)
 
 
 def prefix_rule(source: str, target: str) -> MlxRule:

@@ -31,11 +31,11 @@ from llmexport.models.decoder.names import (
 )
 from llmexport.models.lfm2.args import Lfm2Args, parse_args
 from llmexport.models.lfm2.graph import Lfm2Graph
-from llmexport.models.lfm2.names import LFM2_NAMES
+from llmexport.models.lfm2.names import LFM2_NAMES, MLX_CONV, MLX_RENAMED
 from llmexport.models.tensor_checks import Shapes, count_limit, finite_lookup
-from llmexport.models.tensor_names import LinearList
+from llmexport.models.tensor_names import LinearList, rename_rule, weight_name
 from llmexport.source.checkpoint import Checkpoint
-from llmexport.spec import ArchitectureSummary, ExpertTemplate, LinearRole, ScaleGroup
+from llmexport.spec import ArchitectureSummary, ExpertTemplate, LinearRole, MlxLayout, ScaleGroup
 
 
 class Lfm2(DecoderFamily):
@@ -131,6 +131,16 @@ class Lfm2(DecoderFamily):
 
     def end_of_turn_tokens(self) -> tuple[str, ...]:
         return ("<|im_end|>",)
+
+    # --- MLX checkpoints (llmexport/source/importers/mlx) ------------------------------------------------
+    @classmethod
+    def mlx_layout(cls, config: dict[str, Any]) -> MlxLayout:
+        """mlx-lm's port (names.py ``MLX_CONV``, ``MLX_RENAMED``): the conv kernel's axes swapped
+        back, the renamed MLPs, each stacked expert tensor split into its experts' weights."""
+        names = LFM2_NAMES
+        renamed = [rename_rule(mlx, weight_name(names.pattern(key)), split="expert" if split else None)
+                   for mlx, (key, split) in MLX_RENAMED.items()]
+        return MlxLayout((rename_rule(MLX_CONV, names.pattern("conv.weight"), transpose=True), *renamed))
 
     # --- reference --------------------------------------------------------------------------
     def reference_slot(self, tensor: str) -> tuple[str, tuple[Any, ...]]:

@@ -37,3 +37,17 @@ LFM2_NAMES = NameTable({
     "reference.experts.gate_up": "model.layers.{layer}.feed_forward.experts.gate_up_proj",  # [E, 2 * width, hidden]
     "reference.experts.down": "model.layers.{layer}.feed_forward.experts.down_proj",  # [E, hidden, width]
 })
+
+#: mlx-lm's port (mlx_lm/models/lfm2.py, lfm2_moe.py ``sanitize``): HF's names except the conv
+#: kernel, stored [hidden, kernel, 1] (MLX's Conv1d layout), LFM2-MoE's MLPs renamed w1/w3/w2 ->
+#: gate_proj/up_proj/down_proj, and its experts stacked as SwitchGLU's ``switch_mlp`` [E, out, in].
+#: Values: (key, expert split). mlx-lm's head is always the token table (``as_linear``).
+MLX_CONV = "model.layers.{layer}.conv.conv.weight"
+MLX_RENAMED = {
+    "model.layers.{layer}.feed_forward.gate_proj.weight": ("mlp.gate", False),
+    "model.layers.{layer}.feed_forward.up_proj.weight": ("mlp.up", False),
+    "model.layers.{layer}.feed_forward.down_proj.weight": ("mlp.down", False),
+    "model.layers.{layer}.feed_forward.switch_mlp.gate_proj.weight": ("moe.expert.gate", True),
+    "model.layers.{layer}.feed_forward.switch_mlp.up_proj.weight": ("moe.expert.up", True),
+    "model.layers.{layer}.feed_forward.switch_mlp.down_proj.weight": ("moe.expert.down", True),
+}

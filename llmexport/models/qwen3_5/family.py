@@ -35,6 +35,11 @@ from llmexport.models.qwen3_5.chat_template import qwen3_5_jinja
 from llmexport.models.qwen3_5.graph import Qwen3_5Graph
 from llmexport.models.qwen3_5.names import (
     DELTA_CONSTANTS,
+    MLX_EXPERTS,
+    MLX_HEAD,
+    MLX_OFFSET_NORMS,
+    MLX_TEXT_PREFIX,
+    MLX_TRANSPOSED,
     MULTIMODAL_PREFIX,
     QWEN3_5_NAMES,
     SHARED_MLP,
@@ -42,9 +47,9 @@ from llmexport.models.qwen3_5.names import (
     VISION_PREFIX,
 )
 from llmexport.models.tensor_checks import Shapes, count_limit, finite_lookup
-from llmexport.models.tensor_names import LinearList
+from llmexport.models.tensor_names import LinearList, prefix_rule, rename_rule, weight_name
 from llmexport.source.checkpoint import Checkpoint
-from llmexport.spec import ArchitectureSummary, ExpertTemplate, LinearRole, NormFormula, ScaleGroup
+from llmexport.spec import ArchitectureSummary, ExpertTemplate, LinearRole, MlxLayout, NormFormula, ScaleGroup
 
 log = logging.getLogger(__name__)
 
@@ -177,6 +182,27 @@ class Qwen3_5(DecoderFamily):
     def end_of_turn_tokens(self) -> tuple[str, ...]:
         return ("<|im_end|>",)
 
+    # --- MLX checkpoints (llmexport/source/importers/mlx) ------------------------------------------------
+    @classmethod
+    def mlx_layout(cls, config: dict[str, Any]) -> MlxLayout | None:
+        """mlx-lm's port of the multimodal types (names.py ``MLX_*``): the text model under
+        ``language_model.``, the ``1 + w`` norm gammas and the conv kernels mapped back to HF's
+        values and shapes, each stacked expert tensor split into its experts' weights. mlx-lm 0.32
+        has no port of the text-only types (docs/mlx-import.md)."""
+        if not cls.multimodal:
+            return None
+        hf = QWEN3_5_NAMES.bind(prefix=MULTIMODAL_PREFIX)
+        mlx = QWEN3_5_NAMES.bind(prefix=MLX_TEXT_PREFIX)
+        experts = MLX_EXPERTS.bind(prefix=MLX_TEXT_PREFIX)
+        return MlxLayout((
+            *(rename_rule(mlx.pattern(key), hf.pattern(key), offset=1.0) for key in MLX_OFFSET_NORMS),
+            rename_rule(mlx.pattern(MLX_TRANSPOSED), hf.pattern(MLX_TRANSPOSED), transpose=True),
+            *(rename_rule(experts.pattern(key), weight_name(hf.pattern(key)), split="expert")
+              for key in MLX_EXPERTS.patterns),
+            prefix_rule(MLX_TEXT_PREFIX + ".", MULTIMODAL_PREFIX + "."),
+            prefix_rule(MLX_HEAD + ".", hf.name("lm_head") + "."),
+        ))
+
     # --- reference --------------------------------------------------------------------------
     def reference_loader(self) -> Any:
         """The checkpoint's own class: for the multimodal layout the conditional-generation model,
@@ -186,6 +212,15 @@ class Qwen3_5(DecoderFamily):
         import transformers
 
         return getattr(transformers, self.multimodal_class)
+
+    def empty_reference(self, trust_remote_code: bool = False) -> nn.Module:
+        """The reference on the meta device; where the checkpoint has no tower (mlx-lm's port drops
+        it and its config, so transformers would build its default one), the tower is left out:
+        it never runs on text prompts and has nothing to be filled from."""
+        model = super().empty_reference(trust_remote_code)
+        if self.multimodal and not any(n.startswith(VISION_PREFIX) for n in self.checkpoint.weights.names()):
+            model.get_submodule("model").visual = nn.Module()
+        return model
 
     def reference_slot(self, tensor: str) -> tuple[str, tuple[Any, ...]]:
         """An expert's rows of transformers' stacked ``gate_up_proj`` / ``down_proj``

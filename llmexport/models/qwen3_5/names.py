@@ -57,3 +57,18 @@ QWEN3_5_NAMES = NameTable({
 #: the shared expert's gated MLP (gate, up, down)
 SHARED_MLP = ("shared.gate", "shared.up", "shared.down")
 DELTA_CONSTANTS = ("delta.A_log", "delta.dt_bias")
+
+# --- mlx-lm's port (mlx_lm/models/qwen3_5.py, qwen3_5_moe.py ``sanitize``) --------------------------
+#: where mlx-lm keeps the multimodal text model and its head (the tower and ``mtp.*`` are dropped)
+MLX_TEXT_PREFIX, MLX_HEAD = "language_model.model", "language_model.lm_head"
+#: gammas mlx-lm stores as ``1 + w`` (its RMSNorm multiplies by the weight; the DeltaNet's gated
+#: norm already does and is stored as is)
+MLX_OFFSET_NORMS = ("norm.final", "norm.input", "norm.post_attention", "norm.q", "norm.k")
+#: HF's conv kernel [channels, 1, kernel], stored [channels, kernel, 1] (MLX's Conv1d)
+MLX_TRANSPOSED = "delta.conv"
+#: the routed experts stacked as SwitchGLU's ``switch_mlp`` [E, out, in]
+MLX_EXPERTS = NameTable({
+    "moe.expert.gate": "{prefix}.layers.{layer}.mlp.switch_mlp.gate_proj.weight",
+    "moe.expert.up": "{prefix}.layers.{layer}.mlp.switch_mlp.up_proj.weight",
+    "moe.expert.down": "{prefix}.layers.{layer}.mlp.switch_mlp.down_proj.weight",
+})

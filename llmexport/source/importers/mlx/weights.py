@@ -3,7 +3,7 @@ layout says, dequantized on read, and offered with their stored integers (``Preq
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Iterator
 
 import numpy as np
@@ -24,12 +24,16 @@ class _Source:
     biases: LazyRows | None = None
     info: QuantInfo | None = None
     expert: int | None = None
+    transpose: bool = False  # a float tensor: HF's last two axes are the stored ones swapped
+    offset: float = 0.0  # a float tensor: HF's value is the stored one minus this
 
     @property
     def shape(self) -> tuple[int, ...]:
         shape = list(self.weight.shape[1:] if self.expert is not None else self.weight.shape)
         if self.info is not None:
             shape[-1] = shape[-1] * 32 // self.info.bits
+        if self.transpose:
+            shape[-2:] = shape[-1], shape[-2]
         return tuple(shape)
 
     def read(self, start: int, stop: int | None) -> Prequantized | torch.Tensor:
@@ -40,10 +44,17 @@ class _Source:
             return lazy.rows(self.expert, self.expert + 1)[0][start:stop]
 
         if self.info is None:
-            return rows(self.weight)
+            return self._as_hf(rows(self.weight))
         assert self.scales is not None and self.biases is not None  # a quantized source has both
         levels = unpack_levels(rows(self.weight), self.info.bits)
         return Prequantized(levels, rows(self.scales), rows(self.biases), self.info.bits, self.info.group)
+
+    def _as_hf(self, stored: torch.Tensor) -> torch.Tensor:
+        """A float tensor as HF holds it: axes swapped back, the offset taken off in fp32 (exact
+        for a stored ``w + 1`` in bf16/fp16, whose difference from 1 fits fp32's mantissa)."""
+        if self.transpose:
+            stored = stored.transpose(-1, -2).contiguous()  # rows are read along axis 0, which is never swapped
+        return stored.float() - self.offset if self.offset else stored
 
 
 def _dequantized(value: Prequantized | torch.Tensor) -> torch.Tensor:
@@ -71,7 +82,7 @@ class _HfTensor:
 
     @property
     def dtype(self) -> torch.dtype:
-        return torch.float32 if any(p.info for p in self.parts) else self.parts[0].weight.dtype
+        return torch.float32 if any(p.info or p.offset for p in self.parts) else self.parts[0].weight.dtype
 
     def read(self, start: int, stop: int | None) -> Prequantized | torch.Tensor:
         """Rows [start, stop) along the first axis; parts are joined along axis -2."""
@@ -165,6 +176,12 @@ class MlxWeights:
     def _add(self, mlx_name: str, source: _Source, layout: MlxLayout) -> None:
         hf, rule = layout.hf_name(mlx_name)
         index, count = rule.part if rule else (0, 1)
+        if rule is not None and rule.reshapes:
+            if source.info is not None or len(source.weight.shape) < (3 if rule.transpose else 1):
+                raise InputError(f"{self.where}: {mlx_name}: stored {list(source.weight.shape)}"
+                                 f"{' quantized' if source.info else ''} where mlx-lm's layout has a float "
+                                 f"tensor{' of 3 axes' if rule.transpose else ''}")
+            source = replace(source, transpose=rule.transpose, offset=rule.offset)
         experts = range(source.weight.shape[0]) if rule and rule.split else [None]
         for e in experts:
             name = hf if e is None else hf.replace("{e}", str(e))
