@@ -20,7 +20,7 @@ from llmexport.source.checkpoint import Checkpoint
 from llmexport.source.loading import open_architecture
 from llmexport.spec import LinearRole
 from llmexport.tiny.byte_level_tokenizer import CHATML_TEMPLATE
-from llmexport.tiny.qwen3_5 import MODEL_TYPES, VARIANTS, build_qwen3_5_checkpoint, random_config
+from llmexport.tiny.qwen3_5 import MODEL_TYPES, VARIANTS, build_qwen3_5_checkpoint, random_config, restack_experts
 from llmexport.trace.eager import bind_weights
 from llmexport.trace.ops import GATED_DELTA_RULE
 
@@ -58,8 +58,36 @@ def test_rewrite_matches_hf(tiny_qwen3_5, variant):
     _assert_close(ours, ref)
 
 
+def test_stacked_and_per_expert_layouts_export_the_same_model(tiny_qwen3_5, tmp_path):
+    """The same weights stored per expert and stacked: each stacked expert reads gate_up [2 * width,
+    hidden] and down [hidden, width] rows of its tensors and the eager graphs give the same logits."""
+    per_expert = tiny_qwen3_5("qwen3_5-moe")
+    stacked = shutil.copytree(per_expert, tmp_path / "stacked")
+    restack_experts(stacked)
+    torch.manual_seed(2)
+    ids = torch.randint(5, 440, (13,))
+    (a, graph_a, ours_a, _), (b, graph_b, ours_b, _) = (rewrite_and_reference(p, ids) for p in (per_expert, stacked))
+    assert (a.stacked, b.stacked) == (False, True)
+    assert (ours_a - ours_b).abs().max().item() < 1e-6 * ours_a.abs().max().item()
+    width, hidden = a.args.moe.width, a.args.hidden_size
+    name = f"{P}.2.mlp.experts.5"
+    gate_up, _ = b.linear_weight(f"{name}.gate_up_proj")
+    down, _ = b.linear_weight(f"{name}.down_proj")
+    assert gate_up.shape == (2 * width, hidden) and down.shape == (hidden, width)
+    assert torch.equal(gate_up, torch.cat([a.linear_weight(f"{name}.gate_proj")[0],
+                                           a.linear_weight(f"{name}.up_proj")[0]]))
+    assert torch.equal(down, a.linear_weight(f"{name}.down_proj")[0])
+    assert {s.role for s in b.linears() if ".experts." in s.name} == {LinearRole.EXPERT}
+
+
 def _layer(graph, kind: str):
     return next(layer.self_attn for layer in graph.layers if type(layer.self_attn).__name__ == kind)
+
+
+def _swap_gate_up(experts) -> None:
+    for expert in experts:
+        gate, up = expert.gate_up_proj.weight.chunk(2)
+        expert.gate_up_proj.weight.copy_(torch.cat([up, gate]))
 
 
 @pytest.mark.parametrize("variant, alter", [
@@ -75,6 +103,8 @@ def _layer(graph, kind: str):
     # the router and the shared expert's gate
     ("qwen3_5-moe", lambda g: g.layers[1].mlp.routed.gate.weight.mul_(1.5)),
     ("qwen3_5-moe-text", lambda g: g.layers[0].mlp.shared_expert_gate.weight.mul_(-1.0)),
+    # a stacked checkpoint's fused experts: gate rows first (swapped halves change the logits)
+    ("qwen3_5-moe-stacked", lambda g: _swap_gate_up(g.layers[0].mlp.routed.experts.experts)),
 ])
 def test_parity_check_detects_a_change(tiny_qwen3_5, variant, alter):
     """Guards against a vacuous comparison: each altered weight or constant moves the logits."""
@@ -140,7 +170,7 @@ def test_plain_onnx_recurrence_is_a_loop(tiny_qwen3_5, tmp_path):
     assert ops.count("Loop") == sum(layer.linear for layer in arch.args.layers) == 2
 
 
-@pytest.mark.parametrize("variant", ["qwen3_5", "qwen3_5-moe-text"])
+@pytest.mark.parametrize("variant", ["qwen3_5", "qwen3_5-moe-text", "qwen3_5-moe-stacked"])
 def test_mnn_flavour_has_placeholders_and_ops(tiny_qwen3_5, tmp_path, variant):
     arch = open_architecture(Checkpoint.open(tiny_qwen3_5(variant)))
     path = tmp_path / "llm.onnx"
@@ -253,6 +283,15 @@ P = "model.language_model.layers"
      "not mapped by the Qwen3.5"),
     ("qwen3_5-moe", dict(drop=[f"{P}.2.mlp.experts.5.up_proj.weight"]), "experts.5.up_proj.weight' missing"),
     ("qwen3_5-moe", dict(drop=[f"{P}.1.mlp.shared_expert_gate.weight"]), "shared_expert_gate.weight' missing"),
+    # stacked experts: incomplete, mixed with per-expert tensors either way, a wrong row count
+    ("qwen3_5-moe-stacked", dict(drop=[f"{P}.2.mlp.experts.down_proj"]), r"experts.down_proj' missing"),
+    ("qwen3_5-moe-stacked", dict(drop=[f"{P}.3.mlp.experts.gate_up_proj"]), r"experts.gate_up_proj' missing"),
+    ("qwen3_5-moe-stacked", dict(add={f"{P}.0.mlp.experts.4.up_proj.weight": torch.zeros(32, 64)}),
+     r"both stacked .*experts.4.up_proj.weight"),
+    ("qwen3_5-moe", dict(add={f"{P}.1.mlp.experts.down_proj": torch.zeros(8, 64, 32)}),
+     r"both stacked \('model.language_model.layers.1.mlp.experts.down_proj'\)"),
+    ("qwen3_5-moe-stacked", dict(reshape={f"{P}.1.mlp.experts.gate_up_proj": (8, 32, 64)}), r"has shape \[8, 32, 64\]"),
+    ("qwen3_5-moe-stacked", dict(reshape={f"{P}.1.mlp.experts.down_proj": (7, 64, 32)}), r"has shape \[7, 64, 32\]"),
     ("qwen3_5", dict(edit=_text("qwen3_5", layer_types=["linear_attention", "sliding_attention"] * 2)), "layer_type"),
     ("qwen3_5-text", dict(edit=_text("qwen3_5-text", layer_types=["linear_attention"] * 3)), "layer_type"),
     ("qwen3_5-text", dict(edit=_text("qwen3_5-text", attention_bias=True)), "attention_bias"),

@@ -102,7 +102,7 @@ def test_long_prompt_agrees(exported_q16, variant):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("variant", ["qwen3_5-text", "qwen3_5-moe"])
+@pytest.mark.parametrize("variant", ["qwen3_5-text", "qwen3_5-moe", "qwen3_5-moe-stacked"])
 def test_4bit_export(tiny_qwen3_5, tmp_path, variant):
     path, out = tiny_qwen3_5(variant), tmp_path / "q4"
     export(path, out, ExportOptions(quant=QuantScheme(4, 64)))

@@ -3,7 +3,8 @@
 ``qwen3_5`` / ``qwen3_5_moe`` are the released layout (``Qwen3_5ForConditionalGeneration`` /
 ``Qwen3_5MoeForConditionalGeneration``: the text model under ``model.language_model.``, a tiny
 vision tower under ``model.visual.``); ``qwen3_5_text`` / ``qwen3_5_moe_text`` are what
-``AutoModelForCausalLM`` saves (``Qwen3_5ForCausalLM`` / ``Qwen3_5MoeForCausalLM``). Every variant
+``AutoModelForCausalLM`` saves (``Qwen3_5ForCausalLM`` / ``Qwen3_5MoeForCausalLM``);
+``qwen3_5-moe-stacked`` stores its routed experts stacked, as mlx-lm's sanitize reads them. Every variant
 mixes Gated DeltaNet (``linear_attention``) and gated full-attention layers, with more value heads
 than key heads in the linear layers, partial rotary (0.25) and M-RoPE sections as released.
 Qwen's ByteLevel BPE tokenizer with the ChatML template (llmexport.tiny.byte_level_tokenizer),
@@ -13,6 +14,7 @@ bf16 weights (llmexport.tiny.weights).
 from __future__ import annotations
 
 import random
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -70,7 +72,13 @@ VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
     # AutoModelForCausalLM's layout, a shorter conv kernel
     "qwen3_5-text": ("qwen3_5_text", dict(linear_conv_kernel_dim=3)),
     "qwen3_5-moe-text": ("qwen3_5_moe_text", dict(MOE, num_experts_per_tok=3, tie_word_embeddings=True)),
+    # the released layout with its routed experts stored stacked (``restack_experts``)
+    "qwen3_5-moe-stacked": ("qwen3_5_moe", dict(MOE, num_experts_per_tok=3)),
 }
+#: the variants saved with stacked experts
+STACKED_VARIANTS = frozenset({"qwen3_5-moe-stacked"})
+#: a per-expert tensor as save_pretrained writes it: (experts module, expert, projection)
+_PER_EXPERT = re.compile(r"^(.*\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
 
 
 def variant_config(name: str) -> tuple[str, dict[str, Any]]:
@@ -150,8 +158,31 @@ def trained_config(vocab_size: int) -> tuple[str, dict[str, Any]]:
         linear_value_head_dim=32, linear_num_key_heads=2, linear_num_value_heads=4)}
 
 
+def restack_experts(checkpoint: Path) -> None:
+    """Rewrite ``checkpoint``'s single ``model.safetensors`` with its routed experts stacked as
+    transformers keeps them (Qwen3_5MoeExperts): ``experts.gate_up_proj`` [E, 2 * width, hidden]
+    (each expert's gate rows, then its up rows) and ``experts.down_proj`` [E, hidden, width]."""
+    from safetensors.torch import load_file, save_file
+
+    path = checkpoint / "model.safetensors"
+    tensors = load_file(str(path))
+    experts: dict[str, dict[int, dict[str, torch.Tensor]]] = {}
+    for name in [n for n in tensors if _PER_EXPERT.match(n)]:
+        module, expert, proj = _PER_EXPERT.match(name).groups()  # type: ignore[union-attr]
+        experts.setdefault(module, {}).setdefault(int(expert), {})[proj] = tensors.pop(name)
+    for module, by_expert in experts.items():
+        rows = [by_expert[e] for e in range(len(by_expert))]
+        tensors[f"{module}.gate_up_proj"] = torch.stack([torch.cat([r["gate_proj"], r["up_proj"]]) for r in rows])
+        tensors[f"{module}.down_proj"] = torch.stack([r["down_proj"] for r in rows])
+    save_file({n: t.contiguous() for n, t in tensors.items()}, str(path), metadata={"format": "pt"})
+
+
 def build_tiny_qwen3_5(out_dir: Path | str, variant: str, *, seed: int = 0,
                        dtype: torch.dtype = torch.bfloat16) -> Path:
-    """Write one of ``VARIANTS`` as a tiny random checkpoint to ``out_dir``."""
+    """Write one of ``VARIANTS`` as a tiny random checkpoint to ``out_dir`` (``STACKED_VARIANTS``
+    with their routed experts stacked)."""
     model_type, text = variant_config(variant)
-    return build_qwen3_5_checkpoint(out_dir, model_type, text, seed=seed, dtype=dtype)
+    out = build_qwen3_5_checkpoint(out_dir, model_type, text, seed=seed, dtype=dtype)
+    if variant in STACKED_VARIANTS:
+        restack_experts(out)
+    return out

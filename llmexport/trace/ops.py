@@ -185,6 +185,23 @@ class GatedMlp(nn.Module):
         return self.down_proj(self.activation(self.gate_proj(x)) * self.up_proj(x))
 
 
+class FusedGatedMlp(nn.Module):
+    """``down(act(gate) * up)`` where one placeholder linear ``gate_up`` [2 * width, hidden] gives
+    gate then up (the experts of a stacked checkpoint: Gemma4's tanh-gelu, Qwen3.5-MoE's SiLU);
+    ``names``: gate_up's and down's."""
+
+    def __init__(self, names: Sequence[str], hidden: int, width: int, activation):
+        super().__init__()
+        gate_up, down = names
+        self.gate_up_proj = PlaceholderLinear(gate_up, hidden, 2 * width)
+        self.down_proj = PlaceholderLinear(down, width, hidden)
+        self.activation = activation
+
+    def forward(self, x):
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(self.activation(gate) * up)
+
+
 class _MoEOp(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weights, chosen, num_experts: int, top_k: int, layer_id: int, out_features: int):

@@ -11,7 +11,7 @@ attention values and MLPs; ``DenseDecoderGraph`` builds the Llama/Qwen3 variant 
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -24,7 +24,7 @@ from llmexport.models.graph_parts import Norm, TensorLookup, const
 from llmexport.models.rope import rope_cos_sin, rotate
 from llmexport.models.tensor_names import NameTable
 from llmexport.spec import ExpertTemplate
-from llmexport.trace.ops import FusedAttention, FusedMoE, GatedMlp, PlaceholderLinear
+from llmexport.trace.ops import FusedAttention, FusedGatedMlp, FusedMoE, GatedMlp, PlaceholderLinear
 
 
 class Attention(nn.Module):
@@ -119,6 +119,14 @@ class SwiGlu(GatedMlp):
         super().__init__(names, hidden, width, F.silu)
 
 
+class FusedSwiGlu(FusedGatedMlp):
+    """SiLU-gated MLP with one fused gate_up linear (placeholder names ``names``: gate_up, down):
+    the routed expert of a checkpoint that stores its experts stacked."""
+
+    def __init__(self, names: Sequence[str], hidden: int, width: int):
+        super().__init__(names, hidden, width, F.silu)
+
+
 def swiglu_expert_templates(names: NameTable, hidden: int, width: int, sparse: Sequence[int],
                             num_experts: int) -> list[ExpertTemplate]:
     """The routed SwiGLU experts (``EXPERT_MLP`` of ``moe.expert``) of the ``sparse`` layers as one
@@ -132,14 +140,16 @@ def swiglu_expert_templates(names: NameTable, hidden: int, width: int, sparse: S
 class SoftmaxMoe(nn.Module):
     """Qwen3-MoE's sparse block (Qwen3MoeTopKRouter + experts) on [1, seq, hidden]: softmax over
     the router logits in fp32, top-k, optionally renormalised to sum 1; SwiGLU experts on MNN's
-    MoE op (layer_id = layer index). ``names``: the family's table bound to the layer."""
+    MoE op (layer_id = layer index). ``names``: the family's table bound to the layer;
+    ``expert``: builds expert ``e`` (default: a ``SwiGlu`` of its ``EXPERT_MLP`` linears)."""
 
-    def __init__(self, names: NameTable, index: int, hidden: int, moe: MoeSpec):
+    def __init__(self, names: NameTable, index: int, hidden: int, moe: MoeSpec,
+                 expert: Callable[[int], nn.Module] | None = None):
         super().__init__()
         self.hidden, self.spec = hidden, moe
         self.gate = PlaceholderLinear(names.name("moe.router"), hidden, moe.num_experts)
-        experts = nn.ModuleList(SwiGlu(names.names(EXPERT_MLP, expert=e), hidden, moe.width)
-                                for e in range(moe.num_experts))
+        build = expert or (lambda e: SwiGlu(names.names(EXPERT_MLP, expert=e), hidden, moe.width))
+        experts = nn.ModuleList(build(e) for e in range(moe.num_experts))
         self.experts = FusedMoE(experts, moe.top_k, index, hidden)
 
     def forward(self, x):

@@ -26,6 +26,7 @@ from llmexport.models.rope import rotate as _rotate
 from llmexport.models.tensor_names import NameTable
 from llmexport.trace.ops import (
     FusedAttention,
+    FusedGatedMlp,
     FusedMoE,
     GatedMlp,
     PlaceholderLinear,
@@ -85,19 +86,12 @@ class Mlp(GatedMlp):
         super().__init__(names, hidden, width, _act)
 
 
-class Expert(nn.Module):
+class Expert(FusedGatedMlp):
     """One routed expert (HF Gemma4TextExperts row): [n, hidden] -> [n, hidden]; ``names``: its
     gate_up and down projections'."""
 
     def __init__(self, names: Sequence[str], hidden: int, width: int):
-        super().__init__()
-        gate_up, down = names
-        self.gate_up_proj = PlaceholderLinear(gate_up, hidden, 2 * width)
-        self.down_proj = PlaceholderLinear(down, width, hidden)
-
-    def forward(self, x):
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(_act(gate) * up)
+        super().__init__(names, hidden, width, _act)
 
 
 class MoE(nn.Module):

@@ -7,8 +7,11 @@ Gated DeltaNet layers run on MNN's LinearAttention op, which keeps their conv an
 between calls as the Attention op keeps its KV cache; gated full-attention layers on the Attention
 op; routed experts on the MoE op. The graph is in qwen3_5/graph.py. The reference is
 transformers' model of the checkpoint's layout in fp32 (the conditional-generation class, or
-AutoModelForCausalLM); checkpoints keep one tensor per expert, transformers stacks them
-(``reference_slot``).
+AutoModelForCausalLM). Checkpoints keep the routed experts one tensor per expert (what
+transformers' save_pretrained writes; the reference stacks them, ``reference_slot``) or stacked as
+transformers keeps them in memory (``gate_up_proj`` [E, 2 * width, hidden], ``down_proj``
+[E, hidden, width]; each expert reads its row, the reference takes them as they are):
+``stacked_experts`` tells which from the tensors the checkpoint has.
 """
 
 from __future__ import annotations
@@ -18,8 +21,8 @@ from typing import Any
 
 from torch import nn
 
+from llmexport.errors import InputError
 from llmexport.models.decoder.family import DecoderFamily, expert_template
-from llmexport.models.decoder.graph import SwiGlu
 from llmexport.models.decoder.names import (
     EXPERT_MLP,
     MLP,
@@ -32,7 +35,7 @@ from llmexport.models.decoder.names import (
 )
 from llmexport.models.qwen3_5.args import Qwen3_5Args, parse_args
 from llmexport.models.qwen3_5.chat_template import qwen3_5_jinja
-from llmexport.models.qwen3_5.graph import Qwen3_5Graph
+from llmexport.models.qwen3_5.graph import Qwen3_5Graph, routed_expert
 from llmexport.models.qwen3_5.names import (
     DELTA_CONSTANTS,
     MLX_EXPERTS,
@@ -42,12 +45,15 @@ from llmexport.models.qwen3_5.names import (
     MLX_TRANSPOSED,
     MULTIMODAL_PREFIX,
     QWEN3_5_NAMES,
+    QWEN3_5_STACKED,
     SHARED_MLP,
+    STACKED_EXPERT,
     TEXT_PREFIX,
     VISION_PREFIX,
+    expert_linears,
 )
 from llmexport.models.tensor_checks import Shapes, count_limit, finite_lookup
-from llmexport.models.tensor_names import LinearList, prefix_rule, rename_rule, weight_name
+from llmexport.models.tensor_names import LinearList, NameTable, match, prefix_rule, rename_rule, weight_name
 from llmexport.source.checkpoint import Checkpoint
 from llmexport.spec import ArchitectureSummary, ExpertTemplate, LinearRole, MlxLayout, NormFormula, ScaleGroup
 
@@ -56,6 +62,21 @@ log = logging.getLogger(__name__)
 #: checkpoint tensors the text export does not read: the multi-token-prediction head the released
 #: checkpoints ship (Qwen3_5ForCausalLM ignores ``mtp.*`` on load too) and the vision tower
 _NOT_TEXT = ("mtp.", VISION_PREFIX)
+
+
+def stacked_experts(names: NameTable, weights: Any, where: Any) -> bool:
+    """Whether the checkpoint stores its routed experts stacked (``gate_up_proj`` / ``down_proj``
+    of ``names``' ``reference.experts.*``) rather than one tensor per expert (``EXPERT_MLP``); a
+    checkpoint with both is an InputError naming one of each. An incomplete layout is left to
+    the tensor check, which names the first tensor missing."""
+    stacked = [names.pattern(key) for key in ("reference.experts.gate_up", "reference.experts.down")]
+    per_expert = [weight_name(names.pattern(key)) for key in EXPERT_MLP]
+    found_stacked = next((n for n in weights.names() if any(match(p, n) is not None for p in stacked)), None)
+    found_single = next((n for n in weights.names() if any(match(p, n) is not None for p in per_expert)), None)
+    if found_stacked is not None and found_single is not None:
+        raise InputError(f"{where}: routed experts stored both stacked ({found_stacked!r}) and one tensor per "
+                         f"expert ({found_single!r}); a checkpoint keeps one layout")
+    return found_stacked is not None
 
 
 class Qwen3_5(DecoderFamily):
@@ -72,7 +93,11 @@ class Qwen3_5(DecoderFamily):
         super().__init__(checkpoint)
         import transformers
 
-        self.names = QWEN3_5_NAMES.bind(prefix=MULTIMODAL_PREFIX if self.multimodal else TEXT_PREFIX)
+        prefix = MULTIMODAL_PREFIX if self.multimodal else TEXT_PREFIX
+        where = checkpoint.path
+        #: the routed experts stored stacked (one row each of gate_up_proj / down_proj)
+        self.stacked = self.moe and stacked_experts(QWEN3_5_NAMES.bind(prefix=prefix), checkpoint.weights, where)
+        self.names = (QWEN3_5_STACKED if self.stacked else QWEN3_5_NAMES).bind(prefix=prefix)
         self.args: Qwen3_5Args = parse_args(checkpoint.config, getattr(transformers, self.config_class),
                                             str(checkpoint.path / "config.json"), multimodal=self.multimodal,
                                             moe=self.moe, max_count=count_limit(checkpoint.weights))
@@ -106,11 +131,24 @@ class Qwen3_5(DecoderFamily):
             if a.moe is None:
                 add_mlp(linears, MLP, h, a.intermediate_size, LinearRole.MLP, layer=i)
             else:
-                add_routed(linears, i, h, a.moe.num_experts, a.moe.width)
+                self._add_routed(linears, i)
                 add_mlp(linears, SHARED_MLP, h, a.moe.shared_width, LinearRole.MLP, layer=i)
                 linears.add("shared.router", h, 1, LinearRole.ROUTER, layer=i)
         self.add_head(linears)
         return linears
+
+    def _add_routed(self, linears: LinearList, layer: int) -> None:
+        """The router and the routed experts: gate, up and down each, or a fused gate_up and down
+        (a row of the stacked tensors) where the checkpoint stores them stacked."""
+        a, h = self.args, self.args.hidden_size
+        assert a.moe is not None, "routed experts in a dense model"
+        if not self.stacked:
+            add_routed(linears, layer, h, a.moe.num_experts, a.moe.width)
+            return
+        linears.add("moe.router", h, a.moe.num_experts, LinearRole.ROUTER, layer=layer)
+        for e in range(a.moe.num_experts):
+            linears.add_group(STACKED_EXPERT, ((h, 2 * a.moe.width), (a.moe.width, h)), LinearRole.EXPERT,
+                              layer=layer, expert=e)
 
     def scale_groups(self) -> list[ScaleGroup]:
         """input_layernorm before q/k/v or the DeltaNet's four input projections, the MLP norm before
@@ -143,16 +181,21 @@ class Qwen3_5(DecoderFamily):
     # --- graph ------------------------------------------------------------------------------
     def build_graph(self) -> nn.Module:
         lookup = finite_lookup(self.checkpoint.weights, self.checkpoint.path)
-        return Qwen3_5Graph(self.args, self.names, lookup).eval()
+        return Qwen3_5Graph(self.args, self.names, lookup, self.stacked).eval()
 
     def expert_templates(self) -> list[ExpertTemplate]:
         a = self.args
         if a.moe is None:
             return []
-        width, h = a.moe.width, a.hidden_size
-        return [expert_template(self.names, "moe.expert", EXPERT_MLP, lambda names: SwiGlu(names, h, width), h,
+        return [expert_template(self.names, "moe.expert", expert_linears(self.stacked),
+                                routed_expert(a.hidden_size, a.moe.width, self.stacked), a.hidden_size,
                                 ((layer.index, layer.index, e) for layer in a.layers
                                  for e in range(a.moe.num_experts)))]
+
+    def stacked_count(self, tensor: str) -> int:
+        if self.args.moe is None:
+            raise NotImplementedError("a dense Qwen3.5 stacks no experts")
+        return self.args.moe.num_experts
 
     def describe(self) -> ArchitectureSummary:
         a = self.args
@@ -224,7 +267,8 @@ class Qwen3_5(DecoderFamily):
 
     def reference_slot(self, tensor: str) -> tuple[str, tuple[Any, ...]]:
         """An expert's rows of transformers' stacked ``gate_up_proj`` / ``down_proj``
-        (decoder/names.py ``stacked_expert_slot``); every other tensor where the checkpoint has it."""
+        (decoder/names.py ``stacked_expert_slot``); every other tensor, the stacked experts of a
+        stacked checkpoint included, where the checkpoint has it."""
         slot = stacked_expert_slot(self.names, tensor, self.args.moe.width) if self.args.moe else None
         return slot if slot is not None else (tensor, ())
 

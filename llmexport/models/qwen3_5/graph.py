@@ -16,22 +16,25 @@ with the runtime's interface (decoder/graph.py ``DecoderStack``):
   fp32 (A_log, dt_bias fp32 graph constants), then Qwen3_5RMSNormGated over each value head
   (plain weight, ``norm(x) * w * silu(z)``) and ``out_proj``;
 - the MoE block (Qwen3_5MoeSparseMoeBlock): softmax top-k renormalised (decoder/graph.py
-  ``SoftmaxMoe``), plus the shared expert times ``sigmoid(shared_expert_gate(x))``.
+  ``SoftmaxMoe``; each expert a SwiGLU, over one fused gate_up linear where the checkpoint stores
+  the experts stacked as Qwen3_5MoeExperts keeps them), plus the shared expert times ``sigmoid(shared_expert_gate(x))``.
 """
 
 from __future__ import annotations
+
+from typing import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from llmexport.models.decoder.args import MoeSpec as RoutedSpec
-from llmexport.models.decoder.graph import DecoderStack, PreNormLayer, SoftmaxMoe, SwiGlu
+from llmexport.models.decoder.graph import DecoderStack, FusedSwiGlu, PreNormLayer, SoftmaxMoe, SwiGlu
 from llmexport.models.decoder.names import MLP
 from llmexport.models.gemma3_graph import gemma_norm
 from llmexport.models.graph_parts import Norm, TensorLookup, const
 from llmexport.models.qwen3_5.args import LayerSpec, MoeSpec, Qwen3_5Args
-from llmexport.models.qwen3_5.names import SHARED_MLP
+from llmexport.models.qwen3_5.names import SHARED_MLP, expert_linears
 from llmexport.models.rope import RopeSpec, rotate_prefix
 from llmexport.models.tensor_names import NameTable
 from llmexport.trace.ops import GATED_DELTA_RULE, FusedAttention, FusedLinearAttention, PlaceholderLinear
@@ -95,16 +98,25 @@ class GatedDeltaNet(nn.Module):
         return self.out_proj(out.reshape(1, -1, self.v_heads * self.v_dim))
 
 
+def routed_expert(hidden: int, width: int, stacked: bool) -> Callable[[Sequence[str]], nn.Module]:
+    """A routed expert from its linears' names (``expert_linears``): SwiGLU over gate, up and down,
+    or over one fused gate_up (gate rows first, as Qwen3_5MoeExperts splits it) where the
+    checkpoint stores the experts stacked."""
+    return lambda linears: (FusedSwiGlu if stacked else SwiGlu)(linears, hidden, width)
+
+
 class SparseBlock(nn.Module):
     """Qwen3_5MoeSparseMoeBlock: routed experts (``SoftmaxMoe``, renormalised) plus the shared
     expert gated by ``sigmoid(shared_expert_gate(x))``."""
 
-    def __init__(self, args: Qwen3_5Args, names: NameTable, index: int):
+    def __init__(self, args: Qwen3_5Args, names: NameTable, index: int, stacked: bool):
         super().__init__()
         moe = args.moe
         assert moe is not None, "a sparse block without experts"
+        build = routed_expert(args.hidden_size, moe.width, stacked)
         self.routed = SoftmaxMoe(names, index, args.hidden_size, RoutedSpec(moe.num_experts, moe.top_k, moe.width,
-                                                                             normalize=True))
+                                                                             normalize=True),
+                                 lambda e: build(names.names(expert_linears(stacked), expert=e)))
         self.shared_expert = SwiGlu(names.names(SHARED_MLP), args.hidden_size, moe.shared_width)
         self.shared_expert_gate = PlaceholderLinear(names.name("shared.router"), args.hidden_size, 1)
 
@@ -112,23 +124,25 @@ class SparseBlock(nn.Module):
         return self.routed(x) + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
 
 
-def _layer(args: Qwen3_5Args, names: NameTable, layer: LayerSpec, lookup: TensorLookup) -> PreNormLayer:
+def _layer(args: Qwen3_5Args, names: NameTable, layer: LayerSpec, lookup: TensorLookup,
+           stacked: bool) -> PreNormLayer:
     p = names.bind(layer=layer.index)
     mixer = (GatedDeltaNet if layer.linear else GatedAttention)(args, p, layer.index, lookup)
-    mlp = SparseBlock(args, p, layer.index) if args.moe else SwiGlu(p.names(MLP), args.hidden_size,
+    mlp = SparseBlock(args, p, layer.index, stacked) if args.moe else SwiGlu(p.names(MLP), args.hidden_size,
                                                                     args.intermediate_size)
     return PreNormLayer(gemma_norm(lookup, p.name("norm.input"), args.eps),
                         gemma_norm(lookup, p.name("norm.post_attention"), args.eps), mixer, mlp)
 
 
 class Qwen3_5Graph(DecoderStack):
-    """The pre-norm stack with Qwen3.5's layers; RoPE tables over the rotated prefix only."""
+    """The pre-norm stack with Qwen3.5's layers; RoPE tables over the rotated prefix only;
+    ``stacked``: the checkpoint stores its routed experts stacked (names.py ``QWEN3_5_STACKED``)."""
 
-    def __init__(self, args: Qwen3_5Args, names: NameTable, lookup: TensorLookup):
-        layers = [_layer(args, names, layer, lookup) for layer in args.layers]
+    def __init__(self, args: Qwen3_5Args, names: NameTable, lookup: TensorLookup, stacked: bool = False):
+        layers = [_layer(args, names, layer, lookup, stacked) for layer in args.layers]
         rope = RopeSpec(args.rope_theta, args.rotary_dim, args.rotary_dim // 2)
         super().__init__(layers, gemma_norm(lookup, names.name("norm.final"), args.eps), names.name("lm_head"),
                          args.hidden_size, args.vocab_size, rope.inv_freq())
 
 
-__all__ = ["Qwen3_5Graph", "GatedAttention", "GatedDeltaNet", "SparseBlock", "MoeSpec"]
+__all__ = ["Qwen3_5Graph", "GatedAttention", "GatedDeltaNet", "SparseBlock", "MoeSpec", "routed_expert"]

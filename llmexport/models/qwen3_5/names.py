@@ -5,6 +5,7 @@ attention's q (query and gate) projection, and the sparse block's shared expert 
 
 from __future__ import annotations
 
+from llmexport.models.decoder.names import EXPERT_MLP
 from llmexport.models.tensor_names import NameTable
 
 #: where the text model sits: the multimodal checkpoints (Qwen3_5Model.language_model) and the
@@ -40,20 +41,37 @@ QWEN3_5_NAMES = NameTable({
     "mlp.gate": "{prefix}.layers.{layer}.mlp.gate_proj",
     "mlp.up": "{prefix}.layers.{layer}.mlp.up_proj",
     "mlp.down": "{prefix}.layers.{layer}.mlp.down_proj",
-    # sparse block: router, routed experts (one module per expert, as the hub saves them), shared expert
+    # sparse block: router, routed experts (one module per expert, as transformers' save_pretrained
+    # writes them, or stacked: STACKED_EXPERTS), shared expert
     "moe.router": "{prefix}.layers.{layer}.mlp.gate",
     "moe.expert": "{prefix}.layers.{layer}.mlp.experts.{expert}",
     "moe.expert.gate": "{prefix}.layers.{layer}.mlp.experts.{expert}.gate_proj",
     "moe.expert.up": "{prefix}.layers.{layer}.mlp.experts.{expert}.up_proj",
     "moe.expert.down": "{prefix}.layers.{layer}.mlp.experts.{expert}.down_proj",
+    # an expert of a stacked checkpoint: one fused gate_up linear (a row of gate_up_proj)
+    "moe.expert.gate_up": "{prefix}.layers.{layer}.mlp.experts.{expert}.gate_up_proj",
     "shared.gate": "{prefix}.layers.{layer}.mlp.shared_expert.gate_proj",
     "shared.up": "{prefix}.layers.{layer}.mlp.shared_expert.up_proj",
     "shared.down": "{prefix}.layers.{layer}.mlp.shared_expert.down_proj",
     "shared.router": "{prefix}.layers.{layer}.mlp.shared_expert_gate",
-    # where transformers keeps the experts (Qwen3_5MoeExperts): stacked
+    # where transformers keeps the experts (Qwen3_5MoeExperts), and some checkpoints (mlx-lm's
+    # sanitize reads them): stacked, gate rows before up rows
     "reference.experts.gate_up": "{prefix}.layers.{layer}.mlp.experts.gate_up_proj",  # [E, 2 * width, hidden]
     "reference.experts.down": "{prefix}.layers.{layer}.mlp.experts.down_proj",  # [E, hidden, width]
 })
+#: the table of a checkpoint whose routed experts are stored stacked: each expert's fused gate_up
+#: and its down projection read as its row of ``gate_up_proj`` / ``down_proj``
+QWEN3_5_STACKED = QWEN3_5_NAMES.extended({}, stacked={"moe.expert.gate_up": "reference.experts.gate_up",
+                                                      "moe.expert.down": "reference.experts.down"})
+#: a routed expert's linears in the stacked layout
+STACKED_EXPERT = ("moe.expert.gate_up", "moe.expert.down")
+
+
+def expert_linears(stacked: bool) -> tuple[str, ...]:
+    """A routed expert's linear keys: gate_up and down where the checkpoint stores the experts
+    stacked, else gate, up and down (``EXPERT_MLP``)."""
+    return STACKED_EXPERT if stacked else EXPERT_MLP
+
 #: the shared expert's gated MLP (gate, up, down)
 SHARED_MLP = ("shared.gate", "shared.up", "shared.down")
 DELTA_CONSTANTS = ("delta.A_log", "delta.dt_bias")
