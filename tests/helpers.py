@@ -106,3 +106,30 @@ def assert_alteration_shows(path: Path, alter, ids: torch.Tensor) -> None:
     with torch.no_grad():
         alter(graph)
     assert (rewrite_logits(arch, graph, ids) - ref).abs().max().item() > 1e-3
+
+
+def set_or_delete(config: dict, key: str, value, delete: bool) -> None:
+    """A config fuzz step: ``key`` removed, or set to ``value``."""
+    if delete:
+        config.pop(key, None)
+    else:
+        config[key] = value
+
+
+def assert_config_edit_is_typed(src: Path, work: Path, edit: Callable[[dict], None]) -> None:
+    """``src`` copied to ``work`` with ``edit`` applied to its config.json: opening it and building
+    its graph either works or raises a typed one-line error (LlmExportError)."""
+    import shutil
+
+    from llmexport.errors import LlmExportError
+    from llmexport.source.checkpoint import Checkpoint
+    from llmexport.source.loading import open_architecture
+
+    path = shutil.copytree(src, work, dirs_exist_ok=True)
+    config = json.loads((path / "config.json").read_text())
+    edit(config)
+    (path / "config.json").write_text(json.dumps(config))
+    try:
+        open_architecture(Checkpoint.open(path)).build_graph()
+    except LlmExportError as exc:
+        assert str(exc) and "\n" not in str(exc).strip()
