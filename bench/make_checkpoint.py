@@ -28,7 +28,6 @@ from __future__ import annotations
 import argparse
 import json
 import re
-import struct
 import sys
 from pathlib import Path
 
@@ -37,6 +36,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from llmexport.tiny.tokenizer import SPECIAL_TOKENS, build_tiny_gemma_tokenizer  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from random_weights import meta_specs, nbytes, normal_values, uniform_values, write_shards  # noqa: E402
 
 S, F = "sliding_attention", "full_attention"
 # Dimensions of the released checkpoints' text configs. `full_every`: one full layer per that
@@ -86,7 +88,6 @@ MODELS = {
 }
 # Defaults of the keys above that E2B/E4B leave out (their released values).
 _LAYOUT = dict(full_every=5, sliding_window=512, max_position_embeddings=131072, tie_word_embeddings=True)
-_CHUNK = 1 << 24  # values generated at once
 
 
 def text_config(model: str, layers: int | None, vocab: int = 262144) -> dict:
@@ -114,18 +115,7 @@ def _tensor_specs(cfg: dict) -> tuple[list[tuple[str, tuple[int, ...]]], object]
                           boi_token_id=ids["boi"], eoi_token_id=ids["eoi"], image_token_id=ids["image"],
                           boa_token_id=ids["boa"], eoa_token_index=ids["eoa"], audio_token_id=ids["audio"],
                           video_token_id=ids["video"])
-    with torch.device("meta"):
-        model = Gemma4ForConditionalGeneration(config)
-    state = model.state_dict()
-    specs = [(name, tuple(t.shape)) for name, t in state.items() if not (tied and name == "lm_head.weight")]
-    return specs, config
-
-
-def _nbytes(shape: tuple[int, ...]) -> int:
-    numel = 1
-    for d in shape:
-        numel *= d
-    return 2 * numel  # bf16; a scalar () is one value
+    return meta_specs(Gemma4ForConditionalGeneration, config, lambda name: tied and name == "lm_head.weight"), config
 
 
 def size_report(cfg: dict, specs: list[tuple[str, tuple[int, ...]]]) -> str:
@@ -135,9 +125,9 @@ def size_report(cfg: dict, specs: list[tuple[str, tuple[int, ...]]]) -> str:
     for name, shape in specs:
         match = re.search(r"\.layers\.(\d+)\.", name)
         if match:
-            per_layer[int(match.group(1))] = per_layer.get(int(match.group(1)), 0) + _nbytes(shape)
+            per_layer[int(match.group(1))] = per_layer.get(int(match.group(1)), 0) + nbytes(shape)
         else:
-            other += _nbytes(shape)
+            other += nbytes(shape)
     total = other + sum(per_layer.values())
     kinds = cfg["layer_types"]
     head = "" if cfg.get("tie_word_embeddings", True) else ", lm_head"
@@ -154,21 +144,15 @@ def size_report(cfg: dict, specs: list[tuple[str, tuple[int, ...]]]) -> str:
 _QK_NORM = re.compile(r"\.self_attn\.[qk]_norm\.weight$")
 
 
-def _generate(name: str, shape: tuple[int, ...], out, generator: torch.Generator, qk_gamma: float) -> None:
-    numel = 1
-    for d in shape:
-        numel *= d
-    if len(shape) <= 1:  # gammas and scalars near 1
-        values = torch.rand(numel, generator=generator) * 0.8 + 0.6
-        if _QK_NORM.search(name):
-            values = values * qk_gamma
-        values = values.to(torch.bfloat16)
-        out.write(values.view(torch.uint8).numpy().tobytes())
-        return
-    for start in range(0, numel, _CHUNK):
-        count = min(_CHUNK, numel - start)
-        values = (torch.randn(count, generator=generator) * 0.02).to(torch.bfloat16)
-        out.write(values.view(torch.uint8).numpy().tobytes())
+def _generate(qk_gamma: float):
+    def generate(name: str, shape: tuple[int, ...], out, generator: torch.Generator) -> None:
+        if len(shape) > 1:
+            normal_values(shape, out, generator)
+        elif _QK_NORM.search(name):  # gammas and scalars near 1; the query/key norms' scaled
+            uniform_values(shape, out, generator, 0.6 * qk_gamma, 1.4 * qk_gamma)
+        else:
+            uniform_values(shape, out, generator, 0.6, 1.4)
+    return generate
 
 
 def write_checkpoint(out: Path, model: str, layers: int | None, shard_bytes: int, vocab: int = 262144,
@@ -178,34 +162,7 @@ def write_checkpoint(out: Path, model: str, layers: int | None, shard_bytes: int
     print(f"{model}: " + size_report(cfg, specs), flush=True)
     if dry:
         return out
-    out.mkdir(parents=True, exist_ok=True)
-    shards: list[list[tuple[str, tuple[int, ...]]]] = [[]]
-    size = 0
-    for name, shape in specs:
-        nbytes = _nbytes(shape)
-        if shards[-1] and size + nbytes > shard_bytes:
-            shards.append([])
-            size = 0
-        shards[-1].append((name, shape))
-        size += nbytes
-    generator = torch.Generator().manual_seed(0)
-    weight_map = {}
-    for i, shard in enumerate(shards):
-        file = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-        header, offset = {}, 0
-        for name, shape in shard:
-            nbytes = _nbytes(shape)
-            header[name] = {"dtype": "BF16", "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
-            offset += nbytes
-            weight_map[name] = file
-        raw = json.dumps(header).encode()
-        raw += b" " * (-len(raw) % 8)
-        with open(out / file, "wb") as f:
-            f.write(struct.pack("<Q", len(raw)) + raw)
-            for name, shape in shard:
-                _generate(name, shape, f, generator, qk_gamma)
-        print(f"wrote {file} ({len(shard)} tensors)", flush=True)
-    (out / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    write_shards(out, specs, shard_bytes, _generate(qk_gamma))
     data = config.to_dict()
     data["architectures"] = ["Gemma4ForConditionalGeneration"]
     data["dtype"] = "bfloat16"
