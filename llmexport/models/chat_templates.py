@@ -85,6 +85,26 @@ def apply_rewrites(source: str, rewrites: Iterable[Rewrite]) -> str:
     return out
 
 
+def json_macro(name: str) -> str:
+    """A macro ``name(v)`` printing JSON as transformers' ``tojson`` does (``json.dumps``: insertion
+    order, ", " and ": "), written with what both engines share (``| items`` visits a mapping in
+    insertion order in both; ``tojson`` only for keys and scalars); prepended to a template whose
+    ``x | tojson`` a rewrite turns into ``name(x)``."""
+    return (
+        f"{{%- macro {name}(v) -%}}"
+        "{%- if v is mapping -%}{{- '{' -}}"
+        f"{{%- for k, x in v | items -%}}{{{{- k | tojson -}}}}{{{{- ': ' -}}}}{{{{- {name}(x) -}}}}"
+        "{%- if not loop.last -%}{{- ', ' -}}{%- endif -%}{%- endfor -%}{{- '}' -}}"
+        "{%- elif v is string -%}{{- v | tojson -}}"
+        "{%- elif v is sequence -%}{{- '[' -}}"
+        f"{{%- for x in v -%}}{{{{- {name}(x) -}}}}"
+        "{%- if not loop.last -%}{{- ', ' -}}{%- endif -%}{%- endfor -%}"
+        "{{- ']' -}}"
+        "{%- else -%}{{- v | tojson -}}{%- endif -%}"
+        "{%- endmacro -%}\n"
+    )
+
+
 def template_sha256(template: str) -> str:
     return hashlib.sha256(template.rstrip().encode("utf-8")).hexdigest()
 
@@ -226,6 +246,26 @@ class ConversationChecker:
         if message.get("role") == "json":
             self.fail(where, "role 'json' means 'parse content as the message' to the runtime")
         return message
+
+    def json_value(self, where: str, value: Any) -> None:
+        """A value printed as JSON (``json_macro``: tool declarations, mapping arguments, parts)."""
+        if isinstance(value, str):
+            if json_escape_differs(value):
+                self.fail(where, "a control character whose JSON escape the runtime writes in upper case")
+        elif isinstance(value, dict):
+            for key, item in value.items():
+                if not isinstance(key, str):
+                    self.fail(where, "a mapping with non-string keys")
+                    return
+                self.json_value(f"{where}.{key}", key)
+                self.json_value(f"{where}.{key}", item)
+        elif isinstance(value, (list, tuple)):
+            for i, item in enumerate(value):
+                self.json_value(f"{where}[{i}]", item)
+        elif value is None or isinstance(value, (bool, int, float)):
+            self.number(where, value)
+        else:
+            self.fail(where, f"{type(value).__name__} value (not JSON)")
 
     def trimmed(self, where: str, text: str) -> None:
         if text.strip() != text.strip(ASCII_WHITESPACE):

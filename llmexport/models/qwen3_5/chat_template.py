@@ -51,7 +51,7 @@ from llmexport.models.chat_templates import (
     choose_runtime_template,
     compare_renderings,
     json_and_loop_warnings,
-    json_escape_differs,
+    json_macro,
     placeholder,
     raise_unsupported,
     runtime_template_warnings,
@@ -69,20 +69,8 @@ QWEN3_5_TEMPLATE_SHA256 = "a4aee8afcf2e0711942cf848899be66016f8d14a889ff9ede07bc
 #: the token that ends every turn (the runtime's stop token; ``jinja.eos``)
 END_OF_TURN = "<|im_end|>"
 
-#: JSON as transformers' ``tojson`` prints it (``json.dumps``: insertion order, ", " and ": "),
-#: written with what both engines share; prepended to the template
-JSON_MACRO = (
-    "{%- macro qwen_json(v) -%}"
-    "{%- if v is mapping -%}{{- '{' -}}"
-    "{%- for k, x in v | items -%}{{- k | tojson -}}{{- ': ' -}}{{- qwen_json(x) -}}"
-    "{%- if not loop.last -%}{{- ', ' -}}{%- endif -%}{%- endfor -%}{{- '}' -}}"
-    "{%- elif v is string -%}{{- v | tojson -}}"
-    "{%- elif v is sequence -%}{{- '[' -}}"
-    "{%- for x in v -%}{{- qwen_json(x) -}}{%- if not loop.last -%}{{- ', ' -}}{%- endif -%}{%- endfor -%}"
-    "{{- ']' -}}"
-    "{%- else -%}{{- v | tojson -}}{%- endif -%}"
-    "{%- endmacro -%}\n"
-)
+#: JSON as transformers' ``tojson`` prints it; prepended to the template
+JSON_MACRO = json_macro("qwen_json")
 
 
 def _strip(expr: str, count: int = 1, before: str = "") -> Rewrite:
@@ -151,26 +139,6 @@ _ROLES = ("system", "user", "assistant", "tool")
 
 
 class _Checker(ConversationChecker):
-    def json_value(self, where: str, value: Any) -> None:
-        """A value printed as JSON (tool declarations, mapping/list tool-call arguments)."""
-        if isinstance(value, str):
-            if json_escape_differs(value):
-                self.fail(where, "a control character whose JSON escape the runtime writes in upper case")
-        elif isinstance(value, dict):
-            for key, item in value.items():
-                if not isinstance(key, str):
-                    self.fail(where, "a mapping with non-string keys")
-                    return
-                self.json_value(f"{where}.{key}", key)
-                self.json_value(f"{where}.{key}", item)
-        elif isinstance(value, (list, tuple)):
-            for i, item in enumerate(value):
-                self.json_value(f"{where}[{i}]", item)
-        elif value is None or isinstance(value, (bool, int, float)):
-            self.number(where, value)
-        else:
-            self.fail(where, f"{type(value).__name__} value (not JSON)")
-
     def content(self, where: str, content: Any, system: bool) -> str | None:
         """What the template's render_content makes of ``content`` (None: transformers raises)."""
         if content is None:
