@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from test_qwen3_5_chat_template import CALL, SEARCH_TOOL, WEATHER_TOOL
+from test_qwen3_5_chat_template import CALL, SEARCH_TOOL, WEATHER_TOOL, _t, _u
 from transformers import AutoTokenizer
 
 from llmexport.errors import InputError
@@ -78,16 +78,8 @@ def _compare(hf_tok, runtime, name: str, cases, derived: bool = True):
 
 # --- the corpus ---------------------------------------------------------------------------------
 
-def _u(text):
-    return {"role": "user", "content": text}
-
-
 def _a(text, **extra):
     return {"role": "assistant", "content": text, **extra}
-
-
-def _t(text):
-    return {"role": "tool", "content": text}
 
 
 PY_CALL = {"role": "assistant", "content": "Checking.", "tool_calls": [{"type": "function", "function": {

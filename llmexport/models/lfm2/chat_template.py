@@ -31,7 +31,6 @@ rejects: the runtime renders those silently).
 from __future__ import annotations
 
 import json
-import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -45,17 +44,14 @@ from llmexport.models.chat_templates import (
     TemplateNotDerivable,
     apply_rewrites,
     choose_runtime_template,
-    json_and_loop_warnings,
+    jinja_block,
     json_macro,
-    placeholder,
+    json_template_warnings,
     raise_unsupported,
-    runtime_template_warnings,
     template_sha256,
     transformers_render,
     trim_rewrite,
 )
-
-log = logging.getLogger(__name__)
 
 #: the token that ends every turn (the runtime's stop token; ``jinja.eos``)
 END_OF_TURN = "<|im_end|>"
@@ -143,23 +139,14 @@ def runtime_chat_template(checkpoint_template: str | None) -> RuntimeChatTemplat
         raise TemplateNotDerivable("no LFM2 template's rewrites apply")
 
     return choose_runtime_template(checkpoint_template, derive, known.sha256 if known else "", "lfm2", "LFM2",
-                                   _lint)
-
-
-def _lint(template: str) -> list[str]:
-    return runtime_template_warnings(template) + json_and_loop_warnings(template)
+                                   json_template_warnings)
 
 
 def lfm2_jinja(checkpoint: dict[str, str] | None) -> dict[str, Any] | None:
     """``llm_config.json``'s ``jinja`` block for an LFM2 checkpoint (``checkpoint``:
     ``DecoderFamily.checkpoint_chat_template()``, whose ``bos`` is kept): the runtime form of its
     template and ``eos`` = ``<|im_end|>``; None without a template."""
-    chosen = runtime_chat_template((checkpoint or {}).get("chat_template"))
-    for note in chosen.notes:
-        log.warning("chat template: %s", note)
-    if chosen.kind == "none":
-        return None
-    return {**(checkpoint or {}), "chat_template": chosen.template, "eos": END_OF_TURN}
+    return jinja_block(checkpoint, runtime_chat_template((checkpoint or {}).get("chat_template")), END_OF_TURN)
 
 
 # --- conversations --------------------------------------------------------------------------
@@ -191,15 +178,11 @@ class _Checker(ConversationChecker):
         if self.template is not LFM2_5_MOE:  # printed as JSON
             self.json_value(where, content)
             return json.dumps(content, ensure_ascii=False)
-        if not isinstance(content, (list, tuple)):
-            self.fail(where, f"{type(content).__name__} content (transformers raises)")
+        parts = self.parts(where, content)
+        if parts is None:
             return None
         out = []
-        for j, part in enumerate(content):
-            at = f"{where}[{j}]"
-            if not isinstance(part, dict):
-                self.fail(at, "a content part that is not a mapping")
-                return None
+        for at, part in parts:
             if part.get("type") == "image":
                 out.append("<image>")
             elif part.get("type") == "text":
@@ -264,15 +247,8 @@ def unsupported(messages: Messages, tools: Sequence[Any] | None = None,
     raises, where the runtime renders silently); empty when it renders identically (as measured by
     tests/test_lfm2_chat_template.py)."""
     check = _Checker(template)
-    try:
-        text = json.dumps([list(messages), list(tools or ())], default=placeholder, allow_nan=False,
-                          ensure_ascii=False)
-        text.encode("utf-8")
-    except (TypeError, ValueError) as exc:  # UnicodeEncodeError is a ValueError
-        return [f"conversation: not JSON-serialisable for the runtime ({exc})"]
-    check.texts([list(messages), list(tools or ())])
-    if not messages:
-        check.fail("messages", "empty (transformers raises)")
+    if not check.start(messages, tools):
+        return check.reasons
     turns: list[tuple[str, dict[str, Any]]] = []
     for i, given in enumerate(messages):
         where = f"messages[{i}]"
