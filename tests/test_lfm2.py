@@ -10,6 +10,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from llmexport.errors import InputError
+from llmexport.models.lfm2.chat_template import lfm2_jinja
 from llmexport.source.checkpoint import Checkpoint
 from llmexport.source.loading import open_architecture
 from llmexport.tiny.byte_level_tokenizer import STYLES
@@ -111,7 +112,8 @@ def test_runtime_files_describe_the_family(tiny_lfm2, variant):
     config = arch.llm_config()
     assert config["model_type"] == MODEL_TYPE[variant] and config["layer_nums"] == 4
     assert config["attention_type"] == "full" and "sliding_window" not in config
-    assert config["jinja"]["chat_template"] == STYLES[TOKENIZER_STYLE].chat_template
+    assert config["jinja"] == lfm2_jinja({"chat_template": STYLES[TOKENIZER_STYLE].chat_template,
+                                          "bos": "<|startoftext|>", "eos": "<|im_end|>"})
     assert arch.runtime_config() == {"precision": "normal"}
     assert arch.end_of_turn_tokens() == ("<|im_end|>",)
     assert arch.tied_embedding == (variant != "dense-idxs")

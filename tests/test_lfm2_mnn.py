@@ -22,6 +22,7 @@ from test_run_command import FIRST, SECOND, _fresh_replay, _run, _turns
 from llmexport import ExportOptions, export
 from llmexport.mnn.config import RECURRENT_STATE
 from llmexport.mnn.convert import mnn_to_json
+from llmexport.models.lfm2.chat_template import LFM2, derive_runtime_template
 from llmexport.quant.scheme import QuantScheme
 from llmexport.tiny.byte_level_tokenizer import STYLES
 from llmexport.tiny.lfm2 import TOKENIZER_STYLE, VARIANTS, build_lfm2_checkpoint, random_config
@@ -67,7 +68,8 @@ def test_fp16_export_agrees_with_fp32_reference(tiny_lfm2, exported, tmp_path, v
     style = STYLES[TOKENIZER_STYLE]
     assert _stop_ids(out) == list(dict.fromkeys(_token_id(path, t) for t in (style.eos, *style.generation_eos)))
     llm_config = json.loads((out / "llm_config.json").read_text())
-    assert llm_config["attention_type"] == "full" and llm_config["jinja"]["chat_template"] == style.chat_template
+    assert llm_config["attention_type"] == "full" and llm_config["jinja"]["chat_template"] == \
+        derive_runtime_template(style.chat_template, LFM2)
     assert llm_config[RECURRENT_STATE] is True  # the runners never erase such a history (docs/output-format.md)
     chat = report.conversation
     assert chat is not None and chat.runtime_error is None and len(chat.turns) == chat.planned_turns

@@ -1,4 +1,4 @@
-"""Byte-level BPE tokenizers (GPT-2, Llama-3, Qwen styles) through MNN 3.6.1's runtime vs transformers.
+"""Byte-level BPE tokenizers (GPT-2, Llama-3, Qwen, LFM2 styles) through MNN 3.6.1's runtime vs transformers.
 
 Per style, two tokenizers go through the exporter's writer and the runtime:
 * the trained tiny tokenizer (llmexport.tiny.byte_level_tokenizer), as the model ships it;
@@ -124,8 +124,9 @@ def _mismatches(style, tok, mnn, texts):
 def test_style_structure(style):
     tj = json.loads((style.root / "trained" / "tokenizer.json").read_text(encoding="utf-8"))
     assert tj["model"]["byte_fallback"] is False and tj["decoder"]["type"] == "ByteLevel"
-    assert tj["model"]["ignore_merges"] is (style.name == "llama3")
-    assert (tj["normalizer"] or {}).get("type") == ("NFC" if style.name == "qwen" else None)
+    assert tj["model"]["ignore_merges"] is (style.spec.text == "llama3")
+    assert (tj["normalizer"] or {}).get("type") == ("NFC" if style.spec.text == "qwen" else None)
+    assert ("TemplateProcessing" in json.dumps(tj["post_processor"])) is style.spec.adds_bos
     assert len(tj["model"]["merges"]) > 300
 
 

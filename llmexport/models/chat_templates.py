@@ -36,12 +36,15 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import math
 import re
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Sequence
 
 from llmexport.errors import InputError
+
+log = logging.getLogger(__name__)
 
 #: the ASCII characters Python's ``str.strip()`` removes (what Jinja2's ``trim`` removes, beside
 #: non-ASCII whitespace); the runtime's ``trim`` removes only space, tab, CR and LF
@@ -85,6 +88,26 @@ def apply_rewrites(source: str, rewrites: Iterable[Rewrite]) -> str:
     return out
 
 
+def json_macro(name: str) -> str:
+    """A macro ``name(v)`` printing JSON as transformers' ``tojson`` does (``json.dumps``: insertion
+    order, ", " and ": "), written with what both engines share (``| items`` visits a mapping in
+    insertion order in both; ``tojson`` only for keys and scalars); prepended to a template whose
+    ``x | tojson`` a rewrite turns into ``name(x)``."""
+    return (
+        f"{{%- macro {name}(v) -%}}"
+        "{%- if v is mapping -%}{{- '{' -}}"
+        f"{{%- for k, x in v | items -%}}{{{{- k | tojson -}}}}{{{{- ': ' -}}}}{{{{- {name}(x) -}}}}"
+        "{%- if not loop.last -%}{{- ', ' -}}{%- endif -%}{%- endfor -%}{{- '}' -}}"
+        "{%- elif v is string -%}{{- v | tojson -}}"
+        "{%- elif v is sequence -%}{{- '[' -}}"
+        f"{{%- for x in v -%}}{{{{- {name}(x) -}}}}"
+        "{%- if not loop.last -%}{{- ', ' -}}{%- endif -%}{%- endfor -%}"
+        "{{- ']' -}}"
+        "{%- else -%}{{- v | tojson -}}{%- endif -%}"
+        "{%- endmacro -%}\n"
+    )
+
+
 def template_sha256(template: str) -> str:
     return hashlib.sha256(template.rstrip().encode("utf-8")).hexdigest()
 
@@ -117,6 +140,12 @@ def json_and_loop_warnings(template: str) -> list[str]:
     return found
 
 
+def json_template_warnings(template: str) -> list[str]:
+    """The whole lint (``runtime_template_warnings`` + ``json_and_loop_warnings``) for a template
+    passed through in place of Qwen3.5's or LFM2's."""
+    return runtime_template_warnings(template) + json_and_loop_warnings(template)
+
+
 @dataclass(frozen=True)
 class RuntimeChatTemplate:
     """The template written to ``jinja.chat_template`` and where it came from. ``kind``: the
@@ -144,6 +173,16 @@ def choose_runtime_template(checkpoint_template: str, derive: Callable[[str], st
     return RuntimeChatTemplate(derived, "derived", (
         f"the checkpoint's chat template is not the {family} template the runtime rewrite was proven on "
         f"(sha256 {template_sha256(checkpoint_template)[:12]}...); check with --verify",))
+
+
+def jinja_block(checkpoint: dict[str, str] | None, chosen: RuntimeChatTemplate, eos: str) -> dict[str, Any] | None:
+    """``llm_config.json``'s ``jinja`` block: the checkpoint's (``bos`` kept) with ``chosen``'s
+    template and ``eos``, ``chosen``'s notes logged; None when there is no template."""
+    for note in chosen.notes:
+        log.warning("chat template: %s", note)
+    if chosen.kind == "none":
+        return None
+    return {**(checkpoint or {}), "chat_template": chosen.template, "eos": eos}
 
 
 # --- conversations --------------------------------------------------------------------------
@@ -226,6 +265,55 @@ class ConversationChecker:
         if message.get("role") == "json":
             self.fail(where, "role 'json' means 'parse content as the message' to the runtime")
         return message
+
+    def start(self, messages: Messages, tools: Sequence[Any] | None) -> bool:
+        """The checks every conversation gets first: JSON-serialisable (False, with the reason, when
+        not: nothing else can be checked), no NUL, no empty message list."""
+        try:
+            text = json.dumps([list(messages), list(tools or ())], default=placeholder, allow_nan=False,
+                              ensure_ascii=False)
+            text.encode("utf-8")
+        except (TypeError, ValueError) as exc:  # UnicodeEncodeError is a ValueError
+            self.reasons.append(f"conversation: not JSON-serialisable for the runtime ({exc})")
+            return False
+        self.texts([list(messages), list(tools or ())])  # valid Unicode already: a NUL is all it can find
+        if not messages:
+            self.fail("messages", "empty (transformers raises)")
+        return True
+
+    def parts(self, where: str, content: Any) -> list[tuple[str, dict[str, Any]]] | None:
+        """``content``'s typed parts, each with its place; None (a reason added) when it is no list
+        of mappings (transformers raises)."""
+        if not isinstance(content, (list, tuple)):
+            self.fail(where, f"{type(content).__name__} content (transformers raises)")
+            return None
+        found = []
+        for j, part in enumerate(content):
+            if not isinstance(part, dict):
+                self.fail(f"{where}[{j}]", "a content part that is not a mapping")
+                return None
+            found.append((f"{where}[{j}]", part))
+        return found
+
+    def json_value(self, where: str, value: Any) -> None:
+        """A value printed as JSON (``json_macro``: tool declarations, mapping arguments, parts)."""
+        if isinstance(value, str):
+            if json_escape_differs(value):
+                self.fail(where, "a control character whose JSON escape the runtime writes in upper case")
+        elif isinstance(value, dict):
+            for key, item in value.items():
+                if not isinstance(key, str):
+                    self.fail(where, "a mapping with non-string keys")
+                    return
+                self.json_value(f"{where}.{key}", key)
+                self.json_value(f"{where}.{key}", item)
+        elif isinstance(value, (list, tuple)):
+            for i, item in enumerate(value):
+                self.json_value(f"{where}[{i}]", item)
+        elif value is None or isinstance(value, (bool, int, float)):
+            self.number(where, value)
+        else:
+            self.fail(where, f"{type(value).__name__} value (not JSON)")
 
     def trimmed(self, where: str, text: str) -> None:
         if text.strip() != text.strip(ASCII_WHITESPACE):

@@ -1,4 +1,4 @@
-"""Tiny byte-level BPE tokenizers in the styles of GPT-2, Llama-3 and Qwen2.5/3, trained on the fly.
+"""Tiny byte-level BPE tokenizers in the styles of GPT-2, Llama-3, Qwen2.5/3 and LFM2, trained on the fly.
 
 Each style has the structure of the real files (tokenizer.json as the `tokenizers` library
 writes them for those models), trained on the small corpus of ``llmexport.tiny.tokenizer``:
@@ -10,11 +10,19 @@ writes them for those models), trained on the small corpus of ``llmexport.tiny.t
   post-processor, header/eot special tokens, a Llama-3 chat template;
 * ``qwen``: NFC normalizer, Split with Qwen2's regex (single digits), ByteLevel without regex,
   ``<|im_start|>``/``<|im_end|>`` chat markers, ``<think>``/``</think>`` as non-special added
-  tokens, no BOS, a ChatML template (Qwen2.5 and Qwen3 share this tokenizer layout).
+  tokens, no BOS, a ChatML template (Qwen2.5 and Qwen3 share this tokenizer layout);
+* ``lfm2``: Qwen's text splitting (as the tiny LFM2 checkpoints had before) with LFM2's special
+  tokens (``<|pad|>``, ``<|startoftext|>`` as BOS, added in front by a TemplateProcessing
+  post-processor, ``<|im_start|>``/``<|im_end|>``, the tool list/call/response markers;
+  ``<think>``/``</think>`` non-special), eos ``<|im_end|>`` and LiquidAI's LFM2 chat template
+  (``LFM2_CHAT_TEMPLATE``). The released files number these specials 0-13; here they follow the
+  model vocabulary as in the other styles.
 
 The 256 byte characters take ids 0-255, learned merges follow, the added tokens come last
-(outside the model vocabulary, as in Llama-3 and Qwen). Chat templates are written in the
-subset of Jinja that MNN's runtime (minja) renders the same as transformers.
+(outside the model vocabulary, as in Llama-3 and Qwen). The GPT-2/Llama-3/Qwen chat templates
+are written in the subset of Jinja that MNN's runtime (minja) renders the same as transformers;
+LFM2's is the real one, which the LFM2 family exports in a runtime form
+(llmexport.models.lfm2.chat_template).
 """
 
 from __future__ import annotations
@@ -69,6 +77,50 @@ CHATML_TEMPLATE = (
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
 
+#: LiquidAI's LFM2 chat template as released (HF ``LiquidAI/LFM2-8B-A1B``'s ``chat_template.jinja``,
+#: vendored by llama.cpp as ``models/templates/LFM2-8B-A1B.jinja``; tests/test_lfm2_chat_template.py
+#: checks it against that copy): bos, an optional system message, tools as a JSON list between
+#: ``<|tool_list_start|>``/``<|tool_list_end|>``, ChatML turns, tool results between
+#: ``<|tool_response_start|>``/``<|tool_response_end|>``
+LFM2_CHAT_TEMPLATE = """{{- bos_token -}}
+{%- set system_prompt = "" -%}
+{%- set ns = namespace(system_prompt="") -%}
+{%- if messages[0]["role"] == "system" -%}
+\t{%- set ns.system_prompt = messages[0]["content"] -%}
+\t{%- set messages = messages[1:] -%}
+{%- endif -%}
+{%- if tools -%}
+\t{%- set ns.system_prompt = ns.system_prompt + ("\\n" if ns.system_prompt else "") + \
+"List of tools: <|tool_list_start|>[" -%}
+\t{%- for tool in tools -%}
+\t\t{%- if tool is not string -%}
+\t\t\t{%- set tool = tool | tojson -%}
+\t\t{%- endif -%}
+\t\t{%- set ns.system_prompt = ns.system_prompt + tool -%}
+\t\t{%- if not loop.last -%}
+\t\t\t{%- set ns.system_prompt = ns.system_prompt + ", " -%}
+\t\t{%- endif -%}
+\t{%- endfor -%}
+\t{%- set ns.system_prompt = ns.system_prompt + "]<|tool_list_end|>" -%}
+{%- endif -%}
+{%- if ns.system_prompt -%}
+\t{{- "<|im_start|>system\\n" + ns.system_prompt + "<|im_end|>\\n" -}}
+{%- endif -%}
+{%- for message in messages -%}
+\t{{- "<|im_start|>" + message["role"] + "\\n" -}}
+\t{%- set content = message["content"] -%}
+\t{%- if content is not string -%}
+\t\t{%- set content = content | tojson -%}
+\t{%- endif -%}
+\t{%- if message["role"] == "tool" -%}
+\t\t{%- set content = "<|tool_response_start|>" + content + "<|tool_response_end|>" -%}
+\t{%- endif -%}
+\t{{- content + "<|im_end|>\\n" -}}
+{%- endfor -%}
+{%- if add_generation_prompt -%}
+\t{{- "<|im_start|>assistant\\n" -}}
+{%- endif -%}"""
+
 
 @dataclass(frozen=True)
 class TokenizerStyle:
@@ -81,6 +133,14 @@ class TokenizerStyle:
     end_of_turn: str  # the chat template's turn end (generation_config eos beside eos)
     generation_eos: tuple[str, ...]
     chat_template: str | None
+    #: the text splitting (normalizer, pre-tokenizer) of this style: "gpt2", "llama3" or "qwen"
+    splitting: str = ""
+    #: a TemplateProcessing post-processor puts ``bos`` in front (``add_bos_token``)
+    adds_bos: bool = False
+
+    @property
+    def text(self) -> str:
+        return self.splitting or self.name
 
 
 STYLES: dict[str, TokenizerStyle] = {
@@ -91,11 +151,17 @@ STYLES: dict[str, TokenizerStyle] = {
                    "<|reserved_special_token_1|>", "<|start_header_id|>", "<|end_header_id|>", "<|eom_id|>",
                    "<|eot_id|>", "<|python_tag|>"), (),
         "<|begin_of_text|>", "<|eot_id|>", None, "<|eot_id|>", ("<|end_of_text|>", "<|eom_id|>", "<|eot_id|>"),
-        LLAMA3_CHAT_TEMPLATE),
+        LLAMA3_CHAT_TEMPLATE, adds_bos=True),
     "qwen": TokenizerStyle(
         "qwen", ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|object_ref_start|>", "<|object_ref_end|>",
                  "<|vision_start|>", "<|vision_end|>", "<|vision_pad|>", "<|image_pad|>"), ("<think>", "</think>"),
         None, "<|im_end|>", "<|endoftext|>", "<|im_end|>", ("<|im_end|>", "<|endoftext|>"), CHATML_TEMPLATE),
+    "lfm2": TokenizerStyle(
+        "lfm2", ("<|pad|>", "<|startoftext|>", "<|endoftext|>", "<|fim_pre|>", "<|fim_mid|>", "<|fim_suf|>",
+                 "<|im_start|>", "<|im_end|>", "<|tool_list_start|>", "<|tool_list_end|>", "<|tool_call_start|>",
+                 "<|tool_call_end|>", "<|tool_response_start|>", "<|tool_response_end|>"), ("<think>", "</think>"),
+        "<|startoftext|>", "<|im_end|>", "<|pad|>", "<|im_end|>", ("<|im_end|>",), LFM2_CHAT_TEMPLATE,
+        splitting="qwen", adds_bos=True),
 }
 
 
@@ -131,17 +197,17 @@ def _train(style: str, budget: int, corpus: str | None = None) -> tuple[dict[str
 
 def _build(style: TokenizerStyle, vocab_size: int, corpus: str | None = None) -> Tokenizer:
     added = style.specials + style.plain_added
-    vocab, merges = _train(style.name, vocab_size - len(added), corpus)
+    vocab, merges = _train(style.text, vocab_size - len(added), corpus)
     if style.name == "gpt2":  # GPT-2 keeps <|endoftext|> in the model vocabulary (its last id)
         vocab["<|endoftext|>"] = len(vocab)
     tok = Tokenizer(BPE(vocab=vocab, merges=merges, byte_fallback=False, ignore_merges=style.name == "llama3"))
-    if style.name == "qwen":
+    if style.text == "qwen":
         tok.normalizer = normalizers.NFC()
-    tok.pre_tokenizer = _pre_tokenizer(style.name)
+    tok.pre_tokenizer = _pre_tokenizer(style.text)
     tok.decoder = decoders.ByteLevel()
     tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in style.specials])
     tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in style.plain_added])
-    if style.bos and style.name == "llama3":
+    if style.bos and style.adds_bos:
         bos_id = tok.token_to_id(style.bos)
         tok.post_processor = processors.Sequence([
             processors.ByteLevel(trim_offsets=False),
@@ -167,7 +233,7 @@ def build_byte_level_tokenizer(out_dir: Path, style: str, vocab_size: int = 512,
     tok.save(str(out_dir / "tokenizer.json"))
     config = {
         "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": spec.bos, "eos_token": spec.eos,
-        "pad_token": spec.pad, "add_bos_token": spec.name == "llama3", "add_prefix_space": False,
+        "pad_token": spec.pad, "add_bos_token": spec.adds_bos, "add_prefix_space": False,
         "clean_up_tokenization_spaces": False, "model_max_length": 131072,
     }
     if spec.name == "gpt2":

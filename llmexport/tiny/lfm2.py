@@ -2,10 +2,10 @@
 classes (``Lfm2ForCausalLM``, ``Lfm2MoeForCausalLM``) and written by ``save_pretrained`` (LFM2-MoE's
 experts one tensor per expert, as the hub keeps them).
 
-Short-conv and attention layers interleaved, tied embeddings (LFM2's default), a ChatML tokenizer
-(llmexport.tiny.byte_level_tokenizer's ``qwen`` style: ``<|im_start|>``/``<|im_end|>`` turns, the
-layout of LFM2's template), bf16 weights (llmexport.tiny.weights) with selection biases large
-enough to change which experts are chosen.
+Short-conv and attention layers interleaved, tied embeddings (LFM2's default), a tokenizer laid
+out as the released ones (llmexport.tiny.byte_level_tokenizer's ``lfm2`` style: ``<|startoftext|>``
+as bos, ``<|im_end|>`` as eos, LFM2's special tokens and its real chat template), bf16 weights
+(llmexport.tiny.weights) with selection biases large enough to change which experts are chosen.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from llmexport.tiny.byte_level_tokenizer import write_checkpoint_tokenizer, writ
 from llmexport.tiny.weights import randomize
 
 TINY_VOCAB = 512
-TOKENIZER_STYLE = "qwen"
+TOKENIZER_STYLE = "lfm2"
 #: uniform range of the tiny MoE's ``expert_bias`` (sigmoid scores lie in (0, 1))
 EXPERT_BIAS_RANGE = 0.3
 

@@ -30,6 +30,7 @@ from llmexport.models.decoder.names import (
     stacked_expert_slot,
 )
 from llmexport.models.lfm2.args import Lfm2Args, parse_args
+from llmexport.models.lfm2.chat_template import lfm2_jinja
 from llmexport.models.lfm2.graph import Lfm2Graph
 from llmexport.models.lfm2.names import LFM2_NAMES, MLX_CONV, MLX_RENAMED
 from llmexport.models.tensor_checks import Shapes, count_limit, finite_lookup
@@ -124,6 +125,12 @@ class Lfm2(DecoderFamily):
     # --- runtime files ----------------------------------------------------------------------
     def llm_config(self) -> dict[str, Any]:
         return self.full_attention_config(self.checkpoint.model_type)
+
+    def runtime_chat_template(self) -> dict[str, Any] | None:
+        """LiquidAI's released templates in the form MNN's runtime renders as transformers does
+        (models/lfm2/chat_template.py); another template passes through with the runtime's known
+        differences logged."""
+        return lfm2_jinja(self.checkpoint_chat_template())
 
     def runtime_config(self) -> dict[str, Any]:
         # fp32 activations, as for the other families (docs/supported-models.md)

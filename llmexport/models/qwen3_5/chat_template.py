@@ -32,8 +32,6 @@ must stop on; the template uses neither ``bos_token`` nor ``eos_token``.
 
 from __future__ import annotations
 
-import json
-import logging
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -50,17 +48,14 @@ from llmexport.models.chat_templates import (
     apply_rewrites,
     choose_runtime_template,
     compare_renderings,
-    json_and_loop_warnings,
-    json_escape_differs,
-    placeholder,
+    jinja_block,
+    json_macro,
+    json_template_warnings,
     raise_unsupported,
-    runtime_template_warnings,
     template_sha256,
     transformers_render,
     trim_rewrite,
 )
-
-log = logging.getLogger(__name__)
 
 #: SHA-256 of Qwen3.5's chat template (llama.cpp's ``models/templates/Qwen3.5-4B.jinja``, 7,756
 #: characters), trailing whitespace removed
@@ -69,20 +64,8 @@ QWEN3_5_TEMPLATE_SHA256 = "a4aee8afcf2e0711942cf848899be66016f8d14a889ff9ede07bc
 #: the token that ends every turn (the runtime's stop token; ``jinja.eos``)
 END_OF_TURN = "<|im_end|>"
 
-#: JSON as transformers' ``tojson`` prints it (``json.dumps``: insertion order, ", " and ": "),
-#: written with what both engines share; prepended to the template
-JSON_MACRO = (
-    "{%- macro qwen_json(v) -%}"
-    "{%- if v is mapping -%}{{- '{' -}}"
-    "{%- for k, x in v | items -%}{{- k | tojson -}}{{- ': ' -}}{{- qwen_json(x) -}}"
-    "{%- if not loop.last -%}{{- ', ' -}}{%- endif -%}{%- endfor -%}{{- '}' -}}"
-    "{%- elif v is string -%}{{- v | tojson -}}"
-    "{%- elif v is sequence -%}{{- '[' -}}"
-    "{%- for x in v -%}{{- qwen_json(x) -}}{%- if not loop.last -%}{{- ', ' -}}{%- endif -%}{%- endfor -%}"
-    "{{- ']' -}}"
-    "{%- else -%}{{- v | tojson -}}{%- endif -%}"
-    "{%- endmacro -%}\n"
-)
+#: JSON as transformers' ``tojson`` prints it; prepended to the template
+JSON_MACRO = json_macro("qwen_json")
 
 
 def _strip(expr: str, count: int = 1, before: str = "") -> Rewrite:
@@ -125,11 +108,7 @@ def runtime_chat_template(checkpoint_template: str | None) -> RuntimeChatTemplat
     if not checkpoint_template:
         return RuntimeChatTemplate("", "none", ("the checkpoint has no chat template",))
     return choose_runtime_template(checkpoint_template, derive_runtime_template, QWEN3_5_TEMPLATE_SHA256,
-                                   "qwen3_5", "Qwen3.5", _lint)
-
-
-def _lint(template: str) -> list[str]:
-    return runtime_template_warnings(template) + json_and_loop_warnings(template)
+                                   "qwen3_5", "Qwen3.5", json_template_warnings)
 
 
 def qwen3_5_jinja(checkpoint: dict[str, str] | None) -> dict[str, Any] | None:
@@ -137,12 +116,7 @@ def qwen3_5_jinja(checkpoint: dict[str, str] | None) -> dict[str, Any] | None:
     ``DecoderFamily.checkpoint_chat_template()``, whose ``bos`` is kept): the runtime form of its
     template and ``eos`` = ``<|im_end|>`` (the template uses neither); None without a template.
     ``enable_thinking`` (``jinja.context``) comes from the export's options (``mnn.config.llm_config``)."""
-    chosen = runtime_chat_template((checkpoint or {}).get("chat_template"))
-    for note in chosen.notes:
-        log.warning("chat template: %s", note)
-    if chosen.kind == "none":
-        return None
-    return {**(checkpoint or {}), "chat_template": chosen.template, "eos": END_OF_TURN}
+    return jinja_block(checkpoint, runtime_chat_template((checkpoint or {}).get("chat_template")), END_OF_TURN)
 
 
 # --- conversations --------------------------------------------------------------------------
@@ -151,41 +125,17 @@ _ROLES = ("system", "user", "assistant", "tool")
 
 
 class _Checker(ConversationChecker):
-    def json_value(self, where: str, value: Any) -> None:
-        """A value printed as JSON (tool declarations, mapping/list tool-call arguments)."""
-        if isinstance(value, str):
-            if json_escape_differs(value):
-                self.fail(where, "a control character whose JSON escape the runtime writes in upper case")
-        elif isinstance(value, dict):
-            for key, item in value.items():
-                if not isinstance(key, str):
-                    self.fail(where, "a mapping with non-string keys")
-                    return
-                self.json_value(f"{where}.{key}", key)
-                self.json_value(f"{where}.{key}", item)
-        elif isinstance(value, (list, tuple)):
-            for i, item in enumerate(value):
-                self.json_value(f"{where}[{i}]", item)
-        elif value is None or isinstance(value, (bool, int, float)):
-            self.number(where, value)
-        else:
-            self.fail(where, f"{type(value).__name__} value (not JSON)")
-
     def content(self, where: str, content: Any, system: bool) -> str | None:
         """What the template's render_content makes of ``content`` (None: transformers raises)."""
         if content is None:
             return ""
         if isinstance(content, str):
             return content
-        if not isinstance(content, (list, tuple)):
-            self.fail(where, f"{type(content).__name__} content (transformers raises)")
+        parts = self.parts(where, content)
+        if parts is None:
             return None
         out = []
-        for j, part in enumerate(content):
-            at = f"{where}[{j}]"
-            if not isinstance(part, dict):
-                self.fail(at, "a content part that is not a mapping")
-                return None
+        for at, part in parts:
             kind = part.get("type")
             if "image" in part or "image_url" in part or kind == "image" or "video" in part or kind == "video":
                 if system:
@@ -255,15 +205,8 @@ def unsupported(messages: Messages, tools: Sequence[dict[str, Any]] | None = Non
     transformers' (or transformers raises, where the runtime renders silently); empty when it
     renders identically (as measured by tests/test_qwen3_5_chat_template.py)."""
     check = _Checker()
-    try:
-        text = json.dumps([list(messages), list(tools or ())], default=placeholder, allow_nan=False,
-                          ensure_ascii=False)
-        text.encode("utf-8")
-    except (TypeError, ValueError) as exc:  # UnicodeEncodeError is a ValueError
-        return [f"conversation: not JSON-serialisable for the runtime ({exc})"]
-    check.texts([list(messages), list(tools or ())])  # valid Unicode already: a NUL is all it can find
-    if not messages:
-        check.fail("messages", "empty (transformers raises)")
+    if not check.start(messages, tools):
+        return check.reasons
     last_query = None
     assistants = []
     for i, given in enumerate(messages):
