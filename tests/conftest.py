@@ -105,3 +105,27 @@ def tiny_qwen3_5(tmp_path_factory):
     from llmexport.tiny.qwen3_5 import build_tiny_qwen3_5
 
     return _cached_variants(tmp_path_factory, "qwen3_5", build_tiny_qwen3_5)
+
+
+# --- chat-template test modules: the module's CHAT_RIG(folder) builds its rig -------------------
+
+@pytest.fixture(scope="module")
+def chat_rig(request, tmp_path_factory):
+    rig = request.module.CHAT_RIG(tmp_path_factory.mktemp("chat-tok"))
+    yield rig
+    rig.close()
+
+
+@pytest.fixture(scope="module")
+def tok_dir(chat_rig) -> Path:
+    return chat_rig.folder
+
+
+@pytest.fixture(scope="module")
+def hf_tok(chat_rig):
+    return chat_rig.hf
+
+
+@pytest.fixture(scope="module")
+def runtime(chat_rig):
+    return chat_rig.runtime

@@ -11,7 +11,9 @@ import json
 import os
 import subprocess
 import sys
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, Callable
 
 _CHILD = """
 import json, os, sys
@@ -96,3 +98,32 @@ class MnnTokenizer:
             self._proc.wait(timeout=30)
         except subprocess.TimeoutExpired:
             self._proc.kill()
+
+
+@dataclass
+class ChatTemplateRig:
+    """What a chat-template test module renders with: a tokenizer folder (``folder``, with the
+    runtime's ``tokenizer.mtok``), transformers' tokenizer of it (``hf``) and the runtime's
+    renderer in a child process (``runtime``, ``MnnTokenizer``)."""
+
+    folder: Path
+    hf: Any
+    runtime: MnnTokenizer
+
+    def close(self) -> None:
+        self.runtime.close()
+
+
+def chat_template_rig(folder: Path, build_tokenizer: Callable[[Path], Any], eos: str,
+                      end_of_turn: tuple[str, ...] = ()) -> ChatTemplateRig:
+    """Build the tokenizer into ``folder`` (``build_tokenizer(folder)``), write its runtime file
+    and start the runtime's renderer; its jinja context carries ``eos``."""
+    from transformers import AutoTokenizer
+
+    from llmexport.mnn.tokenizer.writer import write_mnn_tokenizer
+
+    build_tokenizer(folder)
+    write_mnn_tokenizer(folder, folder / "tokenizer.mtok", end_of_turn=end_of_turn)
+    hf = AutoTokenizer.from_pretrained(folder)
+    runtime = MnnTokenizer(folder / "runtime", "../tokenizer.mtok", len(hf), jinja={"chat_template": "", "eos": eos})
+    return ChatTemplateRig(folder, hf, runtime)

@@ -18,11 +18,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from transformers import AutoTokenizer
 
 from llmexport.errors import InputError
 from llmexport.mnn.config import llm_config
-from llmexport.mnn.tokenizer.writer import write_mnn_tokenizer
 from llmexport.models.chat_templates import (
     ASCII_WHITESPACE,
     ChatCase,
@@ -47,7 +45,7 @@ from llmexport.models.gemma4.chat_template import (
 from llmexport.options import ChatThinking
 from llmexport.tiny.tokenizer import GEMMA4_CHAT_TEMPLATE, build_tiny_gemma_tokenizer
 
-from mnn_tokenizer_server import MnnTokenizer
+from mnn_tokenizer_server import ChatTemplateRig, MnnTokenizer, chat_template_rig
 from real_vocab import gemma4_chat_template, parse_cases, read_gguf_metadata, real_vocab
 
 
@@ -55,8 +53,8 @@ class RuntimeRenderer:
     """``Llm.apply_chat_template`` of MNN 3.6.1 in a child process (mnn_tokenizer_server); the
     template and ``jinja.context`` are set per request with ``Llm.set_config`` (which merges)."""
 
-    def __init__(self, folder: Path, tokenizer_file: str, vocab_size: int):
-        self._child = MnnTokenizer(folder, tokenizer_file, vocab_size, jinja={"chat_template": "", "eos": "<turn|>"})
+    def __init__(self, child: MnnTokenizer):
+        self._child = child
         self.calls = 0
 
     def render(self, template: str | None, messages: list[dict[str, str]], context: dict[str, Any]) -> str:
@@ -66,8 +64,6 @@ class RuntimeRenderer:
     def renderer(self, template: str):
         return lambda messages, context: self.render(template, messages, context)
 
-    def close(self) -> None:
-        self._child.close()
 
 
 @pytest.fixture(scope="module")
@@ -75,24 +71,13 @@ def real_template() -> str:
     return gemma4_chat_template()
 
 
-@pytest.fixture(scope="module")
-def tok_dir(tmp_path_factory) -> Path:
-    folder = tmp_path_factory.mktemp("gemma4-chat-tok")
-    build_tiny_gemma_tokenizer(folder)
-    write_mnn_tokenizer(folder, folder / "tokenizer.mtok")
-    return folder
+def CHAT_RIG(folder: Path) -> ChatTemplateRig:  # noqa: N802 (the conftest fixtures' hook)
+    return chat_template_rig(folder, build_tiny_gemma_tokenizer, "<turn|>")
 
 
 @pytest.fixture(scope="module")
-def hf_tok(tok_dir):
-    return AutoTokenizer.from_pretrained(tok_dir)
-
-
-@pytest.fixture(scope="module")
-def runtime(tok_dir, hf_tok):
-    renderer = RuntimeRenderer(tok_dir / "runtime", "../tokenizer.mtok", len(hf_tok))
-    yield renderer
-    renderer.close()
+def runtime(chat_rig) -> RuntimeRenderer:
+    return RuntimeRenderer(chat_rig.runtime)
 
 
 def _hf(tok, template):

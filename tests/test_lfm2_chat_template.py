@@ -19,10 +19,8 @@ from typing import Any
 
 import pytest
 from test_qwen3_5_chat_template import CALL, SEARCH_TOOL, WEATHER_TOOL, _t, _u
-from transformers import AutoTokenizer
 
 from llmexport.errors import InputError
-from llmexport.mnn.tokenizer.writer import write_mnn_tokenizer
 from llmexport.models.chat_templates import ChatCase, compare_renderings
 from llmexport.models.lfm2.chat_template import (
     END_OF_TURN,
@@ -40,32 +38,15 @@ from llmexport.models.lfm2.chat_template import (
 )
 from llmexport.tiny.byte_level_tokenizer import LFM2_CHAT_TEMPLATE, build_byte_level_tokenizer
 
-from mnn_tokenizer_server import MnnTokenizer
+from mnn_tokenizer_server import ChatTemplateRig, chat_template_rig
 from real_vocab import sdist_template
 
 NAMES = [t.name for t in TEMPLATES]
 BY_NAME = {t.name: t for t in TEMPLATES}
 
 
-@pytest.fixture(scope="module")
-def tok_dir(tmp_path_factory) -> Path:
-    folder = tmp_path_factory.mktemp("lfm2-chat-tok")
-    build_byte_level_tokenizer(folder, "lfm2")
-    write_mnn_tokenizer(folder, folder / "tokenizer.mtok", end_of_turn=(END_OF_TURN,))
-    return folder
-
-
-@pytest.fixture(scope="module")
-def hf_tok(tok_dir):
-    return AutoTokenizer.from_pretrained(tok_dir)
-
-
-@pytest.fixture(scope="module")
-def runtime(tok_dir, hf_tok):
-    child = MnnTokenizer(tok_dir / "runtime", "../tokenizer.mtok", len(hf_tok),
-                         jinja={"chat_template": "", "eos": END_OF_TURN})
-    yield child
-    child.close()
+def CHAT_RIG(folder: Path) -> ChatTemplateRig:  # noqa: N802 (the conftest fixtures' hook)
+    return chat_template_rig(folder, lambda f: build_byte_level_tokenizer(f, "lfm2"), END_OF_TURN, (END_OF_TURN,))
 
 
 def _compare(hf_tok, runtime, name: str, cases, derived: bool = True):

@@ -18,11 +18,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from transformers import AutoTokenizer
 
 from llmexport.errors import InputError
 from llmexport.mnn.config import llm_config
-from llmexport.mnn.tokenizer.writer import write_mnn_tokenizer
 from llmexport.models.chat_templates import ChatCase, TemplateNotDerivable, runtime_messages
 from llmexport.models.qwen3_5.chat_template import (
     END_OF_TURN,
@@ -40,7 +38,7 @@ from llmexport.models.qwen3_5.chat_template import (
 from llmexport.options import ChatThinking
 from llmexport.tiny.byte_level_tokenizer import build_byte_level_tokenizer
 
-from mnn_tokenizer_server import MnnTokenizer
+from mnn_tokenizer_server import ChatTemplateRig, chat_template_rig
 from real_vocab import qwen3_5_chat_template, real_vocab
 
 
@@ -49,27 +47,8 @@ def real_template() -> str:
     return qwen3_5_chat_template()
 
 
-@pytest.fixture(scope="module")
-def tok_dir(tmp_path_factory) -> Path:
-    folder = tmp_path_factory.mktemp("qwen35-chat-tok")
-    build_byte_level_tokenizer(folder, "qwen")
-    write_mnn_tokenizer(folder, folder / "tokenizer.mtok", end_of_turn=(END_OF_TURN,))
-    return folder
-
-
-@pytest.fixture(scope="module")
-def hf_tok(tok_dir):
-    return AutoTokenizer.from_pretrained(tok_dir)
-
-
-@pytest.fixture(scope="module")
-def runtime(tok_dir, hf_tok):
-    """The runtime in a child process; ``render(template, messages, context)`` sets both with
-    ``set_config`` (which merges) and calls ``apply_chat_template``."""
-    child = MnnTokenizer(tok_dir / "runtime", "../tokenizer.mtok", len(hf_tok),
-                         jinja={"chat_template": "", "eos": END_OF_TURN})
-    yield child
-    child.close()
+def CHAT_RIG(folder: Path) -> ChatTemplateRig:  # noqa: N802 (the conftest fixtures' hook)
+    return chat_template_rig(folder, lambda f: build_byte_level_tokenizer(f, "qwen"), END_OF_TURN, (END_OF_TURN,))
 
 
 def _hf(tok, template):
