@@ -71,6 +71,7 @@ class ExportCommand:
     lora_path: str | None = None
     revision: str | None = None
     target_bpw: float | None = None
+    verify_arm: bool = False
 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
@@ -111,6 +112,10 @@ class ExportCommand:
                    "default: the template's own (Gemma4: off, an empty thought channel ends the generation prompt).")
 @click.option("--dry-run", "dry_run", is_flag=True, help="Print the plan (layers, schemes, size) and write nothing.")
 @click.option("--verify", is_flag=True, help="Run the export in MNN's runtime next to HF; fail on disagreement.")
+@click.option("--verify_arm", is_flag=True,
+              help="With --verify: run the runtime side again on MNN's ARM kernels (natively on an ARM host, under "
+                   "qemu-aarch64-static elsewhere) at precision normal and low; the shipped precision must pass "
+                   "(docs/verification.md#arm-kernels).")
 @click.option("--keep_failed", is_flag=True,
               help="With --verify: keep the export even when the verification disagrees (verify.json records "
                    "the failures; the exit code is still 4).")
@@ -275,7 +280,8 @@ def export_options(command: ExportCommand) -> ExportOptions:
                             verify_text=None if command.verify_text is None else VerifyText(
                                 Path(command.verify_text), command.verify_windows),
                             lora=None if command.lora_path is None else Path(command.lora_path),
-                            revision=command.revision, target_bpw=command.target_bpw)
+                            revision=command.revision, target_bpw=command.target_bpw,
+                            verify_arm=command.verify_arm)
     quant_config = command.quant_config
     if quant_config is None:
         return options

@@ -16,6 +16,7 @@ import hashlib
 import io
 import lzma
 import os
+import posixpath
 import shutil
 import subprocess
 import tarfile
@@ -111,17 +112,17 @@ def closure(index: dict[str, Package], roots: Iterable[str]) -> list[Package]:
         for name in package.provides:
             providers.setdefault(name, package.name)
     chosen: dict[str, Package] = {}
-    todo = [(root,) for root in roots]
+    todo: list[tuple[str, ...]] = [(root,) for root in roots]
     while todo:
         group = todo.pop()
-        if any(name in chosen or providers.get(name) in chosen for name in group):
+        if any(n in chosen or providers.get(n) in chosen for n in group):
             continue
-        name = next((n for n in group if n in index), None) or next((providers[n] for n in group
+        pick = next((n for n in group if n in index), None) or next((providers[n] for n in group
                                                                       if n in providers), None)
-        if name is None:
+        if pick is None:
             raise FetchError(f"Debian {SUITE}/{ARCH} holds none of {' | '.join(group)}")
-        chosen[name] = index[name]
-        todo.extend(index[name].depends)
+        chosen[pick] = index[pick]
+        todo.extend(index[pick].depends)
     return sorted(chosen.values(), key=lambda p: p.name)
 
 
@@ -178,7 +179,7 @@ def unpack_deb(data: bytes, dest: Path, what: str) -> None:
         raise FetchError(f"{what}: {names[0]} is a compression this unpacker does not read")
     with tarfile.open(fileobj=io.BytesIO(members[names[0]]), mode="r:*") as tar:
         for info in tar:
-            name = PurePosixPath(os.path.normpath(info.name.lstrip("./") or "."))
+            name = PurePosixPath(posixpath.normpath(info.name))
             if str(name) == ".":
                 continue
             target = _inside(dest, name, what)
@@ -192,11 +193,14 @@ def unpack_deb(data: bytes, dest: Path, what: str) -> None:
                 target.write_bytes(source.read())
                 target.chmod(info.mode & 0o755 | 0o600)
             elif info.issym():
+                link = _relative_link(name, info.linkname)
+                if posixpath.normpath(posixpath.join(str(name.parent), link)).startswith(".."):
+                    raise FetchError(f"{what}: link {name} -> {info.linkname} leaves the folder; refused")
                 target.parent.mkdir(parents=True, exist_ok=True)
                 target.unlink(missing_ok=True)
-                os.symlink(_relative_link(name, info.linkname), target)
+                os.symlink(link, target)
             elif info.islnk():
-                source_path = _inside(dest, PurePosixPath(os.path.normpath(info.linkname.lstrip("./"))), what)
+                source_path = _inside(dest, PurePosixPath(posixpath.normpath(info.linkname)), what)
                 target.parent.mkdir(parents=True, exist_ok=True)
                 target.unlink(missing_ok=True)
                 shutil.copy2(source_path, target)
