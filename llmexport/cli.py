@@ -112,10 +112,6 @@ class ExportCommand:
                    "default: the template's own (Gemma4: off, an empty thought channel ends the generation prompt).")
 @click.option("--dry-run", "dry_run", is_flag=True, help="Print the plan (layers, schemes, size) and write nothing.")
 @click.option("--verify", is_flag=True, help="Run the export in MNN's runtime next to HF; fail on disagreement.")
-@click.option("--verify_arm", is_flag=True,
-              help="With --verify: run the runtime side again on MNN's ARM kernels (natively on an ARM host, under "
-                   "qemu-aarch64-static elsewhere) at precision normal and low; the shipped precision must pass "
-                   "(docs/verification.md#arm-kernels).")
 @click.option("--keep_failed", is_flag=True,
               help="With --verify: keep the export even when the verification disagrees (verify.json records "
                    "the failures; the exit code is still 4).")
@@ -156,6 +152,10 @@ class ExportCommand:
               help="A size budget instead of a recipe: each text linear's scheme (from --quant_bit/--quant_block up "
                    "to a smaller block or 8 bits) chosen by sensitivity per byte until the linears' records average "
                    "BITS bits per weight (docs/quantization.md).")
+@click.option("--verify_arm", is_flag=True,
+              help="With --verify: run the runtime side again on MNN's ARM kernels (natively on an ARM host, under "
+                   "qemu-aarch64-static elsewhere) at precision normal and low; the shipped precision must pass "
+                   "(docs/verification.md#arm-kernels).")
 @click.version_option(__version__, "--version", prog_name="llmexport")
 def main(**flags: Any) -> None:
     """Export a HuggingFace LLM checkpoint to MNN (or ONNX), optionally verified."""

@@ -347,6 +347,7 @@ def test_cli_verify_arm_reports_both_precisions(llama, tmp_path):
     dst = tmp_path / "out"
     result = CliRunner().invoke(main, ["--path", str(llama), "--dst_path", str(dst), "--verify", "--verify_arm"])
     assert result.exit_code == 0, result.output
+    print("\n" + next(line for line in result.output.splitlines() if line.startswith("verify: ")))
     assert "verify: PASS" in result.output and "ARM arm64" in result.output
     report = json.loads((dst / "verify.json").read_text())
     arm_section = report["arm"]
@@ -382,13 +383,14 @@ def test_an_export_shipping_fp16_arithmetic_fails_on_arm_only(llama, tmp_path, a
     """x86 has no fp16 arithmetic (precision low runs as normal there): an fp16-record export that
     ships ``precision: low`` passes on this host, and fails on ARM, where it moves the logits past the
     fp16 bound. Also the guard that the ARM check is not vacuous."""
-    from llmexport.verification.verify import verify_export
+    from llmexport.verification.verify import summary_line, verify_export
 
     out = tmp_path / "out"
     export(llama, out, ExportOptions(quant=QuantScheme(16, 64)))
     config = json.loads((out / "config.json").read_text())
     (out / "config.json").write_text(json.dumps({**config, "precision": "low"}))
     report = verify_export(out, llama, steps=8, arm=arm)
+    print(f"\nshipping precision low: {summary_line(report)}")
     assert report.arm is not None and [r.precision for r in report.arm.runs] == ["low", "normal"]
     low, normal = report.arm.runs
     assert report.oracle.max_abs_err < report.bounds.max_abs_err  # the host passes ...
