@@ -82,6 +82,7 @@ def ensure_runtime(log: Callable[[str], None] = print,
             build(work, log)
             if not (work / MANIFEST).exists():
                 raise debian.FetchError(f"the arm64 runtime's set-up wrote no {MANIFEST}")
+            work.chmod(0o755)  # mkdtemp's 0700: the finished runtime is readable like any cache
             os.rename(work, runtime.folder)
         except BaseException:
             shutil.rmtree(work, ignore_errors=True)
