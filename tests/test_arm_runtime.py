@@ -30,6 +30,7 @@ from llmexport.mnn.config import profile_of
 from llmexport.mnn.runtime import chat_call, run_calls, runtime_call
 from llmexport.mnn.tokenizer.stream import StreamModel
 from llmexport.quant.scheme import QuantScheme
+from llmexport.results import VerifyReport
 from llmexport.source.checkpoint import Checkpoint
 from llmexport.source.loading import open_architecture
 from llmexport.tiny.registry import TINY_BUILDERS
@@ -350,6 +351,7 @@ def test_cli_verify_arm_reports_both_precisions(llama, tmp_path):
     print("\n" + next(line for line in result.output.splitlines() if line.startswith("verify: ")))
     assert "verify: PASS" in result.output and "ARM arm64" in result.output
     report = json.loads((dst / "verify.json").read_text())
+    assert VerifyReport.read(dst / "verify.json").to_json() == report  # the arm section reads back
     arm_section = report["arm"]
     assert arm_section["kernels"]["fp16"] == 1 and arm_section["kernels"]["i8mm"] == 1
     assert [(r["precision"], r["shipped"]) for r in arm_section["runs"]] == [("normal", True), ("low", False)]
