@@ -4,7 +4,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: install demo lint test test-fast bench clean
+.PHONY: install demo lint arm-runtime test test-fast bench clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -35,7 +35,23 @@ lint: install
 # nothing: that is a failure here.
 PYTEST := HF_HUB_OFFLINE=1 OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -n 2 --dist loadfile --durations=25
 
-test: install lint
+# MNN's ARM kernels for tests/test_arm_runtime.py and --verify_arm (docs/verification.md#arm-kernels): on a
+# non-ARM machine Debian/Ubuntu's qemu-user-static first (installed here when we are root with
+# apt-get, else a one-line error), then the arm64 runtime: Debian's python3.11 and MNN's aarch64
+# wheel, fetched once into ~/.cache/llmexport/arm64 (LLMEXPORT_ARM_CACHE moves it).
+arm-runtime: install
+	@case "$$(uname -m)" in aarch64|arm64) ;; *) \
+	  if [ -z "$$LLMEXPORT_QEMU" ] && ! command -v qemu-aarch64-static >/dev/null; then \
+	    if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+	      echo "installing Debian's qemu-user-static (qemu-aarch64-static)"; \
+	      DEBIAN_FRONTEND=noninteractive apt-get install -y -qq qemu-user-static >/dev/null || \
+	      { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq qemu-user-static >/dev/null; }; \
+	    else echo "make arm-runtime: qemu-aarch64-static is missing: install the qemu-user-static package" \
+	      "(sudo apt-get install qemu-user-static)" >&2; exit 1; fi; \
+	  fi;; esac
+	$(BIN)/python -m llmexport.mnn.arm
+
+test: install lint arm-runtime
 	$(PYTEST); code=$$?; \
 		if [ $$code -eq 5 ]; then echo "pytest collected no tests" >&2; exit 1; fi; exit $$code
 

@@ -63,8 +63,12 @@ def plan(path: str | os.PathLike, options: ExportOptions | None = None) -> Expor
 def verify(dst: str | os.PathLike, path: str | os.PathLike, revision: str | None = None, **kwargs: Any) -> VerifyReport:
     """Run an exported folder in MNN's runtime beside the HF checkpoint it came from; the report is
     also written to ``dst/verify.json`` (``path`` may be a hub repo id, at ``revision``;
-    ``trust_remote_code=True`` is needed for families whose reference is the checkpoint's own code)."""
+    ``trust_remote_code=True`` is needed for families whose reference is the checkpoint's own code;
+    ``verify_arm=True`` also runs the runtime side on MNN's ARM kernels, ``VerifyReport.arm``)."""
+    from llmexport.mnn.arm.machine import arm_machine
     from llmexport.source.hub import resolve_source
     from llmexport.verification.verify import verify_export
 
+    if kwargs.pop("verify_arm", False):
+        kwargs["arm"] = arm_machine()
     return verify_export(Path(dst), resolve_source(path, revision).folder, **kwargs)

@@ -71,6 +71,7 @@ class ExportCommand:
     lora_path: str | None = None
     revision: str | None = None
     target_bpw: float | None = None
+    verify_arm: bool = False
 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
@@ -151,6 +152,10 @@ class ExportCommand:
               help="A size budget instead of a recipe: each text linear's scheme (from --quant_bit/--quant_block up "
                    "to a smaller block or 8 bits) chosen by sensitivity per byte until the linears' records average "
                    "BITS bits per weight (docs/quantization.md).")
+@click.option("--verify_arm", is_flag=True,
+              help="With --verify: run the runtime side again on MNN's ARM kernels (natively on an ARM host, under "
+                   "qemu-aarch64-static elsewhere) at precision normal and low; the shipped precision must pass "
+                   "(docs/verification.md#arm-kernels).")
 @click.version_option(__version__, "--version", prog_name="llmexport")
 def main(**flags: Any) -> None:
     """Export a HuggingFace LLM checkpoint to MNN (or ONNX), optionally verified."""
@@ -275,7 +280,8 @@ def export_options(command: ExportCommand) -> ExportOptions:
                             verify_text=None if command.verify_text is None else VerifyText(
                                 Path(command.verify_text), command.verify_windows),
                             lora=None if command.lora_path is None else Path(command.lora_path),
-                            revision=command.revision, target_bpw=command.target_bpw)
+                            revision=command.revision, target_bpw=command.target_bpw,
+                            verify_arm=command.verify_arm)
     quant_config = command.quant_config
     if quant_config is None:
         return options

@@ -170,9 +170,10 @@ class ExportOptions:
     lora: Path | None = None
     revision: str | None = None
     target_bpw: float | None = None
+    verify_arm: bool = False
 
     #: fields that change how the export talks or runs, never what it writes (left out of manifest.json)
-    PRESENTATION = ("quiet", "keep_failed", "max_memory", "verify_text")
+    PRESENTATION = ("quiet", "keep_failed", "max_memory", "verify_text", "verify_arm")
 
     def validate(self) -> "ExportOptions":
         for flag, scheme in (("--quant_bit/--quant_block", self.quant), ("--lm_quant_bit", self.lm_quant)):
@@ -196,6 +197,8 @@ class ExportOptions:
                              f"{', '.join(p.value for p in RuntimeProfile)}")
         if self.keep_failed and not self.verify:
             raise UsageError("--keep_failed: keeps an export whose --verify disagreed; it needs --verify")
+        if self.verify_arm and not self.verify:
+            raise UsageError("--verify_arm: runs --verify's runtime side again on MNN's ARM kernels; it needs --verify")
         if self.max_memory is not None and not self.max_memory > 0:
             raise UsageError(f"--max_memory: must be a positive number of GiB, got {self.max_memory}")
         if self.verify_text is not None:

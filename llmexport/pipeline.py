@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from llmexport.errors import ConversionError, ResourceError, UsageError
+from llmexport.mnn.arm.machine import Machine, arm_machine
 from llmexport.models.base import Architecture
 from llmexport.options import ExportOptions
 from llmexport.planning.export_plan import export_plan, write_manifest
@@ -52,6 +53,8 @@ def run_export(path: Path, out: Path, options: ExportOptions, source: dict[str, 
     start = time.perf_counter()
     target = target_for(options.export)
     _, arch, prepared = _load(path, options, target)  # reading only: input errors, never output errors
+    # --verify_arm: a missing emulator or a failed set-up of the ARM runtime is refused before anything is written
+    arm = arm_machine() if options.verify and options.verify_arm and target.verifiable else None
     graph = arch.build_graph()
     schemes = Schemes(arch, options, target.record_bytes)
     timings["load"] = round(time.perf_counter() - start, 3)
@@ -66,7 +69,7 @@ def run_export(path: Path, out: Path, options: ExportOptions, source: dict[str, 
     verify_error: str | None = None
     if options.verify and target.verifiable:
         with stage(timings, "verify"):
-            verification, verify_error = _verify(out, path, options)
+            verification, verify_error = _verify(out, path, options, arm)
     with stage(timings, "manifest"):
         write_manifest(out, options, plan, adapter_of(arch.checkpoint.weights), source)
     return ExportResult(out, tuple(sorted(p.name for p in out.iterdir())), plan, timings, verification, verify_error)
@@ -78,7 +81,8 @@ def run_export(path: Path, out: Path, options: ExportOptions, source: dict[str, 
 _VERIFY_CANNOT_RUN = (MemoryError, ConversionError, subprocess.TimeoutExpired)
 
 
-def _verify(out: Path, path: Path, options: ExportOptions) -> tuple[VerifyReport | None, str | None]:
+def _verify(out: Path, path: Path, options: ExportOptions,
+            arm: Machine | None = None) -> tuple[VerifyReport | None, str | None]:
     """The verification report, or why it could not run: a finished export is never discarded
     for that (verify.json records the reason); a verification that ran and disagreed raises,
     unless ``keep_failed`` (then the failing report comes back and the export is kept)."""
@@ -88,7 +92,7 @@ def _verify(out: Path, path: Path, options: ExportOptions) -> tuple[VerifyReport
         return verify_export(out, path, raise_on_failure=not options.keep_failed,
                              trust_remote_code=options.trust_remote_code,
                              approximate_ignore_merges=options.approximate_ignore_merges,
-                             text=options.verify_text, lora=options.lora), None
+                             text=options.verify_text, lora=options.lora, arm=arm), None
     except Exception as exc:
         if not isinstance(exc, _VERIFY_CANNOT_RUN) and ResourceError.out_of_memory(exc, "") is None:
             raise

@@ -543,6 +543,49 @@ class TowerReport:
 
 
 @dataclass(frozen=True)
+class ArmPrecision:
+    """``--verify_arm`` at one precision: the single prompt teacher-forced along the same ids as on
+    this host, against the stored-weights oracle (``oracle``) and fp32 HF, its largest difference from
+    this host's run, the conversation, and what the verification's rules say of it (``failures``:
+    they fail the export only at the precision it ships)."""
+
+    precision: str
+    shipped: bool
+    oracle: RunComparison
+    fp32: LogitStats
+    vs_host_max_abs_err: float
+    conversation: ConversationCheck
+    failures: tuple[str, ...]
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> ArmPrecision:
+        return cls(data["precision"], data["shipped"], RunComparison.from_json(data["oracle"]),
+                   LogitStats.from_json(data["fp32"]), data["vs_host_max_abs_err"],
+                   ConversationCheck.from_json(data["conversation"]), tuple(data["failures"]))
+
+    def to_json(self) -> dict[str, Any]:
+        return {"precision": self.precision, "shipped": self.shipped, "oracle": self.oracle.to_json(),
+                "fp32": self.fp32.to_json(), "vs_host_max_abs_err": self.vs_host_max_abs_err,
+                "conversation": self.conversation.to_json(), "failures": list(self.failures)}
+
+
+@dataclass(frozen=True)
+class ArmCheck:
+    """``--verify_arm``: where MNN's ARM kernels ran, the kernels MNN reported, each precision's run."""
+
+    machine: str
+    kernels: Mapping[str, int]  # MNN's "The device supports" line: i8sdot, fp16, i8mm, sve2, sme2
+    runs: tuple[ArmPrecision, ...]
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> ArmCheck:
+        return cls(data["machine"], dict(data["kernels"]), tuple(ArmPrecision.from_json(r) for r in data["runs"]))
+
+    def to_json(self) -> dict[str, Any]:
+        return {"machine": self.machine, "kernels": dict(self.kernels), "runs": [r.to_json() for r in self.runs]}
+
+
+@dataclass(frozen=True)
 class VerifyReport:
     """The verification of an export (docs/verification.md); ``passed`` when nothing failed."""
 
@@ -564,6 +607,8 @@ class VerifyReport:
     fp32_quality: QualityStats | None = None
     #: ``--verify_text``: its file, and the runtime against HF fp32 on windows of it
     text_quality: tuple[str, QualityStats] | None = None
+    #: ``--verify_arm``: the runtime side again on MNN's ARM kernels
+    arm: ArmCheck | None = None
 
     @property
     def passed(self) -> bool:
@@ -580,7 +625,8 @@ class VerifyReport:
                      tuple(data.get("skipped", ())),
                      None if "fp32_quality" not in data else QualityStats.from_json(data["fp32_quality"]),
                      None if "text_quality" not in data else (data["text_quality"]["file"],
-                                                              QualityStats.from_json(data["text_quality"])))
+                                                              QualityStats.from_json(data["text_quality"])),
+                     None if "arm" not in data else ArmCheck.from_json(data["arm"]))
         if report.passed != data["passed"]:
             raise ValueError(f"verification report: passed={data['passed']} with {len(report.failures)} failure(s)")
         return report
@@ -611,6 +657,8 @@ class VerifyReport:
             out["fp32_quality"] = self.fp32_quality.to_json()
         if self.text_quality is not None:
             out["text_quality"] = {"file": self.text_quality[0], **self.text_quality[1].to_json()}
+        if self.arm is not None:
+            out["arm"] = self.arm.to_json()
         out.update(bounds=self.bounds.to_json(), failures=list(self.failures), passed=self.passed)
         return out
 

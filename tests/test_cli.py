@@ -143,11 +143,12 @@ def test_flags_map_to_options_by_name():
                                             "--visual_quant_bit", "8", "--audio_quant_bit", "4", "--requantize",
                                             "--thread_num", "2", "--chat_thinking", "off", "--verify",
                                             "--keep_failed", "--max_memory", "1.5", "--trust_remote_code",
-                                            "--quiet"]))
+                                            "--quiet", "--verify_arm"]))
     assert options.export is ExportFormat.ONNX and options.chat_thinking is ChatThinking.OFF
     assert options.quant == QuantScheme(8, 32, sym=True, method=QuantMethod.HQQ)
     assert options.lm_quant == QuantScheme(16, 32, sym=True, method=QuantMethod.HQQ)
     assert (options.embed_bit, options.visual_quant_bit, options.audio_quant_bit, options.thread_num,
             options.max_memory) == (4, 8, 4, 2, 1.5)
     assert options.requantize and options.verify and options.keep_failed and options.trust_remote_code
+    assert options.verify_arm and not export_options(parse_command(base)).verify_arm
     assert options.quiet and export_options(parse_command(base)).lm_quant is None

@@ -51,7 +51,7 @@ def test_the_check_sees_a_family_added_without_tests():
     registry = {**registered_families(), "newcomer": Newcomer}
     assert _missing(registry, TINY_BUILDERS, families.COVERAGE) == [
         "no tiny builder for 'newcomer'", "Newcomer has no rewrite tests", "Newcomer has no onnx tests",
-        "Newcomer has no mnn tests"]
+        "Newcomer has no mnn tests", "Newcomer has no arm tests"]
 
 
 @pytest.mark.parametrize("model_type", sorted(TINY_BUILDERS))

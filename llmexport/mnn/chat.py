@@ -35,10 +35,10 @@ import sys
 import tempfile
 import time
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 from typing import IO, Any, Callable
 
 from llmexport.errors import ConversionError, InputError, UsageError
+from llmexport.mnn.arm.machine import HOST
 from llmexport.mnn.config import cache_can_be_cut
 from llmexport.mnn.export_check import MEDIA_TAG, RunnableExport
 from llmexport.mnn.runtime import common_prefix_length
@@ -86,10 +86,8 @@ class ChatSession:
                    "context": export.context, "multimodal": export.visual or export.audio,
                    "set_config": {"thread_num": thread_num} if thread_num else {}}
         self._log = tempfile.TemporaryFile(prefix="llmexport-run-")
-        package_root = str(Path(__file__).resolve().parents[2])
-        env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [package_root, os.environ.get("PYTHONPATH")])))
-        self._proc = subprocess.Popen([sys.executable, "-m", "llmexport.mnn.chat"], stdin=subprocess.PIPE,
-                                      stdout=subprocess.PIPE, stderr=self._log, env=env, text=True,
+        self._proc = subprocess.Popen(HOST.command("llmexport.mnn.chat"), stdin=subprocess.PIPE,
+                                      stdout=subprocess.PIPE, stderr=self._log, env=HOST.environment(), text=True,
                                       encoding="utf-8")
         self.load_s = 0.0
         try:

@@ -6,6 +6,12 @@ uses a fresh instance per pass, so it sees nothing of earlier requests (as does 
 ``run_windows``, the quality benchmark's scoring); ``run_chat`` checks a
 conversation in one instance (several turns on one KV cache, then ``reset()`` and a new
 conversation). Exports made before the token table (mnn/token_table.py) failed exactly there.
+
+Each request is a ``Call`` (its JSON request and how its folder is read back); ``run_calls`` runs
+several in ONE child, one after the other (a batch: the child's start and its imports are paid once,
+which is what an emulated ARM child costs most, mnn/arm/machine.py). The ``machine`` says where
+the child runs: this host's Python (``HOST``) or MNN's ARM kernels. The child side imports only
+numpy, MNN and llmexport's torch-free modules.
 """
 
 from __future__ import annotations
@@ -17,12 +23,75 @@ import sys
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator, Sequence
+from typing import Any, Callable, Generic, Iterator, Sequence, TypeVar
 
 import numpy as np
 
 from llmexport.errors import ConversionError
+from llmexport.mnn.arm.machine import HOST, Machine
 from llmexport.mnn.config import cache_can_be_cut
+
+T = TypeVar("T")
+#: runtime output lines that are no failure's reason
+_CHATTER = ("[MNNLLM]", "The device supports")
+
+
+@dataclass(frozen=True)
+class Call(Generic[T]):
+    """One runtime request (``mode`` and its fields; ``run_calls`` adds ``out``, its folder) and how
+    its result is read from that folder: ``read(folder, failure)``, ``failure`` None when the child
+    completed it, else why not (the exit status and the child's last lines)."""
+
+    request: dict[str, Any]
+    read: Callable[[Path, "str | None"], T]
+
+
+def _spawn(request: dict[str, Any], machine: Machine, timeout: float) -> subprocess.CompletedProcess:
+    return subprocess.run(machine.command("llmexport.mnn.runtime"), input=json.dumps(request), capture_output=True,
+                          text=True, timeout=timeout, errors="replace", env=machine.environment())
+
+
+def _failure(proc: subprocess.CompletedProcess, out: Path) -> str:
+    failed = out / "failed.txt"
+    if failed.exists():
+        lines = failed.read_text().strip().splitlines()
+    else:
+        lines = [line for line in (proc.stdout + proc.stderr).strip().splitlines() if not line.startswith(_CHATTER)]
+    return f"exit {proc.returncode}: " + " | ".join(lines[-4:])
+
+
+def run_calls(calls: Sequence[Call[Any]], machine: Machine = HOST, timeout: float | None = None,
+              output: list[str] | None = None) -> list[Any]:
+    """Each call's result, all calls run in one child in turn (each in its own fresh instances);
+    ``timeout``: for the whole child (default 600 s a call). A call that raises in the child does not
+    stop the later ones; a crash does (they read as failed). ``output`` receives the child's output
+    lines (MNN's log: the kernels it found)."""
+    if not calls:
+        return []
+    with tempfile.TemporaryDirectory(prefix="llmexport-mnn-") as tmp:
+        requests = []
+        for i, call in enumerate(calls):
+            (Path(tmp) / str(i)).mkdir()
+            requests.append({**call.request, "out": str(Path(tmp) / str(i))})
+        request = requests[0] if len(requests) == 1 else {"mode": "batch", "requests": requests}
+        proc = _spawn(request, machine, timeout or 600.0 * len(calls))
+        if output is not None:
+            output.extend((proc.stdout + proc.stderr).splitlines())
+        results = []
+        for call, req in zip(calls, requests):
+            out = Path(req["out"])
+            results.append(call.read(out, None if (out / "result.json").exists() else _failure(proc, out)))
+        return results
+
+
+def _checked(what: str, read: Callable[[Path], T]) -> Callable[[Path, "str | None"], T]:
+    """A reader that turns a failure into ConversionError naming ``what``."""
+    def checked(out: Path, failure: str | None) -> T:
+        if failure is not None:
+            raise ConversionError(f"MNN runtime failed on {what} ({failure})")
+        return read(out)
+
+    return checked
 
 
 @dataclass
@@ -34,23 +103,26 @@ class RuntimeRun:
     encoded: dict[str, list[int]]  # text -> ids from the runtime's tokenizer
 
 
+def runtime_call(export_dir: Path, prompt_ids: list[int], forced_ids: list[int] | None, greedy_steps: int,
+                 texts: Sequence[str] = (), config: dict[str, Any] | None = None) -> Call[RuntimeRun]:
+    """``run_runtime`` as a call (for ``run_calls``)."""
+    def read(out: Path) -> RuntimeRun:
+        meta = json.loads((out / "result.json").read_text())
+        return RuntimeRun(np.load(out / "forced.npy"), meta["greedy"], meta["encoded"])
+
+    request = {"config": str(export_dir / "config.json"), "prompt": prompt_ids, "forced": forced_ids,
+               "greedy": greedy_steps, "texts": list(texts), "set_config": config or {"thread_num": 2}}
+    return Call(request, _checked(str(export_dir), read))
+
+
 def run_runtime(export_dir: Path, prompt_ids: list[int], forced_ids: list[int] | None, greedy_steps: int,
-                texts: Sequence[str] = (), config: dict[str, Any] | None = None, timeout: float = 600) -> RuntimeRun:
+                texts: Sequence[str] = (), config: dict[str, Any] | None = None, timeout: float = 600,
+                machine: Machine = HOST) -> RuntimeRun:
     """The runtime's logits after ``prompt_ids`` and after each of ``forced_ids`` (None: after each
     of its own greedy ids but the last), its ``greedy_steps`` greedy ids, and how its tokenizer
     encodes ``texts``."""
-    with tempfile.TemporaryDirectory(prefix="llmexport-mnn-") as tmp:
-        request = {"config": str(export_dir / "config.json"), "prompt": prompt_ids, "forced": forced_ids,
-                   "greedy": greedy_steps, "texts": list(texts), "set_config": config or {"thread_num": 2},
-                   "out": tmp}
-        proc = subprocess.run([sys.executable, "-m", "llmexport.mnn.runtime"], input=json.dumps(request),
-                              capture_output=True, text=True, timeout=timeout, errors="replace")
-        result = Path(tmp) / "result.json"
-        if proc.returncode != 0 or not result.exists():
-            tail = "\n".join((proc.stdout + proc.stderr).strip().splitlines()[-15:])
-            raise ConversionError(f"MNN runtime failed on {export_dir} (exit {proc.returncode}):\n{tail}")
-        meta = json.loads(result.read_text())
-        return RuntimeRun(np.load(Path(tmp) / "forced.npy"), meta["greedy"], meta["encoded"])
+    return run_calls([runtime_call(export_dir, prompt_ids, forced_ids, greedy_steps, texts, config)], machine,
+                     timeout)[0]
 
 
 @dataclass
@@ -63,25 +135,18 @@ class MediaRun:
     greedy_ids: list[int]
 
 
-def _run_child(request: dict[str, Any], what: str, timeout: float) -> None:
-    proc = subprocess.run([sys.executable, "-m", "llmexport.mnn.runtime"], input=json.dumps(request),
-                          capture_output=True, text=True, timeout=timeout, errors="replace")
-    if proc.returncode != 0 or not (Path(request["out"]) / "result.json").exists():
-        tail = "\n".join((proc.stdout + proc.stderr).strip().splitlines()[-15:])
-        raise ConversionError(f"MNN runtime failed on {what} (exit {proc.returncode}):\n{tail}")
-
-
 def run_media_prompt(export_dir: Path, prompt: str, forced_ids: list[int] | None, greedy_steps: int,
-                     config: dict[str, Any] | None = None, timeout: float = 600) -> MediaRun:
+                     config: dict[str, Any] | None = None, timeout: float = 600,
+                     machine: Machine = HOST) -> MediaRun:
     """Run a templated prompt carrying media tags; the runtime's towers turn each tag into
     soft tokens (MNN 3.6.1 ``Omni::tokenizer_encode``). A fresh instance per pass, as for text."""
-    with tempfile.TemporaryDirectory(prefix="llmexport-mnn-") as tmp:
-        request = {"mode": "media", "config": str(export_dir / "config.json"), "prompt": prompt,
-                   "forced": forced_ids, "greedy": greedy_steps, "set_config": config or {"thread_num": 2},
-                   "out": tmp}
-        _run_child(request, str(export_dir), timeout)
-        meta = json.loads((Path(tmp) / "result.json").read_text())
-        return MediaRun(meta["ids"], np.load(Path(tmp) / "forced.npy"), meta["greedy"])
+    def read(out: Path) -> MediaRun:
+        meta = json.loads((out / "result.json").read_text())
+        return MediaRun(meta["ids"], np.load(out / "forced.npy"), meta["greedy"])
+
+    request = {"mode": "media", "config": str(export_dir / "config.json"), "prompt": prompt,
+               "forced": forced_ids, "greedy": greedy_steps, "set_config": config or {"thread_num": 2}}
+    return run_calls([Call(request, _checked(str(export_dir), read))], machine, timeout)[0]
 
 
 #: config.json's names of MNN's BackendConfig modes (include/MNN/MNNForwardType.h)
@@ -91,39 +156,45 @@ _DYNAMIC_QUANT_OPTIONS = 5  # Interpreter::HintMode, what the LLM engine sets fr
 
 
 def run_module(model: Path, inputs: list[dict[str, np.ndarray]], outputs: list[str], thread_num: int = 2,
-               timeout: float = 600, settings: dict[str, Any] | None = None) -> list[dict[str, np.ndarray]]:
+               timeout: float = 600, settings: dict[str, Any] | None = None,
+               machine: Machine = HOST) -> list[dict[str, np.ndarray]]:
     """Run one exported graph (e.g. ``visual.mnn``) with fp32 activations on each of several input
     sets (one child process, one module load); returns the named outputs per input set.
 
     ``settings`` (config.json's ``precision``, ``memory``, ``dynamic_option``) runs the graph on a
     runtime built from them and ``thread_num``, as the LLM engine builds one; without it the module
     loads at precision and memory normal on pymnn's default runtime (which ignores ``thread_num``)."""
-    with tempfile.TemporaryDirectory(prefix="llmexport-mnn-") as tmp:
+    with tempfile.TemporaryDirectory(prefix="llmexport-mnn-") as feeds:
         for r, feed in enumerate(inputs):
             for i, value in enumerate(feed.values()):
-                np.save(Path(tmp) / f"in{r}_{i}.npy", value)
+                np.save(Path(feeds) / f"in{r}_{i}.npy", value)
         request = {"mode": "module", "model": str(model), "inputs": list(inputs[0]), "outputs": outputs,
-                   "runs": len(inputs), "thread_num": thread_num, "settings": settings, "out": tmp}
-        _run_child(request, str(model), timeout)
-        return [{name: np.load(Path(tmp) / f"out{r}_{i}.npy") for i, name in enumerate(outputs)}
-                for r in range(len(inputs))]
+                   "runs": len(inputs), "thread_num": thread_num, "settings": settings, "feeds": feeds}
+
+        def read(out: Path) -> list[dict[str, np.ndarray]]:
+            return [{name: np.load(out / f"out{r}_{i}.npy") for i, name in enumerate(outputs)}
+                    for r in range(len(inputs))]
+
+        return run_calls([Call(request, _checked(str(model), read))], machine, timeout)[0]
 
 
 def run_windows(export_dir: Path, windows: Sequence[Sequence[int]], config: dict[str, Any] | None = None,
-                timeout: float = 1800) -> list[np.ndarray]:
+                timeout: float = 1800, machine: Machine = HOST) -> list[np.ndarray]:
     """Each window's logits ``[len(window) - 1, vocab]`` (position ``i`` predicting token ``i + 1``),
     every window in a fresh instance: its first token, then the others fed one at a time (one
     child process for all windows)."""
-    return list(score_windows(export_dir, windows, config, timeout))
+    return list(score_windows(export_dir, windows, config, timeout, machine))
 
 
 def score_windows(export_dir: Path, windows: Sequence[Sequence[int]], config: dict[str, Any] | None = None,
-                  timeout: float = 1800) -> Iterator[np.ndarray]:
+                  timeout: float = 1800, machine: Machine = HOST) -> Iterator[np.ndarray]:
     """``run_windows``, one window's logits at a time (the others stay on disk meanwhile)."""
     with tempfile.TemporaryDirectory(prefix="llmexport-mnn-") as tmp:
         request = {"mode": "score", "config": str(export_dir / "config.json"), "out": tmp,
                    "set_config": config or {"thread_num": 2}, "windows": [[int(t) for t in w] for w in windows]}
-        _run_child(request, str(export_dir), timeout)
+        proc = _spawn(request, machine, timeout)
+        if not (Path(tmp) / "result.json").exists():
+            raise ConversionError(f"MNN runtime failed on {export_dir} ({_failure(proc, Path(tmp))})")
         for i in range(len(windows)):
             yield np.load(Path(tmp) / f"window{i}.npy")
 
@@ -170,31 +241,32 @@ class ChatRun:
 CHAT_CONFIG: dict[str, Any] = {"reuse_kv": True, "sampler_type": "greedy"}
 
 
+def chat_call(export_dir: Path, conversations: Sequence[Sequence[str]], steps: int,
+              config: dict[str, Any] | None = None) -> Call[ChatRun]:
+    """``run_chat`` as a call (for ``run_calls``)."""
+    def read(out: Path, failure: str | None) -> ChatRun:
+        turns: list[ChatTurnRun] = []
+        while (out / f"turn{len(turns)}.json").exists():
+            meta = json.loads((out / f"turn{len(turns)}.json").read_text())
+            turns.append(ChatTurnRun(meta["messages"], meta["ids"], meta["kept"], meta["answer"], meta["stopped"],
+                                     [bytes.fromhex(p) for p in meta["pieces"]],
+                                     np.load(out / f"turn{len(turns)}.npy")))
+        return ChatRun(turns, None if failure is None else f"MNN's runtime failed ({failure})")
+
+    request = {"mode": "chat", "config": str(export_dir / "config.json"), "steps": steps,
+               "set_config": {**(config or {"thread_num": 2}), **CHAT_CONFIG},
+               "conversations": [list(c) for c in conversations]}
+    return Call(request, read)
+
+
 def run_chat(export_dir: Path, conversations: Sequence[Sequence[str]], steps: int,
-             config: dict[str, Any] | None = None, timeout: float = 600) -> ChatRun:
+             config: dict[str, Any] | None = None, timeout: float = 600, machine: Machine = HOST) -> ChatRun:
     """Chat in ONE runtime instance: the user messages of each conversation in turn, the runtime's
     answers (at most ``steps`` tokens) kept as the history; each turn renders the whole history with
     the runtime's template and prefills only what its KV cache lacks; ``reset()`` between
     conversations. A runtime failure (an exception or a crash) ends the run; the turns before it are
     returned."""
-    with tempfile.TemporaryDirectory(prefix="llmexport-mnn-") as tmp:
-        request = {"mode": "chat", "config": str(export_dir / "config.json"), "steps": steps, "out": tmp,
-                   "set_config": {**(config or {"thread_num": 2}), **CHAT_CONFIG},
-                   "conversations": [list(c) for c in conversations]}
-        proc = subprocess.run([sys.executable, "-m", "llmexport.mnn.runtime"], input=json.dumps(request),
-                              capture_output=True, text=True, timeout=timeout, errors="replace")
-        turns: list[ChatTurnRun] = []
-        while (Path(tmp) / f"turn{len(turns)}.json").exists():
-            meta = json.loads((Path(tmp) / f"turn{len(turns)}.json").read_text())
-            turns.append(ChatTurnRun(meta["messages"], meta["ids"], meta["kept"], meta["answer"], meta["stopped"],
-                                     [bytes.fromhex(p) for p in meta["pieces"]],
-                                     np.load(Path(tmp) / f"turn{len(turns)}.npy")))
-        error = None
-        if proc.returncode != 0 or not (Path(tmp) / "result.json").exists():
-            lines = [line for line in (proc.stdout + proc.stderr).strip().splitlines()
-                     if not line.startswith(("[MNNLLM]", "The device supports"))]
-            error = f"MNN's runtime failed (exit {proc.returncode}): " + " | ".join(lines[-4:])
-        return ChatRun(turns, error)
+    return run_calls([chat_call(export_dir, conversations, steps, config)], machine, timeout)[0]
 
 
 def _instance(request: dict[str, Any]):
@@ -226,6 +298,9 @@ def _passes(request: dict[str, Any], prompt: Any, out: Path) -> tuple[list[int],
     forced, greedy = [logits], []
     if request["forced"] is not None:
         forced += [_logits(model.forward([token])) for token in request["forced"]]
+        if not request["greedy"]:  # no greedy pass: no fresh instance for it
+            np.save(out / "forced.npy", np.stack(forced))
+            return ids, [], model
         del model  # before the fresh instance loads (see module docstring): two would double the peak
         model, _, logits = start()
     for step in range(request["greedy"]):
@@ -352,6 +427,7 @@ def _module_child(request: dict[str, Any]) -> None:
     import MNN.nn as nn
 
     out = Path(request["out"])
+    feeds = Path(request.get("feeds", request["out"]))
     settings = request.get("settings")
     runtime = None
     if settings is not None:
@@ -365,7 +441,7 @@ def _module_child(request: dict[str, Any]) -> None:
     for r in range(int(request["runs"])):
         args = []
         for i in range(len(request["inputs"])):
-            value = np.load(out / f"in{r}_{i}.npy")
+            value = np.load(feeds / f"in{r}_{i}.npy")
             dtype = F.int if value.dtype.kind in "iu" else F.float
             args.append(F.const(value.astype(np.int32 if dtype == F.int else np.float32), list(value.shape), F.NCHW,
                                 dtype))
@@ -375,8 +451,24 @@ def _module_child(request: dict[str, Any]) -> None:
     (out / "result.json").write_text("{}")
 
 
-_MODES = {"text": _child, "media": _media_child, "module": _module_child, "chat": _chat_child,
-          "score": _score_child}
+def _batch_child(request: dict[str, Any]) -> None:
+    """Each request in turn; one that raises is reported in its folder (``failed.txt``) and the
+    next one runs (a crash ends them all)."""
+    failed = 0
+    for sub in request["requests"]:
+        try:
+            _MODES[sub.get("mode", "text")](sub)
+        except Exception as exc:
+            print(f"runtime child failed: {exc!r}", file=sys.stderr)
+            (Path(sub["out"]) / "failed.txt").write_text(f"runtime child failed: {exc!r}")
+            failed += 1
+    if failed:
+        raise RuntimeError(f"{failed} of {len(request['requests'])} requests failed")
+
+
+_MODES: dict[str, Callable[[dict[str, Any]], None]] = {
+    "text": _child, "media": _media_child, "module": _module_child, "chat": _chat_child, "score": _score_child,
+    "batch": _batch_child}
 
 if __name__ == "__main__":
     try:

@@ -130,9 +130,15 @@ class Conversations:
     @classmethod
     def run(cls, export_dir: Path, tokenizer, window: int, exact_kernels: bool) -> Conversations:
         users = script(tokenizer, window)
-        planned = [(c, t) for c, messages in enumerate(users) for t in range(len(messages))]
         shipped = run_chat(export_dir, users, ANSWER_STEPS)
         kernels = run_chat(export_dir, users, ANSWER_STEPS, config=EXACT_KERNELS) if exact_kernels else None
+        return cls.of(export_dir, users, window, shipped, kernels)
+
+    @classmethod
+    def of(cls, export_dir: Path, users: list[list[str]], window: int, shipped: ChatRun,
+           kernels: ChatRun | None = None) -> Conversations:
+        """The conversations of ``users`` as runs made them (``chat_call``: on any machine)."""
+        planned = [(c, t) for c, messages in enumerate(users) for t in range(len(messages))]
         jinja = json.loads((export_dir / "llm_config.json").read_text()).get("jinja") or {}
         return cls(planned, window, shipped, kernels, dict(jinja.get("context") or {}))
 

@@ -19,6 +19,7 @@ from torch import nn
 
 from llmexport.calibration.data import read_texts
 from llmexport.errors import InputError, UsageError, VerificationFailed
+from llmexport.mnn.arm.machine import Machine
 from llmexport.mnn.config import EXACT_KERNELS, LLM_WEIGHT, RuntimeProfile, profile_of
 from llmexport.mnn.readback import StoredTensors
 from llmexport.mnn.runtime import run_runtime, score_windows
@@ -31,11 +32,13 @@ from llmexport.results import Bounds, LogitStats, RunComparison, TokenizerCheck,
 from llmexport.source.checkpoint import Checkpoint, CheckpointTensors
 from llmexport.source.importers import compare_with_source
 from llmexport.source.loading import open_architecture
+from llmexport.verification.arm import arm_check, arm_failures, arm_summary, run_on_arm
 from llmexport.verification.conversation import (
     Conversations,
     conversation_failures,
     conversation_summary,
     reference_stop_ids,
+    script,
 )
 from llmexport.verification.logits import compare_logits, run_failures
 from llmexport.verification.media import greedy_along, prompt_summary
@@ -97,7 +100,7 @@ def default_prompt(tokenizer, min_tokens: int) -> list[int]:
 def verify_export(export_dir: Path, model_path: Path, steps: int = 24, prompt_ids: list[int] | None = None,
                   raise_on_failure: bool = False, trust_remote_code: bool = False,
                   approximate_ignore_merges: bool = False, text: VerifyText | None = None,
-                  lora: Path | None = None) -> VerifyReport:
+                  lora: Path | None = None, arm: Machine | None = None) -> VerifyReport:
     """Verification report of ``export_dir`` against the checkpoint at ``model_path`` (also
     written to ``export_dir/verify.json``).
 
@@ -113,10 +116,12 @@ def verify_export(export_dir: Path, model_path: Path, steps: int = 24, prompt_id
     recorded and samples the runtime encodes as HF does without the whole-word lookup do not fail.
     ``text``: windows of a user's text also scored against HF fp32 (``VerifyReport.text_quality``).
     ``lora``: the PEFT adapter the export merged; HF's references carry the same merged weights.
+    ``arm``: also run the runtime side on MNN's ARM kernels there (llmexport/verification/arm.py;
+    ``llmexport.mnn.arm.machine.arm_machine()``), at both precisions, into ``VerifyReport.arm``.
     """
     with mapped_blocks():
         return _verify_export(export_dir, model_path, steps, prompt_ids, raise_on_failure, trust_remote_code,
-                              approximate_ignore_merges, text, lora)
+                              approximate_ignore_merges, text, lora, arm)
 
 
 def _tokenizer_check(model_path: Path, tok_cases: dict[str, tuple[list[int], list[int]]],
@@ -140,7 +145,7 @@ def _tokenizer_check(model_path: Path, tok_cases: dict[str, tuple[list[int], lis
 
 def _verify_export(export_dir: Path, model_path: Path, steps: int, prompt_ids: list[int] | None,
                    raise_on_failure: bool, trust_remote_code: bool, approximate_ignore_merges: bool,
-                   text: VerifyText | None, lora: Path | None) -> VerifyReport:
+                   text: VerifyText | None, lora: Path | None, arm: Machine | None) -> VerifyReport:
     from transformers import AutoTokenizer
 
     arch = open_architecture(Checkpoint.open(model_path), lora)
@@ -181,12 +186,16 @@ def _verify_export(export_dir: Path, model_path: Path, steps: int, prompt_ids: l
     else:
         run = run_runtime(export_dir, prompt, None, steps, texts=texts)
     anchor = (kernels or run).greedy_ids
+    # MNN's ARM kernels: the same ids and conversations, before HF loads (the runtime side first)
+    arm_runs = None if arm is None else run_on_arm(arm, export_dir, prompt, anchor[:-1], steps,
+                                                   script(tokenizer, window), window)
     forced = torch.tensor(prompt + anchor[:-1])
     oracle, fp32 = reference_pair(arch, stored, trust_remote_code)
     ref_logits = arch.reference_logits(oracle, forced, len(prompt) - 1).numpy()
     fp32_logits = arch.reference_logits(fp32, forced, len(prompt) - 1).numpy()
     greedy_ref = greedy_along(ref_logits, anchor, ())
-    chat.add_oracle(arch, oracle, reference_stop_ids(model_path, tokenizer, arch))
+    stop_ids = reference_stop_ids(model_path, tokenizer, arch)
+    chat.add_oracle(arch, oracle, stop_ids)
     chat.add_fp32(arch, fp32)
     towers = verify_towers(arch, export_dir, oracle, fp32, media=exact_refused is None,
                            media_max_abs=bounds.exact_kernels_max_abs_err)
@@ -196,14 +205,21 @@ def _verify_export(export_dir: Path, model_path: Path, steps: int, prompt_ids: l
     exact = None
     if kernels is not None:
         exact = RunComparison.of(compare_logits(kernels.forced_logits, ref_logits), greedy_ref, kernels.greedy_ids)
-    conversation = chat.check(tokenizer, StreamModel.from_folder(model_path))
+    stream = StreamModel.from_folder(model_path)
+    conversation = chat.check(tokenizer, stream)
     failures = judge(bounds, shipped, tokenizer_check, exact, towers) + tuple(conversation_failures(
         conversation, bounds.max_abs_err, bounds.mean_abs_err, bounds.kernels_max_abs_err))
+    arm_report = None
+    if arm_runs is not None:
+        arm_report = arm_check(arm_runs, run, ref_logits, fp32_logits, greedy_ref, bounds, arch, oracle, fp32,
+                               stop_ids, tokenizer, stream)
+        failures += arm_failures(arm_report)
     text_quality = None if text is None else (str(text.path), score_text(export_dir, arch, tokenizer, fp32, text))
     report = VerifyReport(len(prompt), steps, tokenizer_check, profile, shipped,
                           compare_logits(run.forced_logits, fp32_logits), bounds, failures, towers, prequantized,
                           exact, conversation, tuple(skipped),
-                          compare(fp32_logits, run.forced_logits, np.array(anchor[:len(fp32_logits)])), text_quality)
+                          compare(fp32_logits, run.forced_logits, np.array(anchor[:len(fp32_logits)])), text_quality,
+                          arm_report)
     (export_dir / "verify.json").write_text(json.dumps(report.to_json(), indent=2))
     log.info("verify: %s", summary_line(report))
     if raise_on_failure and not report.passed:
@@ -286,4 +302,5 @@ def summary_line(report: VerifyReport) -> str:
             + (f"; {conversation_summary(report.conversation)}" if report.conversation else "")
             + (f"; on {report.text_quality[0]} vs fp32 HF: {report.text_quality[1].summary()}"
                if report.text_quality else "")
+            + (f"; {arm_summary(report.arm)}" if report.arm else "")
             + "".join(f"; SKIPPED {skipped}" for skipped in report.skipped))
