@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any, NoReturn, Sequence
 import click
 
 from llmexport import __version__
+from llmexport.mnn.config import Precision
 
 if TYPE_CHECKING:  # heavy: imported only after parsing
     from llmexport.options import Calibration, ExportOptions
@@ -72,6 +73,7 @@ class ExportCommand:
     revision: str | None = None
     target_bpw: float | None = None
     verify_arm: bool = False
+    precision: str | None = None
 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
@@ -107,6 +109,10 @@ class ExportCommand:
 @click.option("--runtime_profile", type=click.Choice(["fast", "exact"]), default="fast", show_default=True,
               help="fast: MNN's low-memory int4/int8 kernels (activations quantized to 8 bits on the fly); "
                    "exact: weights dequantized to float at load (slower, the stored weights' logits).")
+@click.option("--precision", type=click.Choice([p.value for p in Precision]), default=None,
+              help="Activation precision written to config.json (default: the family's, measured on MNN's ARM "
+                   "kernels: docs/benchmarks.md). low = fp16 on ARM CPUs with fp16 arithmetic, faster, less exact; "
+                   "on x86 low equals normal.")
 @click.option("--chat_thinking", type=click.Choice(["default", "off", "on"]), default="default", show_default=True,
               help="Chat template thinking mode written to llm_config.json (jinja.context.enable_thinking); "
                    "default: the template's own (Gemma4: off, an empty thought channel ends the generation prompt).")
@@ -281,7 +287,8 @@ def export_options(command: ExportCommand) -> ExportOptions:
                                 Path(command.verify_text), command.verify_windows),
                             lora=None if command.lora_path is None else Path(command.lora_path),
                             revision=command.revision, target_bpw=command.target_bpw,
-                            verify_arm=command.verify_arm)
+                            verify_arm=command.verify_arm,
+                            precision=None if command.precision is None else Precision(command.precision))
     quant_config = command.quant_config
     if quant_config is None:
         return options

@@ -7,7 +7,7 @@ from enum import Enum
 from pathlib import Path
 
 from llmexport.errors import UsageError
-from llmexport.mnn.config import RuntimeProfile
+from llmexport.mnn.config import Precision, RuntimeProfile
 from llmexport.mnn.limits import TABLE_BITS
 from llmexport.quant.budget import check_target
 from llmexport.quant.recipes import QuantPlan, QuantRule
@@ -112,6 +112,8 @@ class ExportOptions:
     of the embedding/PLE tables read from their own files (None: the recipe's, else 16).
 
     ``runtime_profile`` picks the runtime's kernels for quantized linears (written to config.json).
+    ``precision`` (``--precision``) replaces the family's activation precision in config.json
+    (None: the family's, measured on MNN's ARM kernels; docs/benchmarks.md, fp16 on ARM).
 
     An already-quantized (MLX, GPTQ, AWQ) checkpoint keeps its stored integers per module by default (see
     llmexport.planning.schemes): explicit rules, ``lm_quant`` and ``embed_bit`` override that for
@@ -171,6 +173,7 @@ class ExportOptions:
     revision: str | None = None
     target_bpw: float | None = None
     verify_arm: bool = False
+    precision: Precision | None = None
 
     #: fields that change how the export talks or runs, never what it writes (left out of manifest.json)
     PRESENTATION = ("quiet", "keep_failed", "max_memory", "verify_text", "verify_arm")
@@ -195,6 +198,8 @@ class ExportOptions:
         if not isinstance(self.runtime_profile, RuntimeProfile):
             raise UsageError(f"--runtime_profile: {self.runtime_profile!r} is not one of "
                              f"{', '.join(p.value for p in RuntimeProfile)}")
+        if self.precision is not None and not isinstance(self.precision, Precision):
+            raise UsageError(f"--precision: {self.precision!r} is not one of {', '.join(p.value for p in Precision)}")
         if self.keep_failed and not self.verify:
             raise UsageError("--keep_failed: keeps an export whose --verify disagreed; it needs --verify")
         if self.verify_arm and not self.verify:

@@ -9,7 +9,7 @@ import pytest
 
 from llmexport import ExportOptions, export
 from llmexport.errors import UsageError
-from llmexport.mnn.config import PROFILE_KEYS, RuntimeProfile, profile_of, runtime_config
+from llmexport.mnn.config import PROFILE_KEYS, Precision, RuntimeProfile, profile_of, runtime_config
 from llmexport.quant.scheme import QuantScheme
 from llmexport.results import Bounds, LogitStats, StepStats, TokenizerCheck, VerifyReport
 from llmexport.verification.verify import (
@@ -148,3 +148,26 @@ def test_a_wrong_graph_fails_fast_verification(tiny_gemma4, tmp_path, monkeypatc
     if breakage is _norm_epsilon:
         assert report.oracle.max_abs_err < FAST_MAX_ABS_ERR
         assert report.oracle.mean_abs_err < FAST_MEAN_ABS_ERR
+
+
+@pytest.mark.parametrize("precision", list(Precision))
+@pytest.mark.parametrize("family", [{}, {"precision": "normal"}, {"precision": "low"}])
+def test_precision_option_wins_over_the_family(precision, family):
+    assert runtime_config(family, 4, None, FAST)["precision"] == family.get("precision", "low")
+    config = runtime_config(family, 4, None, FAST, precision)
+    assert config["precision"] == precision.value and profile_of(config) is FAST
+
+
+def test_precision_option_cli_value_and_validation():
+    from llmexport.cli import export_options, parse_command
+
+    args = ["--path", "x", "--dst_path", "y"]
+    assert ExportOptions().precision is None
+    assert export_options(parse_command(args)).precision is None  # the family's
+    assert export_options(parse_command([*args, "--precision", "low"])).precision is Precision.LOW
+    with pytest.raises(UsageError, match="--precision"):
+        ExportOptions(precision="low").validate()  # a plain string, not the enum
+    import click
+
+    with pytest.raises(click.BadParameter, match="fp8"):
+        parse_command([*args, "--precision", "fp8"])

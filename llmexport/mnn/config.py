@@ -78,6 +78,16 @@ def embedding_file_name(bits: int) -> str:
     return "embeddings_bf16.bin" if bits == 16 else f"embeddings_int{bits}.bin"
 
 
+class Precision(str, Enum):
+    """config.json's ``precision``: MNN's activation precision. On ARM CPUs with fp16 arithmetic
+    ``low`` computes in fp16 (faster, less exact); on x86 ``low`` equals ``normal`` bit for bit.
+    Each family ships the one measured to hold on MNN's ARM kernels (docs/benchmarks.md, fp16 on ARM)."""
+
+    LOW = "low"
+    NORMAL = "normal"
+    HIGH = "high"
+
+
 # What each runtime profile sets in config.json. MNN 3.6.1's CPU backend with ``memory: low``
 # keeps quantized weights packed and runs int8 x int4/int8 kernels on inputs it quantizes per
 # call; ``memory: normal`` dequantizes every weight to float when the model loads.
@@ -102,11 +112,11 @@ def profile_of(config: dict[str, Any]) -> RuntimeProfile:
 
 
 def runtime_config(overrides: dict[str, Any], thread_num: int, embedding_file: str | None,
-                   profile: RuntimeProfile = RuntimeProfile.FAST) -> dict[str, Any]:
+                   profile: RuntimeProfile = RuntimeProfile.FAST, precision: Precision | None = None) -> dict[str, Any]:
     """config.json: where the files are and how to run them (greedy sampling by default).
 
-    ``overrides`` are the family's keys (e.g. Gemma4's fp32 activations); the profile's keys
-    are applied last, since the profile is the user's choice."""
+    ``overrides`` are the family's keys (its measured default ``precision``); the profile's keys
+    and ``precision`` (``--precision``) are applied last, since they are the user's choice."""
     config: dict[str, Any] = {
         "llm_model": LLM_MODEL,
         "llm_weight": LLM_WEIGHT,
@@ -122,6 +132,8 @@ def runtime_config(overrides: dict[str, Any], thread_num: int, embedding_file: s
         config["embedding_file"] = embedding_file
     config.update(overrides)
     config.update(PROFILE_KEYS[profile])
+    if precision is not None:
+        config["precision"] = Precision(precision).value
     return config
 
 

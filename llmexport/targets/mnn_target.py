@@ -104,7 +104,7 @@ class MnnTarget(OutputTarget):
             mnn_config.write_json(out / "llm_config.json", mnn_config.llm_config(
                 family_llm, files, options.chat_thinking.template_context()))
             mnn_config.write_json(out / "config.json", mnn_config.runtime_config(
-                family_runtime, options.thread_num, embedding_file, options.runtime_profile))
+                family_runtime, options.thread_num, embedding_file, options.runtime_profile, options.precision))
         with job.stage("tokenizer"):
             (out / mnn_config.TOKENIZER_FILE).write_bytes(job.prepared)
         shutil.rmtree(work, ignore_errors=True)
