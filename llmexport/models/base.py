@@ -9,11 +9,12 @@ Code outside ``llmexport/models`` only talks to this interface.
 from __future__ import annotations
 
 import abc
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from torch import nn
 
+from llmexport.mnn.config import Precision
 from llmexport.models.tower_check import TowerCheck
 from llmexport.source.checkpoint import Checkpoint
 from llmexport.spec import (
@@ -149,9 +150,13 @@ class Architecture(abc.ABC):
     def llm_config(self) -> dict[str, Any]:
         """Family keys of llm_config.json (attention type, scales, chat template, PLE scale...)."""
 
+    #: config.json's activation precision: ``low`` (fp16 on ARM) where MNN's ARM kernels were
+    #: measured to hold it for the family, else ``normal`` (docs/benchmarks.md, fp16 on ARM)
+    precision: ClassVar[Precision] = Precision.NORMAL
+
     def runtime_config(self) -> dict[str, Any]:
-        """Family overrides of config.json (e.g. activation precision)."""
-        return {}
+        """Family keys of config.json: its activation precision (``--precision`` overrides it)."""
+        return {"precision": self.precision.value}
 
     def end_of_turn_tokens(self) -> tuple[str, ...]:
         """Tokens that close a chat turn. Those the tokenizer has stop generation, beside its

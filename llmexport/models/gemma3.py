@@ -91,8 +91,6 @@ class Gemma3(DecoderFamily):
         config = self.full_attention_config("gemma3")
         return config | mix_config(self.args.rope, self.args.sliding_window) | {"attn_scale": self.args.scale}
 
-    def runtime_config(self) -> dict[str, Any]:
-        return {"precision": "normal"}
 
     def end_of_turn_tokens(self) -> tuple[str, ...]:
         return ("<end_of_turn>",)

@@ -73,8 +73,6 @@ class Phi3(DecoderFamily):
     def llm_config(self) -> dict[str, Any]:
         return self.full_attention_config("phi3")
 
-    def runtime_config(self) -> dict[str, Any]:
-        return {"precision": "normal"}
 
     def end_of_turn_tokens(self) -> tuple[str, ...]:
         return ("<|end|>",)

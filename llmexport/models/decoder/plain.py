@@ -132,10 +132,6 @@ class PlainDecoder(DecoderFamily):
     def llm_config(self) -> dict[str, Any]:
         return self.full_attention_config(self.checkpoint.model_type)
 
-    def runtime_config(self) -> dict[str, Any]:
-        # fp32 activations, as for the other families: fp16 activations were not measured on a
-        # CPU with fp16 arithmetic (docs/supported-models.md).
-        return {"precision": "normal"}
 
     def end_of_turn_tokens(self) -> tuple[str, ...]:
         return self.end_of_turn

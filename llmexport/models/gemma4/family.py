@@ -246,9 +246,6 @@ class Gemma4(DecoderFamily):
         }
         return config | mix
 
-    def runtime_config(self) -> dict[str, Any]:
-        # Gemma4 degenerates into repetition with fp16 activations.
-        return {"precision": "normal"}
 
     def end_of_turn_tokens(self) -> tuple[str, ...]:
         return END_OF_TURN_TOKENS

@@ -121,10 +121,6 @@ class K2Horizon(DecoderFamily):
     def llm_config(self) -> dict[str, Any]:
         return self.full_attention_config("k2_horizon")
 
-    def runtime_config(self) -> dict[str, Any]:
-        # fp32 activations: routers pick experts by score differences that fp16 can flip
-        # (see docs/k2-horizon.md for what was and was not measurable).
-        return {"precision": "normal"}
 
     # --- reference --------------------------------------------------------------------------
     def reference_kwargs(self, trust_remote_code: bool) -> dict[str, Any]:

@@ -132,9 +132,6 @@ class Lfm2(DecoderFamily):
         differences logged."""
         return lfm2_jinja(self.checkpoint_chat_template())
 
-    def runtime_config(self) -> dict[str, Any]:
-        # fp32 activations, as for the other families (docs/supported-models.md)
-        return {"precision": "normal"}
 
     def end_of_turn_tokens(self) -> tuple[str, ...]:
         return ("<|im_end|>",)

@@ -218,9 +218,6 @@ class Qwen3_5(DecoderFamily):
         known differences logged."""
         return qwen3_5_jinja(self.checkpoint_chat_template())
 
-    def runtime_config(self) -> dict[str, Any]:
-        # fp32 activations, as the other families (docs/supported-models.md)
-        return {"precision": "normal"}
 
     def end_of_turn_tokens(self) -> tuple[str, ...]:
         return ("<|im_end|>",)
