@@ -546,8 +546,9 @@ class TowerReport:
 class ArmPrecision:
     """``--verify_arm`` at one precision: the single prompt teacher-forced along the same ids as on
     this host, against the stored-weights oracle (``oracle``) and fp32 HF, its largest difference from
-    this host's run, the conversation, and what the verification's rules say of it (``failures``:
-    they fail the export only at the precision it ships)."""
+    this host's run, the conversation, and what the verification's rules say of it at ``bound``
+    (``failures``: ``normal``'s always fail the export, ``low``'s where it is shipped;
+    llmexport/verification/arm.py)."""
 
     precision: str
     shipped: bool
@@ -556,17 +557,18 @@ class ArmPrecision:
     vs_host_max_abs_err: float
     conversation: ConversationCheck
     failures: tuple[str, ...]
+    bound: float
 
     @classmethod
     def from_json(cls, data: Mapping[str, Any]) -> ArmPrecision:
         return cls(data["precision"], data["shipped"], RunComparison.from_json(data["oracle"]),
                    LogitStats.from_json(data["fp32"]), data["vs_host_max_abs_err"],
-                   ConversationCheck.from_json(data["conversation"]), tuple(data["failures"]))
+                   ConversationCheck.from_json(data["conversation"]), tuple(data["failures"]), data["bound"])
 
     def to_json(self) -> dict[str, Any]:
         return {"precision": self.precision, "shipped": self.shipped, "oracle": self.oracle.to_json(),
                 "fp32": self.fp32.to_json(), "vs_host_max_abs_err": self.vs_host_max_abs_err,
-                "conversation": self.conversation.to_json(), "failures": list(self.failures)}
+                "conversation": self.conversation.to_json(), "failures": list(self.failures), "bound": self.bound}
 
 
 @dataclass(frozen=True)

@@ -6,12 +6,15 @@ At both precisions (``normal`` and ``low``: MNN's fp16 arithmetic, which x86 lac
 ``low`` equals ``normal`` bit for bit) the shipped profile runs the single prompt teacher-forced
 along the same ids as on this host, and the conversation script (conversation.py), all in ONE
 child process (the emulated interpreter's start costs ~3 s). Each is judged against the same
-stored-weights oracle with the same rules and bounds (``run_failures``, ``conversation_failures``);
-the precision config.json ships decides pass/fail, the other one is reported only.
+stored-weights oracle with the same rules (``run_failures``, ``conversation_failures``). ``normal``
+is judged by the export's own bounds and always counts: it proves the graph on ARM's kernels. ``low``
+is judged by bounds for fp16 arithmetic (``precision_bounds``) and counts where config.json ships it;
+otherwise it is reported only (what ``--precision low`` would give).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 from dataclasses import dataclass
@@ -34,6 +37,18 @@ PRECISIONS = ("normal", "low")
 #: for its workers; measured on a tiny export under load, 2 threads loaded in 5.7 s, 1 in 0.27 s
 ARM_THREADS = 1
 _KERNELS = re.compile(r"(\w+):\s*(\d+)")
+#: max |dlogit| of MNN's fp16 arithmetic (precision low) on ARM against the stored-weights oracle, on
+#: correct exports: 0.034-0.57 on the tiny families' 16-bit exports, 0.26 on a 4-bit fast one
+#: (docs/verification.md#arm-kernels); fp16 records alone reach 7e-4 (FP16_MAX_ABS_ERR's 0.005)
+LOW_PRECISION_MAX_ABS_ERR = 2.0
+
+
+def precision_bounds(bounds: Bounds, precision: str) -> Bounds:
+    """The bounds a run at ``precision`` is judged by: fp16 arithmetic moves the logits more than
+    fp16 records do, so ``low`` gets at least ``LOW_PRECISION_MAX_ABS_ERR``."""
+    if precision != "low":
+        return bounds
+    return dataclasses.replace(bounds, max_abs_err=max(bounds.max_abs_err, LOW_PRECISION_MAX_ABS_ERR))
 
 
 def shipped_precision(export_dir: Path) -> str:
@@ -88,8 +103,8 @@ def run_on_arm(machine: Machine, export_dir: Path, prompt: list[int], forced: li
 def arm_check(runs: ArmRuns, host: RuntimeRun, ref_logits: np.ndarray, fp32_logits: np.ndarray,
               greedy_ref: list[int], bounds: Bounds, arch: Architecture, oracle: nn.Module, fp32: nn.Module,
               stop_ids: frozenset[int], tokenizer: Any, stream: StreamModel) -> ArmCheck:
-    """Each precision judged by the verification's rules (its failures fail the export only at the
-    shipped precision: ``arm_failures``)."""
+    """Each precision judged by the verification's rules, at its own bounds (``precision_bounds``;
+    which failures fail the export: ``arm_failures``)."""
     reports = []
     for precision, run in runs.runs.items():
         chat = runs.chats[precision]
@@ -98,27 +113,35 @@ def arm_check(runs: ArmRuns, host: RuntimeRun, ref_logits: np.ndarray, fp32_logi
         conversation = chat.check(tokenizer, stream)
         oracle_stats = RunComparison.of(compare_logits(run.forced_logits, ref_logits), greedy_ref, run.greedy_ids)
         label = f"ARM precision {precision}: "
-        failures = run_failures(label, oracle_stats, bounds.max_abs_err, bounds.mean_abs_err) + [
-            label + f for f in conversation_failures(conversation, bounds.max_abs_err, bounds.mean_abs_err, None)]
+        judged = precision_bounds(bounds, precision)
+        failures = run_failures(label, oracle_stats, judged.max_abs_err, judged.mean_abs_err) + [
+            label + f for f in conversation_failures(conversation, judged.max_abs_err, judged.mean_abs_err, None)]
         vs_host = float(np.abs(run.forced_logits - host.forced_logits).max())
         reports.append(ArmPrecision(precision, precision == runs.shipped, oracle_stats,
                                     compare_logits(run.forced_logits, fp32_logits), vs_host, conversation,
-                                    tuple(failures)))
+                                    tuple(failures), judged.max_abs_err))
     return ArmCheck(runs.machine, runs.kernels, tuple(reports))
 
 
+def counts(run: ArmPrecision) -> bool:
+    """Whether a precision's failures fail the export: ``normal`` always (the graph on ARM's
+    kernels), ``low`` where it is shipped."""
+    return run.shipped or run.precision == "normal"
+
+
 def arm_failures(check: ArmCheck) -> tuple[str, ...]:
-    """The failures that fail the export: those of the shipped precision."""
-    return tuple(f for run in check.runs if run.shipped for f in run.failures)
+    """The failures that fail the export (``counts``)."""
+    return tuple(f for run in check.runs if counts(run) for f in run.failures)
 
 
 def arm_summary(check: ArmCheck) -> str:
     kernels = ", ".join(f"{k} {v}" for k, v in check.kernels.items() if k in ("fp16", "i8sdot", "i8mm"))
     parts = []
     for run in check.runs:
-        verdict = ("PASS" if not run.failures else "FAIL") if run.shipped else "reported only"
-        parts.append(f"precision {run.precision} ({verdict}): top-1 {run.oracle.top1_agreement:.0%}, max |dlogit| "
-                     f"{run.oracle.max_abs_err:.2e} (x86 {run.vs_host_max_abs_err:.2e}), "
+        verdict = ("PASS" if not run.failures else "FAIL") if counts(run) else "reported only"
+        parts.append(f"precision {run.precision}{' (shipped)' if run.shipped else ''} ({verdict}): top-1 "
+                     f"{run.oracle.top1_agreement:.0%}, max |dlogit| {run.oracle.max_abs_err:.2e} (bound {run.bound}, "
+                     f"x86 {run.vs_host_max_abs_err:.2e}), "
                      + _short(run.conversation))
     return f"ARM {check.machine} [{kernels}]: " + "; ".join(parts)
 
