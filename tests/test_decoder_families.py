@@ -142,7 +142,7 @@ def test_runtime_files_describe_the_family(tiny_decoder, variant):
     assert [layer.index for layer in arch.args.layers if not layer.rope] == NO_ROPE.get(variant, [])
     assert "<|im_start|>" in config["jinja"]["chat_template"] if FAMILIES[MODEL_TYPE[variant]].tokenizer == "qwen" \
         else "<|start_header_id|>" in config["jinja"]["chat_template"]
-    assert arch.runtime_config() == {"precision": "normal"}
+    assert arch.runtime_config() == {"precision": arch.precision.value}  # test_runtime_profile: which
     assert arch.end_of_turn_tokens() == STOPS.get(MODEL_TYPE[variant], ("<|im_end|>",))
 
 

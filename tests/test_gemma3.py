@@ -99,7 +99,7 @@ def test_runtime_files_describe_the_family(tiny_gemma3, variant, attention):
     assert config.get("sliding_window") == (6 if attention == "mix" else None)
     assert config["attn_scale"] == pytest.approx(24 ** -0.5)
     assert "<start_of_turn>" in config["jinja"]["chat_template"]
-    assert arch.runtime_config() == {"precision": "normal"}
+    assert arch.runtime_config() == {"precision": arch.precision.value}  # test_runtime_profile: which
     assert arch.tied_embedding == (variant != "scaled")
     assert arch.describe().layer_kinds[2] == "2: full"
 

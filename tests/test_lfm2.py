@@ -114,7 +114,7 @@ def test_runtime_files_describe_the_family(tiny_lfm2, variant):
     assert config["attention_type"] == "full" and "sliding_window" not in config
     assert config["jinja"] == lfm2_jinja({"chat_template": STYLES[TOKENIZER_STYLE].chat_template,
                                           "bos": "<|startoftext|>", "eos": "<|im_end|>"})
-    assert arch.runtime_config() == {"precision": "normal"}
+    assert arch.runtime_config() == {"precision": arch.precision.value}  # test_runtime_profile: which
     assert arch.end_of_turn_tokens() == ("<|im_end|>",)
     assert arch.tied_embedding == (variant != "dense-idxs")
 

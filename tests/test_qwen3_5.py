@@ -233,7 +233,7 @@ def test_runtime_files_describe_the_family(tiny_qwen3_5, variant):
     assert config["layer_nums"] == 4 and config["attention_type"] == "full"
     assert "is_mrope" not in config and "attn_scale" not in config and "sliding_window" not in config
     assert config["jinja"]["chat_template"] == CHATML_TEMPLATE
-    assert arch.runtime_config() == {"precision": "normal"}
+    assert arch.runtime_config() == {"precision": arch.precision.value}  # test_runtime_profile: which
     assert arch.end_of_turn_tokens() == ("<|im_end|>",)
     assert arch.tied_embedding == (variant in ("qwen3_5-tied", "qwen3_5-moe-text"))
 

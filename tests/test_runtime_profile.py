@@ -171,3 +171,26 @@ def test_precision_option_cli_value_and_validation():
 
     with pytest.raises(click.BadParameter, match="fp8"):
         parse_command([*args, "--precision", "fp8"])
+
+
+#: each family's config.json precision, decided by the fp16 measurements on MNN's ARM kernels
+#: (docs/benchmarks.md, "fp16 on ARM"): changing one is changing that decision, with new numbers
+SHIPPED_PRECISION = {
+    "gemma3_text": "normal", "gemma4": "normal", "gemma4_text": "normal",  # real Gemma activations overflow fp16
+    "k2_horizon": "normal", "lfm2_moe": "normal", "qwen3_moe": "normal", "qwen3_5_moe": "normal",
+    "qwen3_5_moe_text": "normal",  # routers: fp16 flips expert choices
+    "llama": "low", "mistral": "low", "ministral": "low", "phi3": "low", "qwen2": "low", "qwen3": "low",
+    "smollm3": "low", "lfm2": "low", "qwen3_5": "low", "qwen3_5_text": "low",
+}
+
+
+def test_each_family_ships_its_measured_precision():
+    import importlib
+
+    from llmexport.models import FAMILIES
+
+    assert set(SHIPPED_PRECISION) == set(FAMILIES)
+    for model_type, spec in FAMILIES.items():
+        module, name = spec.split(":")
+        family = getattr(importlib.import_module(module), name)
+        assert family.precision.value == SHIPPED_PRECISION[model_type], model_type

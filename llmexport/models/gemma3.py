@@ -12,6 +12,7 @@ from typing import Any
 
 from torch import nn
 
+from llmexport.mnn.config import Precision
 from llmexport.models.decoder.family import DecoderFamily
 from llmexport.models.decoder.names import (
     LLAMA_LAYOUT,
@@ -37,6 +38,8 @@ FEEDFORWARD_NORMS = ("norm.pre_feedforward", "norm.post_feedforward")
 
 
 class Gemma3(DecoderFamily):
+    #: fp32 activations: real Gemma checkpoints overflow fp16 (docs/benchmarks.md, "fp16 on ARM")
+    precision = Precision.NORMAL
     family = "Gemma3"
     names = NAMES
 

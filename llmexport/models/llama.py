@@ -8,10 +8,13 @@ them only when no vocabulary word needs that lookup (docs/supported-models.md).
 
 from __future__ import annotations
 
+from llmexport.mnn.config import Precision
 from llmexport.models.decoder.plain import PlainDecoder
 
 
 class Llama(PlainDecoder):
+    #: fp16 activations hold on MNN's ARM kernels (docs/benchmarks.md, "fp16 on ARM")
+    precision = Precision.LOW
     family = "Llama"
     config_class = "LlamaConfig"
     rope_types = ("default", "llama3")

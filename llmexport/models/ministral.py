@@ -9,11 +9,14 @@ is a different type and not registered. Reference: transformers' ``MinistralForC
 
 from __future__ import annotations
 
+from llmexport.mnn.config import Precision
 from llmexport.models.decoder.args import BY_LAYER_TYPES
 from llmexport.models.decoder.plain import PlainDecoder
 
 
 class Ministral(PlainDecoder):
+    #: fp16 activations hold on MNN's ARM kernels (docs/benchmarks.md, "fp16 on ARM")
+    precision = Precision.LOW
     family = "Ministral"
     config_class = "MinistralConfig"
     attention_biases = ()

@@ -9,11 +9,14 @@ the runtime's "mix" attention with every layer on the sliding slice. Reference: 
 
 from __future__ import annotations
 
+from llmexport.mnn.config import Precision
 from llmexport.models.decoder.args import EVERY_LAYER
 from llmexport.models.decoder.plain import PlainDecoder
 
 
 class Mistral(PlainDecoder):
+    #: fp16 activations hold on MNN's ARM kernels (docs/benchmarks.md, "fp16 on ARM")
+    precision = Precision.LOW
     family = "Mistral"
     mlx_port = True
     config_class = "MistralConfig"

@@ -16,6 +16,7 @@ from typing import Any
 
 from torch import nn
 
+from llmexport.mnn.config import Precision
 from llmexport.models.decoder.family import DecoderFamily
 from llmexport.models.decoder.names import LAYER_NORMS, LLAMA_LAYOUT
 from llmexport.models.phi3_args import Phi3Args, parse_phi3_args
@@ -32,6 +33,8 @@ NAMES = LLAMA_LAYOUT.extended({
 
 
 class Phi3(DecoderFamily):
+    #: fp16 activations hold on MNN's ARM kernels (docs/benchmarks.md, "fp16 on ARM")
+    precision = Precision.LOW
     family = "Phi3"
     names = NAMES
 

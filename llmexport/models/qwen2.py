@@ -9,11 +9,14 @@ Reference: transformers' ``Qwen2ForCausalLM``.
 
 from __future__ import annotations
 
+from llmexport.mnn.config import Precision
 from llmexport.models.decoder.args import BY_LAYER_TYPES
 from llmexport.models.decoder.plain import PlainDecoder
 
 
 class Qwen2(PlainDecoder):
+    #: fp16 activations hold on MNN's ARM kernels (docs/benchmarks.md, "fp16 on ARM")
+    precision = Precision.LOW
     family = "Qwen2"
     mlx_port = True
     config_class = "Qwen2Config"

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from llmexport.mnn.config import Precision
 from llmexport.models.decoder.args import BY_LAYER_TYPES, EVERY_LAYER
 from llmexport.models.decoder.names import LLAMA_LAYOUT, stacked_expert_slot
 from llmexport.models.decoder.plain import PlainDecoder
@@ -26,6 +27,8 @@ QWEN3_MOE_NAMES = LLAMA_LAYOUT.extended({
 
 
 class Qwen3(PlainDecoder):
+    #: fp16 activations hold on MNN's ARM kernels (docs/benchmarks.md, "fp16 on ARM")
+    precision = Precision.LOW
     family = "Qwen3"
     config_class = "Qwen3Config"
     qk_norm = True
@@ -34,6 +37,8 @@ class Qwen3(PlainDecoder):
 
 
 class Qwen3Moe(Qwen3):
+    #: fp32 activations: fp16 flips router choices on MNN's ARM kernels (docs/benchmarks.md, "fp16 on ARM")
+    precision = Precision.NORMAL
     family = "Qwen3-MoE"
     config_class = "Qwen3MoeConfig"
     names = QWEN3_MOE_NAMES

@@ -10,11 +10,14 @@ makes the NoPE layers sliding with ``use_sliding_window``). Reference: transform
 
 from __future__ import annotations
 
+from llmexport.mnn.config import Precision
 from llmexport.models.decoder.args import BY_LAYER_TYPES
 from llmexport.models.decoder.plain import PlainDecoder
 
 
 class SmolLM3(PlainDecoder):
+    #: fp16 activations hold on MNN's ARM kernels (docs/benchmarks.md, "fp16 on ARM")
+    precision = Precision.LOW
     family = "SmolLM3"
     mlx_port = True
     config_class = "SmolLM3Config"

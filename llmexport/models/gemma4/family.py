@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from llmexport.errors import InputError
+from llmexport.mnn.config import Precision
 from llmexport.models.base import Tower
 from llmexport.models.decoder.family import DecoderFamily, expert_template
 from llmexport.models.decoder.names import add_mlp, layer_scale_groups
@@ -52,6 +53,8 @@ def _kind(model_type: str | None) -> str:
 
 
 class Gemma4(DecoderFamily):
+    #: fp32 activations: real Gemma checkpoints overflow fp16 (docs/benchmarks.md, "fp16 on ARM")
+    precision = Precision.NORMAL
     family = "Gemma4"
 
     def __init__(self, checkpoint: Checkpoint):

@@ -15,6 +15,7 @@ from typing import Any
 
 from torch import nn
 
+from llmexport.mnn.config import Precision
 from llmexport.models.decoder.family import DecoderFamily, expert_template
 from llmexport.models.decoder.names import EXPERT_MLP, MLP, add_attention, add_mlp, add_routed, pre_norm_shapes
 from llmexport.models.k2_horizon.args import K2HorizonArgs, parse_args
@@ -29,6 +30,8 @@ _VALUE_MARKER = "@value_expert@"
 
 
 class K2Horizon(DecoderFamily):
+    #: fp32 activations: fp16 flips router choices on MNN's ARM kernels (docs/benchmarks.md, "fp16 on ARM")
+    precision = Precision.NORMAL
     family = "K2-Horizon"
     names = K2_HORIZON_NAMES
     # Non-persistent in the reference; some converters still write it. Dropped, as the MLX loader does.

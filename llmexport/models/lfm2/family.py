@@ -16,6 +16,7 @@ from typing import Any
 
 from torch import nn
 
+from llmexport.mnn.config import Precision
 from llmexport.models.decoder.family import DecoderFamily
 from llmexport.models.decoder.graph import swiglu_expert_templates
 from llmexport.models.decoder.names import (
@@ -40,6 +41,8 @@ from llmexport.spec import ArchitectureSummary, ExpertTemplate, LinearRole, MlxL
 
 
 class Lfm2(DecoderFamily):
+    #: fp16 activations hold on MNN's ARM kernels (docs/benchmarks.md, "fp16 on ARM")
+    precision = Precision.LOW
     family = "LFM2"
     names = LFM2_NAMES
     #: name of the transformers config class that reads this family's config.json
@@ -155,6 +158,8 @@ class Lfm2(DecoderFamily):
 
 
 class Lfm2Moe(Lfm2):
+    #: fp32 activations: fp16 flips router choices on MNN's ARM kernels (docs/benchmarks.md, "fp16 on ARM")
+    precision = Precision.NORMAL
     family = "LFM2-MoE"
     config_class = "Lfm2MoeConfig"
     moe = True

@@ -22,6 +22,7 @@ from typing import Any
 from torch import nn
 
 from llmexport.errors import InputError
+from llmexport.mnn.config import Precision
 from llmexport.models.decoder.family import DecoderFamily, expert_template
 from llmexport.models.decoder.names import (
     EXPERT_MLP,
@@ -80,6 +81,8 @@ def stacked_experts(names: NameTable, weights: Any, where: Any) -> bool:
 
 
 class Qwen3_5(DecoderFamily):
+    #: fp16 activations hold on MNN's ARM kernels (docs/benchmarks.md, "fp16 on ARM")
+    precision = Precision.LOW
     family = "Qwen3.5"
     #: transformers' text config class (reads config.json or its ``text_config``)
     config_class = "Qwen3_5TextConfig"
@@ -271,6 +274,8 @@ class Qwen3_5(DecoderFamily):
 
 
 class Qwen3_5Moe(Qwen3_5):
+    #: fp32 activations: fp16 flips router choices on MNN's ARM kernels (docs/benchmarks.md, "fp16 on ARM")
+    precision = Precision.NORMAL
     family = "Qwen3.5-MoE"
     config_class = "Qwen3_5MoeTextConfig"
     multimodal_class = "Qwen3_5MoeForConditionalGeneration"
