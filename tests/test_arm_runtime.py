@@ -33,7 +33,7 @@ from llmexport.results import VerifyReport
 from llmexport.source.checkpoint import Checkpoint
 from llmexport.source.loading import open_architecture
 from llmexport.tiny.registry import TINY_BUILDERS
-from llmexport.verification.arm import ARM_THREADS, reported_kernels
+from llmexport.verification.arm import ARM_THREADS, precision_bounds, reported_kernels
 from llmexport.verification.conversation import USER_TURNS, Conversations, conversation_failures, reference_stop_ids
 from llmexport.verification.logits import compare_logits, run_failures
 from llmexport.verification.verify import bounds_for_export, default_prompt, reference_pair, stored_bits, stored_tensors
@@ -281,9 +281,10 @@ def arm():
 
 @pytest.fixture(scope="module")
 def families_on_arm(tmp_path_factory, arm):
-    """Per model type: its tiny checkpoint exported (fp16 records, the shipped config.json at precision
-    normal), a forward teacher-forced along fixed ids and one conversation turn on ARM -- every family
-    in ONE child -- judged against the stored-weights oracle with verification's bounds and rules."""
+    """Per model type: its tiny checkpoint exported (fp16 records), a forward teacher-forced along
+    fixed ids and one conversation turn on ARM at precision normal and, where the family ships it,
+    low -- every family in ONE child -- judged against the stored-weights oracle with verification's
+    bounds and rules (``precision_bounds``: low at the bound of fp16 arithmetic)."""
     cases, calls = {}, []
     for model_type, build in sorted(TINY_BUILDERS.items()):
         base = tmp_path_factory.mktemp(f"arm-{model_type}")
@@ -295,18 +296,21 @@ def families_on_arm(tmp_path_factory, arm):
         prompt = default_prompt(tokenizer, window + 8)
         forced = tokenizer("The sea is calm, and the boats come home.", add_special_tokens=False)["input_ids"][:8]
         users = [[USER_TURNS[0][0]]]
-        cases[model_type] = (path, out, tokenizer, arch, window, prompt, forced, users)
-        calls += [runtime_call(out, prompt, forced, 0, config={"thread_num": ARM_THREADS, "precision": "normal"}),
-                  chat_call(out, users, 8, {"thread_num": ARM_THREADS, "precision": "normal"})]
+        for precision in dict.fromkeys(("normal", arch.precision.value)):
+            cases[(model_type, precision)] = (path, out, tokenizer, arch, window, prompt, forced, users)
+            calls += [runtime_call(out, prompt, forced, 0, config={"thread_num": ARM_THREADS, "precision": precision}),
+                      chat_call(out, users, 8, {"thread_num": ARM_THREADS, "precision": precision})]
     output: list[str] = []
     started = time.perf_counter()
     results = run_calls(calls, arm, output=output)
     seconds = time.perf_counter() - started
     judged = {}
-    for i, (model_type, (path, out, tokenizer, arch, window, prompt, forced, users)) in enumerate(cases.items()):
+    for i, ((model_type, precision), (path, out, tokenizer, arch, window, prompt, forced, users)) in \
+            enumerate(cases.items()):
         run, chat = results[2 * i], results[2 * i + 1]
         stored = stored_tensors(out, arch)
-        bounds = bounds_for_export(stored_bits(stored, None), profile_of(json.loads((out / "config.json").read_text())))
+        profile = profile_of(json.loads((out / "config.json").read_text()))
+        bounds = precision_bounds(bounds_for_export(stored_bits(stored, None), profile), precision)
         oracle, fp32 = reference_pair(arch, stored, arch.reference_is_remote_code)
         ids = torch.tensor(prompt + forced)
         forward = compare_logits(run.forced_logits, arch.reference_logits(oracle, ids, len(prompt) - 1).numpy())
@@ -316,7 +320,7 @@ def families_on_arm(tmp_path_factory, arm):
         check = conversations.check(tokenizer, StreamModel.from_folder(path))
         failures = run_failures("", forward, bounds.max_abs_err, bounds.mean_abs_err) + conversation_failures(
             check, bounds.max_abs_err, bounds.mean_abs_err, None)
-        judged[model_type] = (forward, check, bounds, failures)
+        judged.setdefault(model_type, []).append((precision, forward, check, bounds, failures))
     return judged, reported_kernels(output), seconds
 
 
@@ -324,14 +328,15 @@ def families_on_arm(tmp_path_factory, arm):
 @parametrize("arm", "model_type", sorted(TINY_BUILDERS), lambda t: t)
 def test_every_family_runs_on_arm_kernels(families_on_arm, model_type):
     judged, kernels, seconds = families_on_arm
-    forward, check, bounds, failures = judged[model_type]
-    print(f"\n{model_type} on ARM ({seconds:.1f} s for all families): forward top-1 {forward.top1_agreement:.0%}, "
-          f"max |dlogit| {forward.max_abs_err:.2e}; conversation max |dlogit| {check.max_abs_err:.2e} "
-          f"(bound {bounds.max_abs_err})")
     assert kernels.get("fp16") == 1 and kernels.get("i8sdot") == 1  # MNN ran its ARM kernels
-    assert len(forward.per_step) == 9 and len(check.turns) == 1 and check.runtime_error is None
-    assert check.turns[0].prompt_ids_match and len(check.turns[0].oracle.greedy_mnn) >= 1
-    assert failures == [], failures
+    assert [precision for precision, *_ in judged[model_type]][0] == "normal"
+    for precision, forward, check, bounds, failures in judged[model_type]:
+        print(f"\n{model_type} on ARM at {precision} ({seconds:.1f} s for all families): forward top-1 "
+              f"{forward.top1_agreement:.0%}, max |dlogit| {forward.max_abs_err:.2e}; conversation max |dlogit| "
+              f"{check.max_abs_err:.2e} (bound {bounds.max_abs_err})")
+        assert len(forward.per_step) == 9 and len(check.turns) == 1 and check.runtime_error is None
+        assert check.turns[0].prompt_ids_match and len(check.turns[0].oracle.greedy_mnn) >= 1
+        assert failures == [], failures
 
 
 # --- --verify_arm ---------------------------------------------------------------------------------------
