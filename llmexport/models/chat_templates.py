@@ -256,6 +256,14 @@ class ConversationChecker:
                 self.fail("conversation", "a string that is not valid Unicode (lone surrogate)")
                 break
 
+    def called_function(self, where: str, call: Any) -> dict[str, Any] | None:
+        """A tool call's ``function`` mapping; None (and a reason) when it has no string ``name``."""
+        function = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+            self.fail(where, "a tool call needs function.name, a string")
+            return None
+        return function
+
     def as_message(self, where: str, message: Any) -> dict[str, Any] | None:
         """The message as transformers renders it (None-valued keys dropped); None when it is no dict."""
         if not isinstance(message, dict):

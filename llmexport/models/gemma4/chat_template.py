@@ -217,9 +217,8 @@ class _Checker(ConversationChecker):
             self.tool_response(f"{where}.tool_responses[{j}]", response)
 
     def tool_call(self, where: str, call: Any) -> None:
-        function = call.get("function") if isinstance(call, dict) else None
-        if not isinstance(function, dict) or not isinstance(function.get("name"), str):
-            self.fail(where, "a tool call needs function.name (a string)")
+        function = self.called_function(where, call)
+        if function is None:
             return
         arguments = function.get("arguments")
         if isinstance(arguments, dict):  # other non-string arguments render nothing in both engines

@@ -201,9 +201,8 @@ class _Checker(ConversationChecker):
             self.trimmed(where, content.split("</think>")[-1])
 
     def tool_call(self, where: str, call: Any) -> None:
-        function = call.get("function") if isinstance(call, dict) else None
-        if not isinstance(function, dict) or not isinstance(function.get("name"), str):
-            self.fail(where, "a tool call needs function.name, a string (transformers raises)")
+        function = self.called_function(where, call)  # transformers raises without one
+        if function is None:
             return
         arguments = function.get("arguments")
         if not isinstance(arguments, dict):
