@@ -58,9 +58,10 @@ ALLOWED: dict[str, tuple[str, ...]] = {
     "llmexport.reference": ("llmexport.reference",),
     # HF's reference streamed block by block (calibration, the plan's memory, verification)
     "llmexport.reference.streamed": ("llmexport.spec", "llmexport.models", "llmexport.quant"),
+    # (and the leaf mnn.config: a family declares its config.json keys, e.g. its activation precision)
     "llmexport.models": ("llmexport.models", "llmexport.spec", "llmexport.errors", "llmexport.source.checkpoint",
                          "llmexport.source.safetensors_file", "llmexport.source.input_files", "llmexport.trace.ops",
-                         "llmexport.media", "llmexport.reference.k2_horizon"),
+                         "llmexport.media", "llmexport.reference.k2_horizon", "llmexport.mnn.config"),
     # MNN 3.6.1's template engine versus Jinja2, which the families' chat-template modules build on
     "llmexport.models.chat_templates": ("llmexport.errors",),
     "llmexport.tiny": ("llmexport.tiny", "llmexport.reference.k2_horizon", "llmexport.mnn.tokenizer.pipeline",
