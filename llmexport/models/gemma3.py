@@ -1,4 +1,8 @@
-"""Gemma3 text family (``gemma3_text``, ``Gemma3ForCausalLM``: Gemma 3 270M and 1B).
+"""Gemma3 family: text-only ``gemma3_text`` (``Gemma3ForCausalLM``: Gemma 3 270M and 1B) and
+multimodal ``gemma3`` (``Gemma3ForConditionalGeneration``: 4B, 12B, 27B), whose text decoder is
+the same one read from ``text_config`` under ``language_model.`` (the layout the released
+checkpoints have and transformers 5 writes), and whose SigLIP tower is exported as
+``visual.mnn`` (gemma3_vision.py).
 
 Sliding and full layers with a RoPE table each, ``query_pre_attn_scalar``, four norms per layer
 and q/k norms, Gemma's (1 + weight) RMSNorm, embeddings scaled by sqrt(hidden), tied embeddings
@@ -12,7 +16,9 @@ from typing import Any
 
 from torch import nn
 
+from llmexport.errors import InputError
 from llmexport.mnn.config import Precision
+from llmexport.models.base import Tower
 from llmexport.models.decoder.family import DecoderFamily
 from llmexport.models.decoder.names import (
     LLAMA_LAYOUT,
@@ -35,6 +41,12 @@ NAMES = LLAMA_LAYOUT.extended({
     "norm.post_feedforward": "model.layers.{layer}.post_feedforward_layernorm.weight",
 })
 FEEDFORWARD_NORMS = ("norm.pre_feedforward", "norm.post_feedforward")
+#: the multimodal checkpoint's names: the decoder under ``language_model.``
+MULTIMODAL_NAMES = NAMES.moved("model.", "language_model.model.").extended({"lm_head": "language_model.lm_head"})
+#: stored name prefix -> the HF reference's parameter prefix (Gemma3ForConditionalGeneration)
+_REFERENCE_PREFIXES = (("language_model.model.", "model.language_model."), ("language_model.lm_head", "lm_head"),
+                       ("vision_tower.vision_model.", "model.vision_tower."), ("vision_tower.", "model.vision_tower."),
+                       ("multi_modal_projector.", "model.multi_modal_projector."))
 
 
 class Gemma3(DecoderFamily):
@@ -46,9 +58,45 @@ class Gemma3(DecoderFamily):
     def __init__(self, checkpoint: Checkpoint):
         super().__init__(checkpoint)
         where = str(checkpoint.path / "config.json")
-        self.args: Gemma3Args = parse_gemma3_args(checkpoint.config, where, max_layers=count_limit(checkpoint.weights))
+        config = checkpoint.config
+        self.multimodal = checkpoint.model_type == "gemma3"
+        if self.multimodal:
+            text = config.get("text_config")
+            if not isinstance(text, dict):
+                raise InputError(f"{where}: a 'gemma3' config needs a 'text_config' object")
+            config = {**text, "tie_word_embeddings": config.get("tie_word_embeddings", True)}
+            self.names = MULTIMODAL_NAMES
+        self.args: Gemma3Args = parse_gemma3_args(config, where, max_layers=count_limit(checkpoint.weights))
         self._linears = self._collect_linears()
+        self._towers: list[Tower] = self._build_towers()
         self.check_weights()
+
+    def _build_towers(self) -> list[Tower]:
+        if not self.multimodal:
+            return []
+        from llmexport.models.gemma3_vision import Gemma3VisionTower
+
+        vision = self.checkpoint.config.get("vision_config")
+        if not isinstance(vision, dict):
+            raise InputError(f"{self.checkpoint.path / 'config.json'}: a 'gemma3' config needs a 'vision_config' "
+                             "object")
+        return [Gemma3VisionTower(self, vision)]
+
+    def towers(self) -> list[Tower]:
+        return list(self._towers)
+
+    def expected_tensors(self) -> Shapes:
+        expected = super().expected_tensors()
+        for tower in self._towers:
+            expected.update(tower.expected_tensors())
+        return expected
+
+    def reference_slot(self, tensor: str) -> tuple[str, tuple[Any, ...]]:
+        if self.multimodal:
+            for stored, reference in _REFERENCE_PREFIXES:
+                if tensor.startswith(stored):
+                    return reference + tensor[len(stored):], ()
+        return tensor, ()
 
     def _collect_linears(self) -> LinearList:
         a = self.args
