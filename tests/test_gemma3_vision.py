@@ -117,7 +117,8 @@ def test_llm_config_selects_the_runtimes_default_path(tiny):
     *_, tower, _, _ = tiny
     config = tower.llm_config()
     assert INPUT_NAME not in ("patches", "pixel_values", "input_patches")  # omni.cpp visionProcess
-    assert config["image_size"] == 64 and (config["vision_start"], config["vision_end"], config["image_pad"]) == (7, 8, 9)
+    assert config["image_size"] == 64
+    assert (config["vision_start"], config["vision_end"], config["image_pad"]) == (7, 8, 9)
     # the runtime's (pixel - mean) * norm is HF's rescale 1/255 then (x - 0.5) / 0.5
     pixels = np.arange(256.0)
     runtime = (pixels - config["image_mean"][0]) * config["image_norm"][0]
