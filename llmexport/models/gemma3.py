@@ -34,7 +34,15 @@ from llmexport.models.layer_types import SLIDING, mix_config, mixed_graph_inputs
 from llmexport.models.tensor_checks import Shapes, count_limit, finite_lookup
 from llmexport.models.tensor_names import LinearList
 from llmexport.source.checkpoint import Checkpoint
-from llmexport.spec import ArchitectureSummary, GraphInputs, LinearRole, MlxLayout, NormFormula, ScaleGroup
+from llmexport.spec import (
+    ArchitectureSummary,
+    GraphInputs,
+    LinearRole,
+    LinearSource,
+    MlxLayout,
+    NormFormula,
+    ScaleGroup,
+)
 
 NAMES = LLAMA_LAYOUT.extended({
     "norm.pre_feedforward": "model.layers.{layer}.pre_feedforward_layernorm.weight",
@@ -42,7 +50,8 @@ NAMES = LLAMA_LAYOUT.extended({
 })
 FEEDFORWARD_NORMS = ("norm.pre_feedforward", "norm.post_feedforward")
 #: the multimodal checkpoint's names: the decoder under ``language_model.``
-MULTIMODAL_NAMES = NAMES.moved("model.", "language_model.model.").extended({"lm_head": "language_model.lm_head"})
+MULTIMODAL_NAMES = NAMES.moved("model.", "language_model.model.")
+MULTIMODAL_HEAD = "language_model.lm_head.weight"  # an untied head (the graph's linear keeps the name lm_head)
 #: stored name prefix -> the HF reference's parameter prefix (Gemma3ForConditionalGeneration)
 _REFERENCE_PREFIXES = (("language_model.model.", "model.language_model."), ("language_model.lm_head", "lm_head"),
                        ("vision_tower.vision_model.", "model.vision_tower."), ("vision_tower.", "model.vision_tower."),
@@ -106,6 +115,13 @@ class Gemma3(DecoderFamily):
             add_mlp(linears, MLP, a.hidden_size, a.intermediate_size, LinearRole.MLP, layer=layer.index)
         self.add_head(linears)
         return linears
+
+    def add_head(self, linears: LinearList) -> None:
+        if self.multimodal and not self.tied_embedding:
+            linears.add("lm_head", self.args.hidden_size, self.args.vocab_size, LinearRole.LM_HEAD,
+                        source=LinearSource(MULTIMODAL_HEAD))
+        else:
+            super().add_head(linears)
 
     def scale_groups(self) -> list[ScaleGroup]:
         a = self.args  # Gemma's RMSNorm multiplies by (1 + weight)

@@ -18,7 +18,8 @@ to ``image_size`` (square), BGR -> RGB, ``(pixel - image_mean) * image_norm``, f
 ``image_norm`` 1/127.5 are HF's ``Gemma3ImageProcessor`` (rescale 1/255, mean = std = 0.5).
 
 The patch convolution and the projection matrix are fp32 graph constants (exact); the encoder's
-linears are placeholders, quantized as the text graph's are.
+linears are placeholders, quantized as the text graph's are. The attention scales q before
+``q @ k`` so that MNN's converter does not fuse it (see ``_EncoderLayer``).
 """
 
 from __future__ import annotations
@@ -176,7 +177,10 @@ class _EncoderLayer(nn.Module):
         head_dim = a.hidden // a.heads
         h = self.layer_norm1(x)
         q, k, v = (proj(h).view(1, -1, a.heads, head_dim) for proj in (self.q_proj, self.k_proj, self.v_proj))
-        x = x + self.out_proj(encoder_attention(q, k, v, mask, head_dim ** -0.5))
+        # q scaled before q @ k (HF scales the product): with no op between the product and the
+        # mask, MNN 3.6.1's converter leaves the attention unfused (FuseAttention.cpp); fused into
+        # its Attention op, this encoder's output was -FLT_MAX in every row (measured)
+        x = x + self.out_proj(encoder_attention(q * head_dim ** -0.5, k, v, mask, 1.0))
         return x + self.fc2(gelu_tanh(self.fc1(self.layer_norm2(x))))
 
 
@@ -188,8 +192,8 @@ class SiglipGraph(nn.Module):
         super().__init__()
         names, by_name = args.names, {linear.spec.name: linear for linear in linears}
         self.args, self.output_scale = args, output_scale
-        self.patch_weight, self.patch_bias = const(lookup, names.name("patch_embedding")), \
-            const(lookup, names.name("patch_bias"))
+        self.patch_weight = const(lookup, names.name("patch_embedding"))
+        self.patch_bias = const(lookup, names.name("patch_bias"))
         self.positions = const(lookup, names.name("position_embedding"))
         self.layers = nn.ModuleList(_EncoderLayer(args, by_name, i, lookup) for i in range(args.layers))
         self.post_layernorm = _LayerNorm(lookup, names.name("post_layernorm.weight"),
@@ -201,7 +205,7 @@ class SiglipGraph(nn.Module):
         a = self.args
         x = F.conv2d(image, self.patch_weight, self.patch_bias, stride=a.patch)  # [1, hidden, grid, grid]
         x = x.flatten(2).transpose(1, 2) + self.positions  # [1, grid^2, hidden], row-major patches
-        mask = torch.zeros(1, 1, 1, 1)
+        mask = torch.zeros(1, 1, 1, 1)  # no padding: nothing masked
         for layer in self.layers:
             x = layer(x, mask)
         x = self.post_layernorm(x)
