@@ -14,7 +14,8 @@ the text graph multiplies back.
 Runtime contract (MNN 3.6.1 omni.cpp ``Omni::visionProcess``): an input named none of
 ``patches``/``pixel_values``/``input_patches`` selects ``defaultVisionProcess``: the image resized
 to ``image_size`` (square), BGR -> RGB, ``(pixel - image_mean) * image_norm``, fed as [1, 3, H, W]
-(NC4HW4); the output's first dimension is the soft-token count. ``image_mean`` 127.5 and
+(NC4HW4); the output [tokens, 1, text hidden] is concatenated with the text embeddings
+[seq, 1, hidden] (``Omni::embedding``), its first dimension being the soft-token count. ``image_mean`` 127.5 and
 ``image_norm`` 1/127.5 are HF's ``Gemma3ImageProcessor`` (rescale 1/255, mean = std = 0.5).
 
 The patch convolution and the projection matrix are fp32 graph constants (exact); the encoder's
@@ -33,10 +34,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from llmexport.errors import InputError
+from llmexport.media.image import synthetic_image
 from llmexport.models.config_values import float_value, int_value, str_value
 from llmexport.models.gemma4.towers import Gemma4Tower, TowerLinear, const, encoder_attention, tower_linear
 from llmexport.models.tensor_checks import Shapes, finite_lookup
 from llmexport.models.tensor_names import NameTable
+from llmexport.models.tower_check import FeatureCase, Measure, PromptCase, PromptLogits, TowerCheck
 from llmexport.spec import GraphInputs, LinearRole
 from llmexport.trace.ops import PlaceholderLinear, gelu_tanh
 
@@ -47,6 +50,8 @@ IMAGE_NORM = 1.0 / 127.5
 VISION_TOKENS: dict[str, tuple[str, ...]] = {
     "boi_token_id": ("boi_token_index", "boi_token_id"), "eoi_token_id": ("eoi_token_index", "eoi_token_id"),
     "image_token_id": ("image_token_index", "image_token_id")}
+FEATURE_BOUND = 1e-3  # max relative error of visual.mnn vs HF image features (stored weights), as Gemma4's
+VERIFY_SEEDS = (0, 1, 2)
 INPUT_NAME = "image"  # any name but patches / pixel_values / input_patches (defaultVisionProcess)
 
 #: the tower's tensors; ``{prefix}``: ``vision_tower.`` (as transformers 5 saves it) or
@@ -185,7 +190,7 @@ class _EncoderLayer(nn.Module):
 
 
 class SiglipGraph(nn.Module):
-    """image [1, 3, S, S] normalized as HF's processor does -> image_embeds [tokens, text_hidden]
+    """image [1, 3, S, S] normalized as HF's processor does -> image_embeds [tokens, 1, text_hidden]
     (HF's image features times ``output_scale``)."""
 
     def __init__(self, args: SiglipArgs, linears: list[TowerLinear], lookup, output_scale: float):
@@ -213,7 +218,7 @@ class SiglipGraph(nn.Module):
         pooled = F.avg_pool2d(grid, a.pool, a.pool).flatten(2).transpose(1, 2)[0]  # [tokens, hidden]
         # Gemma3RMSNorm in fp32: x * rsqrt(mean(x^2) + eps) * (1 + weight)
         normed = pooled * torch.rsqrt(pooled.pow(2).mean(-1, keepdim=True) + a.eps) * (1.0 + self.soft_emb_norm)
-        return torch.matmul(normed, self.projection * self.output_scale)
+        return torch.matmul(normed, self.projection * self.output_scale).unsqueeze(1)  # the runtime's [rows, 1, hidden]
 
 
 class Gemma3VisionTower(Gemma4Tower):
@@ -268,8 +273,31 @@ class Gemma3VisionTower(Gemma4Tower):
                 "vision_start": self.ids["boi_token_id"], "vision_end": self.ids["eoi_token_id"],
                 "image_pad": self.ids["image_token_id"]}
 
-    def check(self):
-        raise NotImplementedError("Gemma3's image prompts are not verified yet (docs/multimodal.md)")
+    def check(self) -> TowerCheck:
+        """``visual.mnn`` alone on HF's pixel values of ``VERIFY_SEEDS`` synthetic images (at
+        ``image_size``, which the runtime does not resize) vs HF's image features (stored weights:
+        max relative error < ``FEATURE_BOUND``; fp32 weights: reported). Image prompts through the
+        runtime are not part of it yet (docs/multimodal.md)."""
+        size = self.args.image_size
+        pixels = [hf_pixel_values(synthetic_image(size, size, seed=seed), size) for seed in VERIFY_SEEDS]
+        cases = tuple(FeatureCase(f"image {seed}", {INPUT_NAME: p.numpy()}, {"size": [size, size], "seed": seed})
+                      for seed, p in zip(VERIFY_SEEDS, pixels))
+        return TowerCheck(
+            output="image_embeds", cases=cases, cases_key="images", feature_bound=FEATURE_BOUND,
+            features=lambda model: [image_features(model, p) for p in pixels],
+            measures={"soft_tokens": Measure.ROWS, "rel_err": Measure.REL_ERR, "max_abs_err": Measure.MAX_ABS_ERR,
+                      "rel_err_fp32": Measure.REL_ERR_FP32},
+            prompts=(), prompt_logits=prompt_logits, stop_ids=frozenset(self.ids.values()),
+            bos_id=int((self.checkpoint.config.get("text_config") or {}).get("bos_token_id", 2)),  # Gemma3TextConfig's
+            output_scale=self.output_scale, notes={"output_scale": self.output_scale})
+
+
+def hf_pixel_values(image, size: int) -> torch.Tensor:
+    """HF's ``Gemma3ImageProcessorPil`` output [1, 3, size, size] for one image."""
+    from transformers.models.gemma3.image_processing_pil_gemma3 import Gemma3ImageProcessorPil
+
+    processor = Gemma3ImageProcessorPil(size={"height": size, "width": size})
+    return processor(images=[image], return_tensors="pt")["pixel_values"]
 
 
 def image_features(model, pixel_values: torch.Tensor) -> torch.Tensor:
@@ -277,3 +305,22 @@ def image_features(model, pixel_values: torch.Tensor) -> torch.Tensor:
     with torch.no_grad():
         return model.model.get_image_features(pixel_values).pooler_output.reshape(
             -1, model.config.text_config.hidden_size).float()
+
+
+def prompt_logits(model, prompt: PromptCase) -> PromptLogits:
+    """HF's ``Gemma3ForConditionalGeneration`` on a prompt's processor outputs followed by
+    generated ids: ``token_type_ids`` 1 at the prompt's image tokens (HF's bidirectional spans),
+    0 for generated ids."""
+    n = len(prompt.ids)
+
+    def logits(ids: list[int], first: int = 0) -> torch.Tensor:
+        if ids[:n] != prompt.ids:
+            raise ValueError("ids must extend the prompt's ids")
+        types = torch.cat([prompt.inputs["token_type_ids"][0], torch.zeros(len(ids) - n, dtype=torch.long)])
+        with torch.no_grad():
+            out = model(input_ids=torch.tensor([ids]), pixel_values=prompt.inputs["pixel_values"],
+                        token_type_ids=types.view(1, -1), use_cache=False,
+                        logits_to_keep=torch.arange(first, len(ids)))
+        return out.logits[0].float()
+
+    return logits
