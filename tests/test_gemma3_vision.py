@@ -141,3 +141,26 @@ def test_rewrite_logits_of_text_only_prompt_ignore_the_tower(tiny):
     path, arch, *_ = tiny
     graph = bind_weights(arch.build_graph(), arch.linear_weight)
     assert rewrite_logits(arch, graph, _ids(5)).shape == (5, 512)
+
+
+def test_runtime_preprocessing_equals_hf_processor(tiny, tmp_path):
+    """What MNN's ``defaultVisionProcess`` feeds the tower (CV::imread, then CV::resize to
+    image_size with BGR2RGB and the exported mean/norm) equals HF's processor's pixel values for
+    an image of image_size (no resize)."""
+    import MNN.cv as cv
+
+    from llmexport.media.image import synthetic_image
+    from llmexport.models.gemma3_vision import hf_pixel_values
+
+    *_, tower, _, _ = tiny
+    config, size = tower.llm_config(), tower.args.image_size
+    image = synthetic_image(size, size, seed=5)
+    image.save(tmp_path / "image.png")
+    loaded = cv.imread(str(tmp_path / "image.png"))
+    fed = cv.resize(loaded, [size, size], 0, 0, cv.INTER_LINEAR, cv.COLOR_BGR2RGB,
+                    config["image_mean"], config["image_norm"])
+    runtime = np.asarray(fed.read()).reshape(size, size, 3).transpose(2, 0, 1)
+    hf = hf_pixel_values(image, size)[0].numpy()
+    print(f"\nruntime vs HF pixel values: max abs err {np.abs(runtime - hf).max():.2e}")
+    assert np.abs(runtime - hf).max() < 1e-6
+    assert np.abs(runtime - hf_pixel_values(image.transpose(0), size)[0].numpy()).max() > 0.1  # not vacuous
