@@ -30,6 +30,7 @@ from llmexport.models.decoder.names import (
 )
 from llmexport.models.gemma3_args import Gemma3Args, parse_gemma3_args
 from llmexport.models.gemma3_graph import Gemma3TextGraph
+from llmexport.models.gemma3_vision import Gemma3VisionTower
 from llmexport.models.layer_types import SLIDING, mix_config, mixed_graph_inputs
 from llmexport.models.tensor_checks import Shapes, count_limit, finite_lookup
 from llmexport.models.tensor_names import LinearList
@@ -77,14 +78,12 @@ class Gemma3(DecoderFamily):
             self.names = MULTIMODAL_NAMES
         self.args: Gemma3Args = parse_gemma3_args(config, where, max_layers=count_limit(checkpoint.weights))
         self._linears = self._collect_linears()
-        self._towers: list[Tower] = self._build_towers()
+        self._towers: list[Gemma3VisionTower] = self._build_towers()
         self.check_weights()
 
-    def _build_towers(self) -> list[Tower]:
+    def _build_towers(self) -> list[Gemma3VisionTower]:
         if not self.multimodal:
             return []
-        from llmexport.models.gemma3_vision import Gemma3VisionTower
-
         vision = self.checkpoint.config.get("vision_config")
         if not isinstance(vision, dict):
             raise InputError(f"{self.checkpoint.path / 'config.json'}: a 'gemma3' config needs a 'vision_config' "
@@ -92,7 +91,7 @@ class Gemma3(DecoderFamily):
         return [Gemma3VisionTower(self, vision)]
 
     def towers(self) -> list[Tower]:
-        return list(self._towers)
+        return [tower for tower in self._towers]
 
     def expected_tensors(self) -> Shapes:
         expected = super().expected_tensors()

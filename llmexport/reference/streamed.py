@@ -131,7 +131,7 @@ class _Filler:
                         if len(writers) == 1 and writers[0][1] == ()}
 
     def source(self, name: str) -> str:
-        for candidate in (name, self.ties.get(name)):
+        for candidate in (name, self.ties.get(name, name)):
             if candidate in self.tensors:
                 return candidate
             if candidate in self.renamed:

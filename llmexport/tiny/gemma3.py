@@ -60,7 +60,7 @@ VISION: dict[str, Any] = dict(hidden_size=32, intermediate_size=48, num_hidden_l
                               image_size=64, patch_size=8, vision_use_head=False, hidden_act="gelu_pytorch_tanh",
                               layer_norm_eps=1e-6)
 #: the tiny tokenizer's image tokens (tokenizer.py SPECIAL_TOKENS boi, eoi, image)
-IMAGE_TOKENS = dict(boi_token_index=SPECIAL_TOKENS["boi"][1], eoi_token_index=SPECIAL_TOKENS["eoi"][1],
+IMAGE_TOKENS: dict[str, Any] = dict(boi_token_index=SPECIAL_TOKENS["boi"][1], eoi_token_index=SPECIAL_TOKENS["eoi"][1],
                     image_token_index=SPECIAL_TOKENS["image"][1])
 
 
