@@ -13,10 +13,11 @@ import torch
 
 from llmexport.errors import InputError
 from llmexport.models.gemma3_vision import INPUT_NAME, image_features
+from llmexport.models.gemma4.media import MEDIA_MARK
 from llmexport.source.checkpoint import Checkpoint
 from llmexport.source.loading import open_architecture
 from llmexport.tiny.gemma3 import build_tiny_gemma3
-from llmexport.trace.eager import bind_weights
+from llmexport.trace.eager import bind_weights, prompt_inputs
 
 from families import parametrize
 from helpers import assert_reference_onnx_matches_eager, edit_checkpoint, rewrite_and_reference, rewrite_logits
@@ -81,13 +82,14 @@ def test_tower_parity_check_detects_a_change(tiny, alter):
     assert ((out - ref).abs().max() / ref.abs().max()).item() > 1e-3
 
 
-def test_output_scale_undoes_the_text_graphs_embedding_scale(tiny):
+def test_output_scale_undoes_the_text_graphs_embedding_scale_and_marks(tiny):
     _, arch, tower, graph, _ = tiny
     scaled = bind_weights(tower.build_graph(), tower.linear_weight)
     image = _images(1)[0]
     with torch.no_grad():
         ratio = scaled(image) / graph(image)
-    assert torch.allclose(ratio, torch.full_like(ratio, 1 / math.sqrt(arch.args.hidden_size)), rtol=1e-5)
+    expected = MEDIA_MARK / math.sqrt(arch.args.hidden_size)
+    assert torch.allclose(ratio, torch.full_like(ratio, expected), rtol=1e-5)
 
 
 @parametrize("onnx", "seed", [0], "gemma3")
@@ -164,3 +166,37 @@ def test_runtime_preprocessing_equals_hf_processor(tiny, tmp_path):
     print(f"\nruntime vs HF pixel values: max abs err {np.abs(runtime - hf).max():.2e}")
     assert np.abs(runtime - hf).max() < 1e-6
     assert np.abs(runtime - hf_pixel_values(image.transpose(0), size)[0].numpy()).max() > 0.1  # not vacuous
+
+
+def _image_prompt(arch, tower, graph, tower_graph, image, ids):
+    """The text graph's logits for ``ids`` fed as the runtime feeds them: embedding rows, the
+    image pad ids' rows replaced by ``tower_graph``'s output rows."""
+    embeds, mask, positions, index = prompt_inputs(arch, torch.tensor(ids), arch.embedding_table(), None)
+    slots = torch.tensor([i for i, t in enumerate(ids) if t == tower.ids["image_token_id"]])
+    with torch.no_grad():
+        embeds[slots] = tower_graph(image)
+        return graph(embeds, mask, positions, index)[0][0]
+
+
+def test_image_prompt_through_the_text_graph_matches_hf(tiny):
+    """Marked soft tokens in place of the image pads, the runtime's causal + sliding mask: the text
+    graph equals HF's full model on input_ids, pixel_values and token_type_ids (bidirectional over
+    the image's 16 tokens, longer than the sliding window); without the marks (a causal export)
+    it visibly does not."""
+    _, arch, tower, _, hf = tiny
+    image = _images(1)[0]
+    ids = [2, 20, 31, 107, 7] + [9] * 16 + [8, 40, 52, 66, 12]
+    types = torch.tensor([[int(t == 9) for t in ids]])
+    with torch.no_grad():
+        ref = hf(input_ids=torch.tensor([ids]), pixel_values=image, token_type_ids=types, use_cache=False).logits[0]
+    graph = bind_weights(arch.build_graph(), arch.linear_weight)
+    marked = bind_weights(tower.build_graph(), tower.linear_weight)
+    ours = _image_prompt(arch, tower, graph, marked, image, ids)
+    err = (ours - ref).abs().max().item()
+    print(f"\nimage prompt, text graph vs HF: max |dlogit| {err:.2e}")
+    assert ours.shape == ref.shape and err < 1e-4
+    graph.media_spans = False
+    causal = _image_prompt(arch, tower, graph, bind_weights(tower.build_graph(output_scale=tower.output_scale
+                                                                              / MEDIA_MARK), tower.linear_weight),
+                           image, ids)
+    assert (causal - ref).abs().max().item() > 1e-2

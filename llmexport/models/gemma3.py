@@ -77,6 +77,9 @@ class Gemma3(DecoderFamily):
             config = {**text, "tie_word_embeddings": config.get("tie_word_embeddings", True)}
             self.names = MULTIMODAL_NAMES
         self.args: Gemma3Args = parse_gemma3_args(config, where, max_layers=count_limit(checkpoint.weights))
+        if self.multimodal and not self.args.mixed:
+            raise InputError(f"{where}: a 'gemma3' checkpoint without sliding layers is not supported (its image "
+                             "tokens attend both ways through the runtime's two-slice 'mix' mask)")
         self._linears = self._collect_linears()
         self._towers: list[Gemma3VisionTower] = self._build_towers()
         self.check_weights()
@@ -138,7 +141,7 @@ class Gemma3(DecoderFamily):
 
     def build_graph(self) -> nn.Module:
         lookup = finite_lookup(self.checkpoint.weights, self.checkpoint.path)
-        return Gemma3TextGraph(self.args, self.names, lookup).eval()
+        return Gemma3TextGraph(self.args, self.names, lookup, media_spans=self.multimodal).eval()
 
     def graph_inputs(self, seq_len: int) -> GraphInputs:
         return mixed_graph_inputs(seq_len, self.args.hidden_size, self.args.mixed)

@@ -9,7 +9,8 @@ an average pool of the patch grid down to ``mm_tokens_per_image`` tokens, Gemma'
 (stored [vision hidden, text hidden]). The projector's output replaces the image soft tokens'
 embeddings unscaled: HF scales only the looked-up text embeddings by sqrt(hidden)
 (``Gemma3TextScaledWordEmbedding``), so the graph divides its output by sqrt(text hidden), which
-the text graph multiplies back.
+the text graph multiplies back; it also multiplies by the media mark (gemma4/media.py), by which
+the text graph finds the soft tokens that attend to their image both ways.
 
 Runtime contract (MNN 3.6.1 omni.cpp ``Omni::visionProcess``): an input named none of
 ``patches``/``pixel_values``/``input_patches`` selects ``defaultVisionProcess``: the image resized
@@ -36,6 +37,7 @@ from torch import nn
 from llmexport.errors import InputError
 from llmexport.media.image import synthetic_image
 from llmexport.models.config_values import float_value, int_value, str_value
+from llmexport.models.gemma4.media import MEDIA_MARK
 from llmexport.models.gemma4.towers import Gemma4Tower, TowerLinear, const, encoder_attention, tower_linear
 from llmexport.models.tensor_checks import Shapes, finite_lookup
 from llmexport.models.tensor_names import NameTable
@@ -250,8 +252,9 @@ class Gemma3VisionTower(Gemma4Tower):
     @property
     def output_scale(self) -> float:
         """What ``visual.mnn`` multiplies HF's image features by: 1/sqrt(text hidden), which the
-        text graph's embedding scale undoes."""
-        return 1.0 / math.sqrt(self.args.text_hidden)
+        text graph's embedding scale undoes, times the media mark the text graph finds and removes
+        (gemma4/media.py: image runs attend both ways)."""
+        return MEDIA_MARK / math.sqrt(self.args.text_hidden)
 
     def expected_tensors(self) -> Shapes:
         return {**siglip_constants(self.args), **self.linear_tensors(False)}
