@@ -1,6 +1,7 @@
 """Gemma3 multimodal exports in MNN: ``visual.mnn`` (16/8/4-bit tower linears) run alone against
 HF's ``get_image_features`` carrying the stored weights, a wrong output scale caught, and
-``--verify`` on the command line (text prompts, the conversation, the tower)."""
+``--verify`` on the command line (text prompts, the conversation, the tower alone and an image
+prompt through the runtime)."""
 
 from __future__ import annotations
 
@@ -81,4 +82,11 @@ def test_cli_verify_on_gemma3_multimodal(checkpoint, tmp_path):
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "verify: PASS" in proc.stdout and "visual ok" in proc.stdout
     report = json.loads((dst / "verify.json").read_text())
-    assert report["passed"] and report["towers"]["visual"]["passed"]
+    visual = report["towers"]["visual"]
+    assert report["passed"] and visual["passed"]
+    (prompt,) = visual["prompts"]  # the image prompt through the runtime's <img> tag vs HF's full model
+    print(f"\ngemma3 q8 image prompt: ids match {prompt['ids_match']}, greedy mnn {prompt['greedy_mnn']} vs hf "
+          f"{prompt['greedy_ref']}, forced {prompt['forced']['top1_agreement']:.0%} top-1, max |dlogit| "
+          f"{prompt['forced']['max_abs_err']:.2e}; vs fp32 HF {prompt['fp32']['max_abs_err']:.2e}")
+    assert prompt["ids_match"] and prompt["greedy_mnn"] == prompt["greedy_ref"] and len(prompt["greedy_ref"]) == 16
+    assert prompt["forced"]["top1_agreement"] == 1.0 and prompt["forced"]["max_abs_err"] < 1e-3

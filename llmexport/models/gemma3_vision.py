@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -54,6 +55,8 @@ VISION_TOKENS: dict[str, tuple[str, ...]] = {
     "image_token_id": ("image_token_index", "image_token_id")}
 FEATURE_BOUND = 1e-3  # max relative error of visual.mnn vs HF image features (stored weights), as Gemma4's
 VERIFY_SEEDS = (0, 1, 2)
+PROMPT_HEAD = "<bos><start_of_turn>user\n"
+PROMPT_TAIL = "Describe this picture in a few words.<end_of_turn>\n<start_of_turn>model\n"
 INPUT_NAME = "image"  # any name but patches / pixel_values / input_patches (defaultVisionProcess)
 
 #: the tower's tensors; ``{prefix}``: ``vision_tower.`` (as transformers 5 saves it) or
@@ -279,8 +282,8 @@ class Gemma3VisionTower(Gemma4Tower):
     def check(self) -> TowerCheck:
         """``visual.mnn`` alone on HF's pixel values of ``VERIFY_SEEDS`` synthetic images (at
         ``image_size``, which the runtime does not resize) vs HF's image features (stored weights:
-        max relative error < ``FEATURE_BOUND``; fp32 weights: reported). Image prompts through the
-        runtime are not part of it yet (docs/multimodal.md)."""
+        max relative error < ``FEATURE_BOUND``; fp32 weights: reported), and one image prompt
+        through the runtime (``<img>`` tag) vs HF's full model on the same ids."""
         size = self.args.image_size
         pixels = [hf_pixel_values(synthetic_image(size, size, seed=seed), size) for seed in VERIFY_SEEDS]
         cases = tuple(FeatureCase(f"image {seed}", {INPUT_NAME: p.numpy()}, {"size": [size, size], "seed": seed})
@@ -290,9 +293,33 @@ class Gemma3VisionTower(Gemma4Tower):
             features=lambda model: [image_features(model, p) for p in pixels],
             measures={"soft_tokens": Measure.ROWS, "rel_err": Measure.REL_ERR, "max_abs_err": Measure.MAX_ABS_ERR,
                       "rel_err_fp32": Measure.REL_ERR_FP32},
-            prompts=(), prompt_logits=prompt_logits, stop_ids=frozenset(self.ids.values()),
+            prompts=(self._prompt(synthetic_image(size, size, seed=len(VERIFY_SEEDS))),),
+            prompt_logits=prompt_logits, stop_ids=frozenset(self.ids.values()),
             bos_id=int((self.checkpoint.config.get("text_config") or {}).get("bos_token_id", 2)),  # Gemma3TextConfig's
             output_scale=self.output_scale, notes={"output_scale": self.output_scale})
+
+
+    def _prompt(self, image) -> PromptCase:
+        """``PROMPT_HEAD`` + the image + ``PROMPT_TAIL``: HF's ids are the runtime's layout
+        (``vision_start``, ``tokens`` x ``image_pad``, ``vision_end``; HF's ``Gemma3Processor``
+        adds "\\n\\n" on both sides, which a prompt can carry as text), with HF's pixel values
+        and ``token_type_ids``."""
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(self.checkpoint.path)
+        size, ids = self.args.image_size, self.ids
+        encode = lambda text: tokenizer(text, add_special_tokens=False)["input_ids"]  # noqa: E731
+        image_ids = [ids["boi_token_id"]] + [ids["image_token_id"]] * self.args.tokens + [ids["eoi_token_id"]]
+        input_ids = torch.tensor([encode(PROMPT_HEAD) + image_ids + encode(PROMPT_TAIL)])
+        inputs = {"input_ids": input_ids, "pixel_values": hf_pixel_values(image, size),
+                  "token_type_ids": (input_ids == ids["image_token_id"]).long()}
+
+        def runtime_text(folder: Path) -> str:
+            image.save(folder / "image.png")
+            return f"{PROMPT_HEAD}<img><hw>{size},{size}</hw>{folder / 'image.png'}</img>{PROMPT_TAIL}"
+
+        return PromptCase(f"{size}x{size}", f"image prompt {size}x{size}", inputs, runtime_text,
+                          {"image": [size, size], "soft_tokens": self.args.tokens})
 
 
 def hf_pixel_values(image, size: int) -> torch.Tensor:
