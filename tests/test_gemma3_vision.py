@@ -200,3 +200,15 @@ def test_image_prompt_through_the_text_graph_matches_hf(tiny):
                                                                               / MEDIA_MARK), tower.linear_weight),
                            image, ids)
     assert (causal - ref).abs().max().item() > 1e-2
+
+
+def test_a_multimodal_checkpoint_without_sliding_layers_is_refused(tiny, tmp_path):
+    """Its image runs could only open a one-slice mask, which the runtime's "full" attention does not feed."""
+    import json
+
+    path = tiny[0]
+    text = json.loads((path / "config.json").read_text())["text_config"]
+    text["layer_types"] = ["full_attention"] * text["num_hidden_layers"]
+    bad = edit_checkpoint(path, tmp_path / "bad", config={"text_config": text})
+    with pytest.raises(InputError, match="without sliding layers"):
+        open_architecture(Checkpoint.open(bad))
