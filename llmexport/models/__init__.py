@@ -15,6 +15,7 @@ from llmexport.source.checkpoint import Checkpoint
 
 #: config.json ``model_type`` -> the family's class, as "module:Class"
 FAMILIES: dict[str, str] = {
+    "gemma3": "llmexport.models.gemma3:Gemma3",
     "gemma3_text": "llmexport.models.gemma3:Gemma3",
     "gemma4": "llmexport.models.gemma4.family:Gemma4",
     "gemma4_text": "llmexport.models.gemma4.family:Gemma4",

@@ -64,6 +64,12 @@ class NameTable:
         """This table plus (or with replaced) ``patterns``: a family that differs from a shared layout."""
         return replace(self, patterns={**self.patterns, **patterns}, stacked={**self.stacked, **(stacked or {})})
 
+    def moved(self, old: str, new: str) -> NameTable:
+        """This table with every pattern that starts with ``old`` starting with ``new`` instead (a
+        decoder's layout nested in a multimodal checkpoint)."""
+        return replace(self, patterns={key: new + pattern[len(old):] if pattern.startswith(old) else pattern
+                                       for key, pattern in self.patterns.items()})
+
     def source(self, key: str, bias: bool = False, **fields: int) -> LinearSource:
         """The checkpoint tensors behind linear ``key``: its module's weight (and bias), or its
         row of the tensor it is stacked in."""

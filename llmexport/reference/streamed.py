@@ -126,13 +126,16 @@ class _Filler:
             name, index = arch.reference_slot(tensor)
             if (name, index) != (tensor, ()):
                 self.writers.setdefault(name, []).append((tensor, index))
+        #: parameters held whole under another name (a decoder nested under another prefix)
+        self.renamed = {name: writers[0][0] for name, writers in self.writers.items()
+                        if len(writers) == 1 and writers[0][1] == ()}
 
     def source(self, name: str) -> str:
-        if name in self.tensors:
-            return name
-        tied = self.ties.get(name)
-        if tied is not None and tied in self.tensors:
-            return tied
+        for candidate in (name, self.ties.get(name, name)):
+            if candidate in self.tensors:
+                return candidate
+            if candidate in self.renamed:
+                return self.renamed[candidate]
         raise ValueError(f"the reference's parameter {name!r} is not among the checkpoint's tensors")
 
     def read(self, slot: _Slot) -> torch.Tensor:

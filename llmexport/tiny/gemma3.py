@@ -1,4 +1,5 @@
-"""Tiny random Gemma3 text checkpoints (``gemma3_text``, ``Gemma3ForCausalLM``).
+"""Tiny random Gemma3 checkpoints: text-only (``gemma3_text``, ``Gemma3ForCausalLM``) and
+multimodal (``gemma3``, ``Gemma3ForConditionalGeneration``: a tiny SigLIP tower and projector).
 
 The structure of Gemma 3 270M / 1B at toy sizes: five sliding layers to one full (here a short
 pattern), a sliding window shorter than the verification prompts, two RoPE bases,
@@ -54,6 +55,15 @@ VARIANTS: dict[str, dict[str, Any]] = {
 }
 
 
+#: a tiny SigLIP tower: 64x64 images, 8x8 patches (an 8x8 grid) pooled 2x2 to 16 soft tokens
+VISION: dict[str, Any] = dict(hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=2,
+                              image_size=64, patch_size=8, vision_use_head=False, hidden_act="gelu_pytorch_tanh",
+                              layer_norm_eps=1e-6)
+#: the tiny tokenizer's image tokens (tokenizer.py SPECIAL_TOKENS boi, eoi, image)
+IMAGE_TOKENS: dict[str, Any] = dict(boi_token_index=SPECIAL_TOKENS["boi"][1], eoi_token_index=SPECIAL_TOKENS["eoi"][1],
+                    image_token_index=SPECIAL_TOKENS["image"][1])
+
+
 def random_config(seed: int) -> dict[str, Any]:
     rng = random.Random(seed)
     heads = rng.choice([2, 4])
@@ -67,13 +77,21 @@ def random_config(seed: int) -> dict[str, Any]:
 
 
 def build_gemma3_checkpoint(out_dir: Path | str, config_kwargs: dict[str, Any], *, seed: int = 0,
-                            dtype: torch.dtype = torch.bfloat16) -> Path:
-    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+                            dtype: torch.dtype = torch.bfloat16, vision: dict[str, Any] | None = None,
+                            mm_tokens_per_image: int = 16) -> Path:
+    """``vision``: a SigLIP config, for a multimodal ``gemma3`` checkpoint; None: ``gemma3_text``."""
+    from transformers import Gemma3Config, Gemma3ForCausalLM, Gemma3ForConditionalGeneration, Gemma3TextConfig
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(seed)
-    model = Gemma3ForCausalLM(Gemma3TextConfig(**config_kwargs)).eval()
+    if vision is None:
+        model = Gemma3ForCausalLM(Gemma3TextConfig(**config_kwargs)).eval()
+    else:
+        text = {k: v for k, v in config_kwargs.items() if k != "tie_word_embeddings"}
+        model = Gemma3ForConditionalGeneration(Gemma3Config(
+            text_config=text, vision_config=vision, mm_tokens_per_image=mm_tokens_per_image,
+            tie_word_embeddings=config_kwargs.get("tie_word_embeddings", True), **IMAGE_TOKENS)).eval()
     generator = randomize_gemma(model, seed)
     with torch.no_grad():
         for name, param in model.named_parameters():  # biases near 0 (near 1 they swamp the residual)
@@ -87,7 +105,9 @@ def build_gemma3_checkpoint(out_dir: Path | str, config_kwargs: dict[str, Any], 
 
 
 def build_tiny_gemma3(out_dir: Path | str, variant: str = "1b", *, seed: int = 0,
-                      dtype: torch.dtype = torch.bfloat16) -> Path:
+                      dtype: torch.dtype = torch.bfloat16, vision: bool = False) -> Path:
+    """``vision``: the multimodal ``gemma3`` layout with the tiny SigLIP tower ``VISION``."""
     if variant not in VARIANTS:
         raise ValueError(f"unknown tiny Gemma3 variant {variant!r}; choose from {sorted(VARIANTS)}")
-    return build_gemma3_checkpoint(out_dir, {**BASE, **VARIANTS[variant]}, seed=seed, dtype=dtype)
+    return build_gemma3_checkpoint(out_dir, {**BASE, **VARIANTS[variant]}, seed=seed, dtype=dtype,
+                                   vision=VISION if vision else None)

@@ -21,10 +21,13 @@ def _gemma4(text_only: bool) -> Builder:
     return build
 
 
-def _gemma3(out: Path, seed: int) -> Path:
-    from llmexport.tiny.gemma3 import build_tiny_gemma3
+def _gemma3(vision: bool) -> Builder:
+    def build(out: Path, seed: int) -> Path:
+        from llmexport.tiny.gemma3 import build_tiny_gemma3
 
-    return build_tiny_gemma3(out, "1b", seed=seed)
+        return build_tiny_gemma3(out, "1b", seed=seed, vision=vision)
+
+    return build
 
 
 def _phi3(out: Path, seed: int) -> Path:
@@ -67,7 +70,8 @@ def _qwen3_5(variant: str) -> Builder:
 
 
 TINY_BUILDERS: dict[str, Builder] = {
-    "gemma3_text": _gemma3,
+    "gemma3": _gemma3(vision=True),
+    "gemma3_text": _gemma3(vision=False),
     "gemma4": _gemma4(text_only=False),
     "gemma4_text": _gemma4(text_only=True),
     "k2_horizon": _k2_horizon,

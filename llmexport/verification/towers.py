@@ -55,9 +55,11 @@ def verify_tower(tower: Tower, export_dir: Path, oracle: nn.Module, fp32: nn.Mod
 
 
 def measure(check: TowerCheck, output: np.ndarray, ref: torch.Tensor, ref32: torch.Tensor) -> dict[Measure, Any]:
-    """The graph's ``output`` [1, rows, hidden] against HF's features ``ref`` (stored weights) and
-    ``ref32`` (fp32), in HF's scale; errors are infinite when the shapes differ."""
-    mnn = output[0, :ref.shape[0]] if check.keeps_first_rows else output[0]
+    """The graph's ``output`` (one image's rows: [1, rows, hidden] or [rows, 1, hidden]) against
+    HF's features ``ref`` (stored weights) and ``ref32`` (fp32), in HF's scale; errors are infinite
+    when the shapes differ."""
+    rows = output.reshape(-1, output.shape[-1])
+    mnn = rows[:ref.shape[0]] if check.keeps_first_rows else rows
     if check.feature_columns is not None:
         mnn = mnn[..., :check.feature_columns]
     mnn = mnn / check.output_scale
