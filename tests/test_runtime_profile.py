@@ -176,7 +176,8 @@ def test_precision_option_cli_value_and_validation():
 #: each family's config.json precision, decided by the fp16 measurements on MNN's ARM kernels
 #: (docs/benchmarks.md, "fp16 on ARM"): changing one is changing that decision, with new numbers
 SHIPPED_PRECISION = {
-    "gemma3_text": "normal", "gemma4": "normal", "gemma4_text": "normal",  # real Gemma activations overflow fp16
+    # real Gemma activations overflow fp16
+    "gemma3": "normal", "gemma3_text": "normal", "gemma4": "normal", "gemma4_text": "normal",
     "k2_horizon": "normal", "lfm2_moe": "normal", "qwen3_moe": "normal", "qwen3_5_moe": "normal",
     "qwen3_5_moe_text": "normal",  # routers: fp16 flips expert choices
     "llama": "low", "mistral": "low", "ministral": "low", "phi3": "low", "qwen2": "low", "qwen3": "low",
