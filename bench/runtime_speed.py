@@ -131,7 +131,6 @@ def linear_times(shapes: list[tuple[int, int]], rows: list[int], threads: list[i
                  reps: int) -> dict[str, float]:
     """Median seconds of one linear: key ``"in,out,rows,threads,memory"`` (runs in this process)."""
     import numpy as np
-
     from linear_op import inputs
     from linear_speed import _load, _timed
 
@@ -171,13 +170,15 @@ def floors(checkpoint: Path, export: Path, prompts: list[int], threads: list[int
     times = json.loads(line)
     per_token = weight_bytes_per_token(export)
     out: dict = {"weight_bytes_per_token": per_token, "linears": {f"{i}x{o}": c for (i, o), c in linears.items()},
-                 "lm_head": list(head), "quant": quant, "bandwidth_gb_s": {}, "by": {}}
+                 "lm_head": list(head), "quant": quant, "bandwidth_gb_s": {}, "by": {}, "linear_s": times}
     for t in threads:
         bandwidth = read_bandwidth(t, prefix)
         out["bandwidth_gb_s"][t] = bandwidth / 1e9
         for n in prompts:
             cell = {"kv_bytes": kv_bytes(checkpoint, n)}
             cell["decode_tok_s"] = bandwidth / (per_token + cell["kv_bytes"])
+            cell["decode_gemv_tok_s"] = 1 / (times[f"{head[0]},{head[1]},1,{t},low"] + sum(
+                count * times[f"{i},{o},1,{t},low"] for (i, o), count in linears.items()))
             for memory in ("low", "normal"):
                 seconds = times[f"{head[0]},{head[1]},1,{t},{memory}"] + sum(
                     count * times[f"{i},{o},{n},{t},{memory}"] for (i, o), count in linears.items())
@@ -221,7 +222,7 @@ def table(result: dict) -> list[str]:
     runs, fl = result["speed"]["runs"], result.get("floors", {}).get("by", {})
     names = list(result["exports"])
     head = ("| threads | prompt | export | prefill tok/s | floor int8 / fp32 kernels | of floor | decode tok/s | "
-            "floor | of floor | vs ours: prefill, decode |")
+            "floor: bandwidth / int8 GEMV | of floor | vs ours: prefill, decode |")
     rows = [head, "|" + " --- |" * (head.count("|") - 1)]
     for key in sorted({k.split("|")[1] for k in runs}, key=lambda k: (int(k.split("@")[1]), int(k.split("@")[0]))):
         n, t = key.split("@")
@@ -233,12 +234,15 @@ def table(result: dict) -> list[str]:
                 rows.append(f"| {t} | {n} | {name} | error: {r['error'][-120:]!r} | | | | | | |")
                 continue
             pf, df = floor.get("prefill_tok_s_low"), floor.get("decode_tok_s")
-            versus = (f"x{r['prefill_tok_s'] / ours['prefill_tok_s']:.2f}, x{r['decode_tok_s'] / ours['decode_tok_s']:.2f}"
-                      if name != "ours" and "error" not in ours and ours else "")
+            versus = (f"x{r['prefill_tok_s'] / ours['prefill_tok_s']:.2f}, "
+                      f"x{r['decode_tok_s'] / ours['decode_tok_s']:.2f}" if name != "ours" and "error" not in ours
+                      and ours else "")
             rows.append(f"| {t} | {n} | {name} | {r['prefill_tok_s']:.1f} | "
                         + (f"{pf:.0f} / {floor['prefill_tok_s_normal']:.0f} | {r['prefill_tok_s'] / pf:.2f} | "
                            if pf else "| | ")
-                        + f"{r['decode_tok_s']:.2f} | " + (f"{df:.1f} | {r['decode_tok_s'] / df:.2f} | " if df else "| | ")
+                        + f"{r['decode_tok_s']:.2f} | "
+                        + (f"{df:.1f} / {floor.get('decode_gemv_tok_s', float('nan')):.1f} | "
+                           f"{r['decode_tok_s'] / df:.2f} | " if df else "| | ")
                         + f"{versus} |")
     return rows
 
@@ -266,6 +270,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--floor-reps", type=int, default=3)
     parser.add_argument("--json", type=Path, default=None)
     parser.add_argument("--no-floors", action="store_true")
+    parser.add_argument("--no-speed", action="store_true", help="only the floors (printed as JSON)")
     parser.add_argument("--variant-fidelity", action="store_true",
                         help="each variant's logits against ours on MNN's exact kernels (kernel_choice.fidelity)")
     args = parser.parse_args(argv)
@@ -283,6 +288,9 @@ def main(argv: list[str] | None = None) -> None:
     result["exports"] = {k: str(v) for k, v in exports.items()}
     if not args.no_floors:
         result["floors"] = floors(args.checkpoint, ours, args.prompts, args.threads, args.floor_reps)
+    if args.no_speed:
+        print(json.dumps(result.get("floors", {}).get("by"), indent=1))
+        return
     result["speed"] = speeds(exports, args.prompts, args.threads, args.reps, args.steps)
     if args.variant_fidelity and args.variant:
         vocab = json.loads((ours / "manifest.json").read_text())["architecture"]["vocab_size"]

@@ -129,7 +129,9 @@ def _tokenizer(out: Path, kind: str, vocab_size: int) -> dict[str, Any]:
         tok = Tokenizer.from_file(str(out / "tokenizer.json"))
         ids = {"bos_token_id": bos and tok.token_to_id(bos), "eos_token_id": [tok.token_to_id(eos)],
                "pad_token_id": pad and tok.token_to_id(pad)}
-        if None in ids["eos_token_id"] or (pad and ids["pad_token_id"] is None) or (bos and ids["bos_token_id"] is None):
+        missing = (None in ids["eos_token_id"] or (pad and ids["pad_token_id"] is None)
+                   or (bos and ids["bos_token_id"] is None))
+        if missing:
             raise SystemExit(f"{kind}: a marker token is missing from the vocabulary: {ids}")
     if Tokenizer.from_file(str(out / "tokenizer.json")).get_vocab_size() > vocab_size:
         raise SystemExit(f"{kind}: the tokenizer has more ids than the vocabulary ({vocab_size})")
