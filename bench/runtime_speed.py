@@ -70,22 +70,22 @@ def checkpoint_linears(checkpoint: Path) -> tuple[Counter, tuple[int, int]]:
 
 
 def kv_bytes(checkpoint: Path, length: int) -> int:
-    """Bytes of K and V cached for ``length`` tokens (see the module docstring)."""
-    from transformers import AutoConfig
-
-    text = AutoConfig.from_pretrained(checkpoint).get_text_config()
-    layers = text.num_hidden_layers
-    types = list(getattr(text, "layer_types", None) or ["full_attention"] * layers)
-    own = types[:layers - (getattr(text, "num_kv_shared_layers", 0) or 0)]
-    head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+    """Bytes of K and V cached for ``length`` tokens (see the module docstring), from config.json read
+    as written (transformers' Gemma4 config refuses global reads of its per-layer attributes)."""
+    config = json.loads((checkpoint / "config.json").read_text())
+    text = config.get("text_config", config)
+    layers = text["num_hidden_layers"]
+    types = list(text.get("layer_types") or ["full_attention"] * layers)
+    own = types[:layers - (text.get("num_kv_shared_layers") or 0)]
+    head_dim = text.get("head_dim") or text["hidden_size"] // text["num_attention_heads"]
     total = 0
     for kind in own:
         if kind == "full_attention":
-            dim = getattr(text, "global_head_dim", None) or head_dim
-            heads = getattr(text, "num_global_key_value_heads", None) or text.num_key_value_heads
+            dim = text.get("global_head_dim") or head_dim
+            heads = text.get("num_global_key_value_heads") or text["num_key_value_heads"]
             total += 2 * heads * dim * length * KV_BYTES
         elif kind == "sliding_attention":
-            total += 2 * text.num_key_value_heads * head_dim * min(length, text.sliding_window) * KV_BYTES
+            total += 2 * text["num_key_value_heads"] * head_dim * min(length, text["sliding_window"]) * KV_BYTES
     return total
 
 
