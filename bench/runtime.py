@@ -67,9 +67,10 @@ def realtime_prefix() -> list[str]:
 
 
 def runtime_speed(export_dir: Path, threads: int, prompt: int = PROMPT_TOKENS, steps: int = DECODE_STEPS,
-                  prefix: list[str] | None = None) -> dict:
-    """Load, prefill and decode speed of one export in a fresh process (greedy sampling)."""
-    config = json.dumps({"thread_num": threads, "sampler_type": "greedy"})
+                  prefix: list[str] | None = None, settings: dict | None = None) -> dict:
+    """Load, prefill and decode speed of one export in a fresh process (greedy sampling; ``settings``:
+    more runtime config keys)."""
+    config = json.dumps({**(settings or {}), "thread_num": threads, "sampler_type": "greedy"})
     cmd = (prefix or []) + [sys.executable, "-c", SPEED_CHILD, str(export_dir / "config.json"), config, str(prompt),
                             str(steps)]
     proc = subprocess.run(cmd, capture_output=True, text=True)

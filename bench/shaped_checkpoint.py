@@ -1,6 +1,7 @@
 """Write a random-weight checkpoint with a released model's shape (not Gemma4: bench/make_checkpoint.py).
 
-    python bench/shaped_checkpoint.py OUT --shape qwen3.5-2b|qwen3-like-qwen3.5-2b|lfm2-1.2b|qwen3-like-lfm2-1.2b
+    python bench/shaped_checkpoint.py OUT --shape qwen3.5-2b|qwen3-like-qwen3.5-2b|lfm2-1.2b|qwen3-like-lfm2-1.2b|
+                                                  llama-3.2-1b|qwen3-0.6b
                                       [--layers N] [--shard-gb 2] [--dry]
 
 Streamed tensor by tensor (bench/random_weights.py): names and shapes from the HF model built on the
@@ -21,6 +22,13 @@ public ports' quoted configs, checked against the parameter counts):
   to 8192, vocabulary 65536, tied embeddings (1.17B parameters). Tokenizer: a small trained
   byte-level BPE with ChatML markers (the real LFM2 vocabulary is not on any registry); the
   embedding keeps all 65536 rows.
+- ``llama-3.2-1b``: meta-llama/Llama-3.2-1B: 16 layers, hidden 2048, 32 query and 8 KV heads of
+  64, FFN 8192, rope llama3 scaling (factor 32, low/high frequency factors 1 and 4, original 8192
+  positions), theta 5e5; tied embeddings; vocabulary 128256 (1.24B parameters). Tokenizer: Llama-3's
+  real vocabulary (``ggml-vocab-llama-bpe``) with Llama-3.2's real chat template.
+- ``qwen3-0.6b``: Qwen/Qwen3-0.6B: 28 layers, hidden 1024, 16 query and 8 KV heads of 128, FFN
+  3072, theta 1e6; tied embeddings; vocabulary 151936 (0.60B parameters). Tokenizer: Qwen2's real
+  vocabulary (``ggml-vocab-qwen2``, the one Qwen3 keeps) with Qwen3's real chat template.
 - ``qwen3-like-*``: a Qwen3 dense model of the same width, depth, FFN, vocabulary and tokenizer,
   every layer full attention (Qwen3.5's 8/2 heads of 256; LFM2's 32/8 heads of 64): what the
   hybrid layers are measured against.
@@ -56,7 +64,7 @@ class Shape:
     config_class: str
     model_class: str
     config: dict[str, Any]
-    tokenizer: str  # "qwen35": the real vocabulary; "chatml": a small trained one
+    tokenizer: str  # a REAL_VOCABS key: the real vocabulary; "chatml": a small trained one
     one_plus_norms: bool = False  # gammas stored as offsets from 1
     notes: dict[str, Any] = field(default_factory=dict)
 
@@ -66,6 +74,8 @@ _QWEN35 = dict(vocab_size=248320, hidden_size=2048, intermediate_size=6144, num_
                tie_word_embeddings=True, max_position_embeddings=262144)
 _LFM2 = dict(vocab_size=65536, hidden_size=2048, num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8,
              tie_word_embeddings=True, max_position_embeddings=128000)
+_LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 5e5, "factor": 32.0, "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
 SHAPES: dict[str, Shape] = {
     "qwen3.5-2b": Shape("Qwen3_5TextConfig", "Qwen3_5ForCausalLM", dict(
         _QWEN35, layer_types=QWEN35_LAYERS, linear_conv_kernel_dim=4, linear_key_head_dim=128,
@@ -82,6 +92,21 @@ SHAPES: dict[str, Shape] = {
     "qwen3-like-lfm2-1.2b": Shape("Qwen3Config", "Qwen3ForCausalLM", dict(
         _LFM2, intermediate_size=8192, head_dim=64, rms_norm_eps=1e-5,
         rope_parameters={"rope_type": "default", "rope_theta": 1e6}), "chatml"),
+    "llama-3.2-1b": Shape("LlamaConfig", "LlamaForCausalLM", dict(
+        vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
+        num_key_value_heads=8, head_dim=64, rms_norm_eps=1e-5, tie_word_embeddings=True,
+        max_position_embeddings=131072, rope_parameters=_LLAMA3_ROPE), "llama-bpe"),
+    "qwen3-0.6b": Shape("Qwen3Config", "Qwen3ForCausalLM", dict(
+        vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16,
+        num_key_value_heads=8, head_dim=128, rms_norm_eps=1e-6, tie_word_embeddings=True,
+        max_position_embeddings=40960, rope_parameters={"rope_type": "default", "rope_theta": 1e6}), "qwen2"),
+}
+#: real vocabulary (tests/real_vocab_tokenizers.py) -> (the sdist's chat template, bos, end-of-turn, pad token);
+#: Llama-3.2 has no pad token
+REAL_VOCABS: dict[str, tuple[str, str | None, str, str | None]] = {
+    "qwen35": ("Qwen3.5-4B", None, "<|im_end|>", "<|endoftext|>"),
+    "qwen2": ("Qwen-Qwen3-0.6B", None, "<|im_end|>", "<|endoftext|>"),
+    "llama-bpe": ("meta-llama-Llama-3.2-3B-Instruct", "<|begin_of_text|>", "<|eot_id|>", None),
 }
 
 
@@ -96,13 +121,18 @@ def _tokenizer(out: Path, kind: str, vocab_size: int) -> dict[str, Any]:
     else:
         from real_vocab_tokenizers import rebuild
 
-        from real_vocab import qwen3_5_chat_template
+        from real_vocab import sdist_template
 
+        template, bos, eos, pad = REAL_VOCABS[kind]
         rebuild(kind, out)
-        (out / "chat_template.jinja").write_text(qwen3_5_chat_template(), encoding="utf-8")
+        (out / "chat_template.jinja").write_text(sdist_template(template), encoding="utf-8")
         tok = Tokenizer.from_file(str(out / "tokenizer.json"))
-        eos = tok.token_to_id("<|im_end|>")
-        ids = {"bos_token_id": None, "eos_token_id": [eos], "pad_token_id": tok.token_to_id("<|endoftext|>")}
+        ids = {"bos_token_id": bos and tok.token_to_id(bos), "eos_token_id": [tok.token_to_id(eos)],
+               "pad_token_id": pad and tok.token_to_id(pad)}
+        missing = (None in ids["eos_token_id"] or (pad and ids["pad_token_id"] is None)
+                   or (bos and ids["bos_token_id"] is None))
+        if missing:
+            raise SystemExit(f"{kind}: a marker token is missing from the vocabulary: {ids}")
     if Tokenizer.from_file(str(out / "tokenizer.json")).get_vocab_size() > vocab_size:
         raise SystemExit(f"{kind}: the tokenizer has more ids than the vocabulary ({vocab_size})")
     write_generation_config(out, ids)
