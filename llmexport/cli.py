@@ -109,10 +109,6 @@ class ExportCommand:
 @click.option("--runtime_profile", type=click.Choice(["fast", "exact"]), default="fast", show_default=True,
               help="fast: MNN's low-memory int4/int8 kernels (activations quantized to 8 bits on the fly); "
                    "exact: weights dequantized to float at load (slower, the stored weights' logits).")
-@click.option("--precision", type=click.Choice([p.value for p in Precision]), default=None,
-              help="Activation precision written to config.json (default: the family's, measured on MNN's ARM "
-                   "kernels: docs/benchmarks.md). low = fp16 on ARM CPUs with fp16 arithmetic, faster, less exact; "
-                   "on x86 low equals normal.")
 @click.option("--chat_thinking", type=click.Choice(["default", "off", "on"]), default="default", show_default=True,
               help="Chat template thinking mode written to llm_config.json (jinja.context.enable_thinking); "
                    "default: the template's own (Gemma4: off, an empty thought channel ends the generation prompt).")
@@ -162,6 +158,10 @@ class ExportCommand:
               help="With --verify: run the runtime side again on MNN's ARM kernels (natively on an ARM host, under "
                    "qemu-aarch64-static elsewhere) at precision normal and low; the shipped precision must pass "
                    "(docs/verification.md#arm-kernels).")
+@click.option("--precision", type=click.Choice([p.value for p in Precision]), default=None,
+              help="Activation precision written to config.json (default: the family's, measured on MNN's ARM "
+                   "kernels: docs/benchmarks.md). low = fp16 on ARM CPUs with fp16 arithmetic, faster, less exact; "
+                   "on x86 low equals normal.")
 @click.version_option(__version__, "--version", prog_name="llmexport")
 def main(**flags: Any) -> None:
     """Export a HuggingFace LLM checkpoint to MNN (or ONNX), optionally verified."""

@@ -186,6 +186,7 @@ FAMILIES = {
     "ministral": ("ministral", 4, RuntimeProfile.FAST),
     "smollm3": ("smollm3", 16, RuntimeProfile.FAST),
     "gemma3_text": ("gemma3_text", 8, RuntimeProfile.EXACT),
+    "gemma3": ("gemma3", 8, RuntimeProfile.FAST),
     "phi3": ("phi3", 16, RuntimeProfile.FAST),
     "lfm2": ("lfm2", 8, RuntimeProfile.EXACT),
     "lfm2_moe": ("lfm2_moe", 4, RuntimeProfile.FAST),
