@@ -127,3 +127,17 @@ def chat_template_rig(folder: Path, build_tokenizer: Callable[[Path], Any], eos:
     hf = AutoTokenizer.from_pretrained(folder)
     runtime = MnnTokenizer(folder / "runtime", "../tokenizer.mtok", len(hf), jinja={"chat_template": "", "eos": eos})
     return ChatTemplateRig(folder, hf, runtime)
+
+
+# --- chat messages, as the chat-template tests' corpora write them -----------------------------------
+
+def user_message(text: Any) -> dict[str, Any]:
+    return {"role": "user", "content": text}
+
+
+def assistant_message(text: Any, **extra: Any) -> dict[str, Any]:
+    return {"role": "assistant", "content": text, **extra}
+
+
+def tool_message(text: Any) -> dict[str, Any]:
+    return {"role": "tool", "content": text}

@@ -46,6 +46,8 @@ from llmexport.options import ChatThinking
 from llmexport.tiny.tokenizer import GEMMA4_CHAT_TEMPLATE, build_tiny_gemma_tokenizer
 
 from mnn_tokenizer_server import ChatTemplateRig, MnnTokenizer, chat_template_rig
+from mnn_tokenizer_server import assistant_message as _a
+from mnn_tokenizer_server import user_message as _u
 from real_vocab import gemma4_chat_template, parse_cases, read_gguf_metadata, real_vocab
 
 
@@ -63,7 +65,6 @@ class RuntimeRenderer:
 
     def renderer(self, template: str):
         return lambda messages, context: self.render(template, messages, context)
-
 
 
 @pytest.fixture(scope="module")
@@ -85,14 +86,6 @@ def _hf(tok, template):
 
 
 # --- the corpus ---------------------------------------------------------------------------------
-
-def _u(text):
-    return {"role": "user", "content": text}
-
-
-def _a(text):
-    return {"role": "assistant", "content": text}
-
 
 WEATHER_TOOL = {"type": "function", "function": {
     "name": "get_weather", "description": "Current weather for a city.",

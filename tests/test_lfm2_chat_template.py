@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from test_qwen3_5_chat_template import CALL, SEARCH_TOOL, WEATHER_TOOL, _t, _u
+from test_qwen3_5_chat_template import CALL, SEARCH_TOOL, WEATHER_TOOL
 
 from llmexport.errors import InputError
 from llmexport.models.chat_templates import ChatCase, compare_renderings
@@ -39,6 +39,9 @@ from llmexport.models.lfm2.chat_template import (
 from llmexport.tiny.byte_level_tokenizer import LFM2_CHAT_TEMPLATE, build_byte_level_tokenizer
 
 from mnn_tokenizer_server import ChatTemplateRig, chat_template_rig
+from mnn_tokenizer_server import assistant_message as _a
+from mnn_tokenizer_server import tool_message as _t
+from mnn_tokenizer_server import user_message as _u
 from real_vocab import sdist_template
 
 NAMES = [t.name for t in TEMPLATES]
@@ -58,10 +61,6 @@ def _compare(hf_tok, runtime, name: str, cases, derived: bool = True):
 
 
 # --- the corpus ---------------------------------------------------------------------------------
-
-def _a(text, **extra):
-    return {"role": "assistant", "content": text, **extra}
-
 
 PY_CALL = {"role": "assistant", "content": "Checking.", "tool_calls": [{"type": "function", "function": {
     "name": "get_weather", "arguments": {"city": "Paris", "days": 3, "metric": True, "unit": None,

@@ -39,6 +39,9 @@ from llmexport.options import ChatThinking
 from llmexport.tiny.byte_level_tokenizer import build_byte_level_tokenizer
 
 from mnn_tokenizer_server import ChatTemplateRig, chat_template_rig
+from mnn_tokenizer_server import assistant_message as _a
+from mnn_tokenizer_server import tool_message as _t
+from mnn_tokenizer_server import user_message as _u
 from real_vocab import qwen3_5_chat_template, real_vocab
 
 
@@ -60,18 +63,6 @@ def _rt(runtime, template):
 
 
 # --- the corpus ---------------------------------------------------------------------------------
-
-def _u(text):
-    return {"role": "user", "content": text}
-
-
-def _a(text):
-    return {"role": "assistant", "content": text}
-
-
-def _t(text):
-    return {"role": "tool", "content": text}
-
 
 WEATHER_TOOL = {"type": "function", "function": {
     "name": "get_weather", "description": "Current weather for a city.",
