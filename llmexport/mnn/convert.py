@@ -58,14 +58,3 @@ def json_to_mnn(graph: dict[str, Any], json_path: Path, mnn_path: Path) -> None:
     # so the converter's parser recovers every float32 of the graph exactly.
     json_path.write_text(json.dumps(graph))
     run_converter(["-f", "JSON", "--modelFile", str(json_path), "--MNNModel", str(mnn_path)], mnn_path)
-
-
-def fuse_transformer_c4(mnn_path: Path) -> None:
-    """The converter's MNN -> MNN pass at ``--optimizeLevel=1`` with ``FuseTransformerC4`` (3.6.1
-    tools/converter/source/optimizer/postconvert/FuseTransformerC4.cpp, the last step of MNN's own
-    exporter): each decoder block whose attention reads a ``RoPE`` op is rewritten to keep its hidden
-    state NC4HW4 from layer to layer, without the Reshape/ConvertTensor pair around each linear."""
-    staged = mnn_path.with_suffix(".c4.mnn")
-    run_converter(["-f", "MNN", "--modelFile", str(mnn_path), "--MNNModel", str(staged), "--optimizeLevel=1",
-                   "--transformerFuseC4=1"], staged)
-    staged.replace(mnn_path)

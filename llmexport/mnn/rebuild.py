@@ -103,22 +103,6 @@ def _attention_op(op: dict[str, Any]) -> dict:
                 "kv_shared_layer_index": int(a["kv_shared_layer_index"]), "attnScale": float(a["scale"])})
 
 
-def _rope_op(op: dict[str, Any], consts: Mapping[int, dict]) -> dict:
-    """MNN's RoPE op (RoPEParam): inputs q, k, cos, sin; the placeholder's q/k norm gammas (its
-    inputs 4 and 5, constants, empty when there is no norm) become the param's RMSNorms."""
-    a = extra_attrs(op)
-    param: dict[str, Any] = {"rope_cut_head_dim": int(a["head_dim"]), "num_head": int(a["num_head"]),
-                             "kv_num_head": int(a["kv_num_head"]), "head_dim": int(a["head_dim"])}
-    for key, index, eps in (("q_norm", 4, "q_eps"), ("k_norm", 5, "k_eps")):
-        const = consts.get(op["inputIndexes"][index])
-        if const is None:
-            raise ConversionError(f"RoPE {a['name']!r}: its {key} gamma is not a graph constant")
-        gamma = const["main"].get("float32s") or []
-        if gamma:
-            param[key] = {"axis": [-1], "epsilon": float(a[eps]), "gamma": gamma, "useRMSNorm": True, "group": 1}
-    return _op(a["name"], "RoPE", op["inputIndexes"][:4], op["outputIndexes"], "RoPEParam", param)
-
-
 def _linear_attention_op(op: dict[str, Any]) -> dict:
     """MNN's LinearAttention op (LinearAttentionParam, schema/default/MNN.fbs): its inputs are the
     placeholder's (qkv, gate, beta, conv weight); the conv and recurrent states live in the op."""
@@ -198,7 +182,6 @@ class _Rebuilder:
 
     def ops(self, ops: list[dict], tensors: list[str], rank: int, rename: Callable[[str], str] = str) -> list[dict]:
         out: list[dict] = []
-        consts = {op["outputIndexes"][0]: op for op in ops if op.get("type") == "Const"}
         for op in ops:
             kind = _extra_type(op)
             if kind == "Linear":
@@ -206,8 +189,6 @@ class _Rebuilder:
                 out += _conv_ops(tensors, op, name, self.linear(name), rank)
             elif kind == "Attention":
                 out.append(_attention_op(op))
-            elif kind == "RoPE":
-                out.append(_rope_op(op, consts))
             elif kind == "MoE":
                 out.append(_moe_op(op))
             elif kind == "LinearAttention":

@@ -132,7 +132,7 @@ class _GraphWriter:
 
     def write(self, stem: str, graph, inputs, linears, weight_fn, scheme_fn, source_of, experts=()):
         """``source_of`` names the checkpoint tensor behind a linear (LinearSource) in error messages."""
-        from llmexport.mnn.convert import fuse_transformer_c4, json_to_mnn, mnn_to_json, onnx_to_mnn
+        from llmexport.mnn.convert import json_to_mnn, mnn_to_json, onnx_to_mnn
         from llmexport.mnn.external import rehome_external
         from llmexport.mnn.rebuild import NonFiniteLinear, rebuild_graph
         from llmexport.trace.onnx_export import export_onnx
@@ -159,8 +159,6 @@ class _GraphWriter:
             rehome_external(rebuilt.graph, work / f"{stem}.mnn.weight", weight_file, skip=rebuilt.records)
         with job.stage(f"{label}rebuild"):
             json_to_mnn(rebuilt.graph, work / f"{stem}.rebuilt.json", out / f"{stem}.mnn")
-            if any(op["type"] == "RoPE" for op in rebuilt.graph["oplists"]):  # its inputs must be NC4HW4
-                fuse_transformer_c4(out / f"{stem}.mnn")
         return rebuilt
 
 

@@ -145,51 +145,6 @@ def attention_reference(q, k, v, mask, scale: float) -> torch.Tensor:
     return out.reshape(out.shape[0], out.shape[1], -1)
 
 
-class _RoPEOp(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, q, k, cos, sin, q_gamma, k_gamma, name: str, heads: int, kv_heads: int, head_dim: int,
-                q_eps: float, k_eps: float):
-        return q.clone(), k.clone()
-
-    @staticmethod
-    def symbolic(g, q, k, cos, sin, q_gamma, k_gamma, name, heads, kv_heads, head_dim, q_eps, k_eps):
-        q_out, k_out = g.op(f"{DOMAIN}::RoPE", q, k, cos, sin, q_gamma, k_gamma, name_s=name, num_head_i=heads,
-                            kv_num_head_i=kv_heads, head_dim_i=head_dim, q_eps_f=q_eps, k_eps_f=k_eps, outputs=2)
-        q_out.setType(q.type())
-        k_out.setType(k.type())
-        return q_out, k_out
-
-
-class FusedRoPE(nn.Module):
-    """Optional per-head RMSNorms of q and k, then rotate-half RoPE over the whole head: MNN's
-    ``RoPE`` op at runtime (3.6.1 source/backend/cpu/CPURoPE.cpp: per token, ``MNNNorm`` with the
-    gamma over each head, then ``MNNRoPEComputeBasic``: ``x0 cos - x1 sin``, ``x1 cos + x0 sin`` over
-    the two halves). Its inputs must be NC4HW4, which the converter's ``FuseTransformerC4`` pass
-    arranges (llmexport.mnn.convert.fuse_transformer_c4).
-
-    q: [1, seq, heads, head_dim], k: [1, seq, kv_heads, head_dim], cos/sin: [1, seq, 1, head_dim]. ``norms``: the
-    (q, k) RMSNorm weights and eps, or None."""
-
-    def __init__(self, layer_index: int, heads: int, kv_heads: int, head_dim: int,
-                 norms: tuple[tuple[torch.Tensor, float], tuple[torch.Tensor, float]] | None = None):
-        super().__init__()
-        self.name = f"/layers.{layer_index}/self_attn/RoPE"
-        self.heads, self.kv_heads, self.head_dim = heads, kv_heads, head_dim
-        self.norms = norms
-
-    def forward(self, q, k, cos, sin):
-        from llmexport.models.rope import rotate
-
-        if emitting_custom_ops():
-            (qg, qe), (kg, ke) = self.norms or ((q.new_empty(0), 0.0), (k.new_empty(0), 0.0))
-            return _RoPEOp.apply(q, k, cos, sin, qg.float(), kg.float(), self.name, self.heads, self.kv_heads,
-                                 self.head_dim, qe, ke)
-        if self.norms is not None:
-            (qg, qe), (kg, ke) = self.norms
-            q, k = rms_norm(q, qg, qe), rms_norm(k, kg, ke)
-        return rotate(q, cos, sin, self.head_dim), rotate(k, cos, sin, self.head_dim)
-
-
 def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
     """RMSNorm in fp32, ``x * (1 / sqrt(mean(x^2) + eps)) * weight``.
 

@@ -24,7 +24,7 @@ from llmexport.models.graph_parts import Norm, TensorLookup, const
 from llmexport.models.rope import rope_cos_sin, rotate
 from llmexport.models.tensor_names import NameTable
 from llmexport.spec import ExpertTemplate
-from llmexport.trace.ops import FusedAttention, FusedGatedMlp, FusedMoE, FusedRoPE, GatedMlp, PlaceholderLinear
+from llmexport.trace.ops import FusedAttention, FusedGatedMlp, FusedMoE, GatedMlp, PlaceholderLinear
 
 
 class Attention(nn.Module):
@@ -35,7 +35,7 @@ class Attention(nn.Module):
 
     def __init__(self, names: NameTable, index: int, hidden: int, heads: int, kv_heads: int, head_dim: int,
                  bias: Biases, qk_norms: tuple[nn.Module, nn.Module] | None = None, rope: bool = True,
-                 scale: float | None = None, fused_rope: bool = False,
+                 scale: float | None = None,
                  **value_options):
         super().__init__()
         self.rope = rope  # SmolLM3's NoPE layers attend without rotating q and k
@@ -48,10 +48,6 @@ class Attention(nn.Module):
         if qk_norms is not None:
             self.q_norm, self.k_norm = qk_norms
         self.attn = FusedAttention(index, -1, head_dim ** -0.5 if scale is None else scale)
-        # MNN's RoPE op (q/k RMSNorms folded in): with the converter's C4 pass, the layer runs
-        # without a layout conversion around each linear (docs/benchmarks.md, "Against MNN's own exporter")
-        self.fused_rope = (FusedRoPE(index, heads, kv_heads, head_dim, _norm_params(qk_norms, head_dim))
-                           if fused_rope and rope else None)
 
     def init_values(self, names: NameTable, hidden: int, width: int, bias: bool, **options: Any) -> None:
         self.v_proj = PlaceholderLinear(names.name("attn.v"), hidden, width, bias)
@@ -63,27 +59,12 @@ class Attention(nn.Module):
         q = self.q_proj(x).view(1, -1, self.heads, self.head_dim)
         k = self.k_proj(x).view(1, -1, self.kv_heads, self.head_dim)
         v = self.values(x).view(1, -1, self.kv_heads, self.head_dim)
-        if self.fused_rope is not None:
-            q, k = self.fused_rope(q, k, cos, sin)
-            return self.o_proj(self.attn(q, k, v, mask))
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         d = self.head_dim
         if self.rope:
             q, k = rotate(q, cos, sin, d), rotate(k, cos, sin, d)
         return self.o_proj(self.attn(q, k, v, mask))
-
-
-def _norm_params(norms: tuple[nn.Module, nn.Module] | None, head_dim: int):
-    """(weight, eps) of each of the q/k ``Norm``s for FusedRoPE (a Norm without weight: ones)."""
-    if norms is None:
-        return None
-
-    def params(norm: nn.Module) -> tuple[torch.Tensor, float]:
-        assert isinstance(norm, Norm), "FusedRoPE folds only plain RMSNorms"
-        return (torch.ones(head_dim) if norm.weight is None else norm.weight.detach()), norm.eps
-
-    return params(norms[0]), params(norms[1])
 
 
 class PreNormLayer(nn.Module):
@@ -186,7 +167,7 @@ def _layer(args: DecoderArgs, names: NameTable, layer: LayerSpec, lookup: Tensor
     norm = lambda key: Norm(const(lookup, p.name(key)), args.eps)  # noqa: E731
     qk = (norm("norm.q"), norm("norm.k")) if args.qk_norm else None
     attn = Attention(p, layer.index, args.hidden_size, args.num_heads, args.kv_heads, args.head_dim,
-                     args.biases, qk, rope=layer.rope, fused_rope=True)
+                     args.biases, qk, rope=layer.rope)
     assert args.moe is not None or not layer.sparse, "a sparse layer without experts"
     mlp = SoftmaxMoe(p, layer.index, args.hidden_size, args.moe) if args.moe and layer.sparse else \
         SwiGlu(p.names(MLP), args.hidden_size, args.intermediate_size)
