@@ -26,7 +26,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
-from llmexport.planning.export_plan import file_sha256  # noqa: E402
+from llmexport.planning.digests import file_sha256  # noqa: E402
 
 QUANT_CONFIG = {"default": {"bits": 4, "block": 32},
                 "rules": [{"match": "role:attention", "bits": 8, "block": 64, "sym": True},

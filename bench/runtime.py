@@ -200,7 +200,7 @@ def _report(result: dict) -> None:
 
 
 def main() -> None:
-    from llmexport.planning.export_plan import file_sha256
+    from llmexport.planning.digests import file_sha256
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("checkpoint", type=Path, nargs="?", default=Path("/work/ckpt/e2b-12"))

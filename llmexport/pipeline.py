@@ -18,6 +18,7 @@ from llmexport.errors import ConversionError, ResourceError, UsageError
 from llmexport.mnn.arm.machine import Machine, arm_machine
 from llmexport.models.base import Architecture
 from llmexport.options import ExportOptions
+from llmexport.planning.digests import FileDigests
 from llmexport.planning.export_plan import export_plan, write_manifest
 from llmexport.planning.memory_plan import check_fits
 from llmexport.planning.schemes import Schemes
@@ -64,14 +65,15 @@ def run_export(path: Path, out: Path, options: ExportOptions, source: dict[str, 
     for adjusted in plan.adjusted_blocks:
         log.info("block %d does not divide %s (width %d): using %d", adjusted.requested, adjusted.name,
                  adjusted.in_features, adjusted.used)
-    target.write(ExportJob(arch, graph, options, schemes, out, prepared, timings))
+    digests = FileDigests()
+    target.write(ExportJob(arch, graph, options, schemes, out, prepared, timings, digests))
     verification: VerifyReport | None = None
     verify_error: str | None = None
     if options.verify and target.verifiable:
         with stage(timings, "verify"):
             verification, verify_error = _verify(out, path, options, arm)
     with stage(timings, "manifest"):
-        write_manifest(out, options, plan, adapter_of(arch.checkpoint.weights), source)
+        write_manifest(out, options, plan, digests, adapter_of(arch.checkpoint.weights), source)
     return ExportResult(out, tuple(sorted(p.name for p in out.iterdir())), plan, timings, verification, verify_error)
 
 

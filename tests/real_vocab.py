@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator
 
-from llmexport.planning.export_plan import file_sha256
+from llmexport.planning.digests import file_sha256
 
 SDIST_NAME = "llama-cpp-python"
 SDIST_VERSION = "0.3.36"

@@ -379,3 +379,34 @@ def test_quiet_does_not_change_the_manifest(case):
     assert _export(model, out_a, "--quant_bit", "8").exit_code == 0
     assert _export(model, out_b, "--quant_bit", "8", "--quiet").exit_code == 0
     assert (out_a / "manifest.json").read_bytes() == (out_b / "manifest.json").read_bytes()
+
+
+def test_a_failure_while_the_token_table_is_written_stops_its_thread_and_leaves_nothing(case, monkeypatch):
+    """The token table is written on a thread of its own while the graph converts
+    (llmexport/targets/token_table_writer.py): a conversion that fails meanwhile cancels it, and
+    the staging folder is removed only after it has stopped."""
+    import threading
+
+    from llmexport.mnn import convert, embeddings
+
+    started = threading.Event()
+    real_write = embeddings.write_embedding_table
+
+    def slow_rows(fileobj, table, *args, **kwargs):
+        def rows():
+            for chunk in table:
+                started.set()
+                yield chunk
+                threading.Event().wait(0.05)
+        return real_write(fileobj, rows(), *args, **kwargs)
+
+    def failing_convert(*args, **kwargs):
+        assert started.wait(30), "the table writer never started"
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(embeddings, "write_embedding_table", slow_rows)
+    monkeypatch.setattr(convert, "onnx_to_mnn", failing_convert)
+    model, dst = case("e2b")
+    before = snapshot(model.parent)
+    _refused(_export(model, dst, "--quiet"), model.parent, before, "No space left", codes=(6,))
+    assert not [t for t in threading.enumerate() if t.name.startswith("llmexport-table")]

@@ -264,7 +264,7 @@ def test_a_failed_run_leaves_finished_files_for_the_next(tiny, tmp_path):
 def test_hub_export_matches_the_folder_export(tiny, tmp_path):
     """The CLI on a hub id, through a cut connection, then offline from the cache: the same files
     as an export of the folder, and a manifest naming the repo and commit."""
-    from llmexport.planning.export_plan import file_sha256
+    from llmexport.planning.digests import file_sha256
 
     chunk_patch = "import huggingface_hub.constants as c; c.DOWNLOAD_CHUNK_SIZE = 1 << 16; "
     with HubServer({"org/tiny": Repo.from_folder(tiny, DECOYS)}, cut_after={"model.safetensors": 150_000}) as hub:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import hashlib
 import json
 from importlib import metadata
 from pathlib import Path
@@ -12,6 +11,7 @@ from typing import Any, Callable, Iterable
 
 from llmexport.models.base import Architecture
 from llmexport.options import ExportOptions
+from llmexport.planning.digests import FileDigests, file_sha256
 from llmexport.planning.memory_plan import memory_plan, summary_line
 from llmexport.planning.schemes import Schemes
 from llmexport.quant.budget import BudgetSummary
@@ -132,21 +132,14 @@ def _versions() -> dict[str, str]:
     return out
 
 
-def file_sha256(path: Path) -> str:
-    """The sha256 of a file, read in 1 MiB blocks (the manifest's, and what tests and benches check)."""
-    digest = hashlib.sha256()
-    with path.open("rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
-
-
-def write_manifest(out: Path, options: ExportOptions, plan: ExportPlan, adapter: LoraAdapter | None = None,
-                   source: dict[str, Any] | None = None) -> None:
+def write_manifest(out: Path, options: ExportOptions, plan: ExportPlan, digests: FileDigests | None = None,
+                   adapter: LoraAdapter | None = None, source: dict[str, Any] | None = None) -> None:
     """manifest.json: file hashes, versions, options and the detected architecture; the LoRA adapter
     merged into the weights (its settings and its files' sha256), if any; for a hub repo, ``source``:
-    its id, the revision asked for and the commit exported."""
-    files = {p.name: {"bytes": p.stat().st_size, "sha256": file_sha256(p)}
+    its id, the revision asked for and the commit exported. ``digests``: the hashes taken while the
+    files were written (llmexport/planning/digests.py); the others are read from disk."""
+    sha256 = (digests or FileDigests()).sha256
+    files = {p.name: {"bytes": p.stat().st_size, "sha256": sha256(p)}
              for p in sorted(out.iterdir()) if p.is_file() and p.name != "manifest.json"}
     manifest = {"versions": _versions(), "architecture": plan.architecture.to_json(),
                 "options": _jsonable(options.manifest_fields()),

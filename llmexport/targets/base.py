@@ -23,6 +23,7 @@ from typing import Any, Iterator
 from llmexport.errors import OutputError, ResourceError
 from llmexport.models.base import Architecture
 from llmexport.options import ExportOptions
+from llmexport.planning.digests import FileDigests
 from llmexport.planning.schemes import Schemes
 from llmexport.quant.scheme import QuantScheme
 from llmexport.results import ExportPlan
@@ -64,6 +65,8 @@ class ExportJob:
     out: Path
     prepared: Any = None  # what ``prepare`` returned
     timings: dict[str, float] = field(default_factory=dict)
+    #: the sha256 of the large files, taken while they are written (manifest.json)
+    digests: FileDigests = field(default_factory=FileDigests)
 
     def stage(self, name: str):
         return stage(self.timings, name)

@@ -11,9 +11,8 @@ from __future__ import annotations
 import functools
 import logging
 import shutil
-from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 from llmexport.calibration.activation_scaling import scale_and_fold
 from llmexport.calibration.data import read_texts
@@ -28,12 +27,12 @@ from llmexport.planning.memory_plan import mnn_export_peak_bytes
 from llmexport.planning.weight_sources import WeightSources
 from llmexport.progress import Progress
 from llmexport.quant.methods import quantizers
-from llmexport.quant.rtn import NonFiniteError
 from llmexport.quant.scheme import QuantScheme
 from llmexport.results import ExportPlan
 from llmexport.source.checkpoint import Checkpoint
 from llmexport.spec import GraphInputs, LinearSpec
 from llmexport.targets.base import TRACE_SEQ_LEN, ExportJob, OutputTarget
+from llmexport.targets.token_table_writer import TokenTableWriter, table_errors
 
 log = logging.getLogger(__name__)
 
@@ -83,8 +82,18 @@ class MnnTarget(OutputTarget):
                                        options.trust_remote_code)
         sources = WeightSources(arch, job.schemes, calibrated)
         graphs = _GraphWriter(job, work, quantize)
-        rebuilt = graphs.write("llm", graph, arch.graph_inputs(TRACE_SEQ_LEN), arch.linears(), sources.weight,
-                               job.schemes.linear, arch.linear_source, _convert_expert_templates(arch, work))
+        table = TokenTableWriter(job.schemes, out, job.digests)  # on its own thread while the graph converts
+        try:
+            llm_json = graphs.convert("llm", graph, arch.graph_inputs(TRACE_SEQ_LEN))
+            experts = _convert_expert_templates(arch, work)
+            with job.stage("embeddings"):  # waited for before the weights: the two never hold memory at once
+                table_record = table.result()
+        except BaseException:
+            table.cancel()
+            raise
+        job.timings["embeddings_background"] = table.elapsed  # the table's own time, beside the conversion
+        rebuilt = graphs.rebuild("llm", llm_json, arch.linears(), sources.weight, job.schemes.linear,
+                                 arch.linear_source, experts)
         files: dict[str, Any] = {}
         if any(op.get("type") == "LinearAttention" for op in rebuilt.graph["oplists"]):
             files[mnn_config.RECURRENT_STATE] = True  # the runners never cut such a history back
@@ -96,8 +105,7 @@ class MnnTarget(OutputTarget):
                          tower.linear_source)
             family_llm.update(tower.llm_config())
             family_runtime.update(tower.runtime_config())
-        with job.stage("embeddings"):
-            embedding_file = write_tables(arch, out, job.schemes, rebuilt.records, files)
+        embedding_file = table_config(table, table_record, rebuilt.records, files)
         with job.stage("configs"):
             if options.chat_thinking.template_context() and "jinja" not in family_llm:
                 log.warning("--chat_thinking: the checkpoint has no chat template; nothing to set")
@@ -132,21 +140,33 @@ class _GraphWriter:
 
     def write(self, stem: str, graph, inputs, linears, weight_fn, scheme_fn, source_of, experts=()):
         """``source_of`` names the checkpoint tensor behind a linear (LinearSource) in error messages."""
-        from llmexport.mnn.convert import json_to_mnn, mnn_to_json, onnx_to_mnn
-        from llmexport.mnn.external import rehome_external
-        from llmexport.mnn.rebuild import NonFiniteLinear, rebuild_graph
+        return self.rebuild(stem, self.convert(stem, graph, inputs), linears, weight_fn, scheme_fn, source_of,
+                            experts)
+
+    def convert(self, stem: str, graph, inputs) -> dict[str, Any]:
+        """Trace -> ONNX -> MNN -> its JSON (the graph with placeholder linears)."""
+        from llmexport.mnn.convert import mnn_to_json, onnx_to_mnn
         from llmexport.trace.onnx_export import export_onnx
 
-        job, work, out = self.job, self.work, self.job.out
+        job, work = self.job, self.work
         label = "" if stem == "llm" else f"{stem}_"
         with job.stage(f"{label}onnx"):
             export_onnx(graph, inputs, work / f"{stem}.onnx", for_mnn=True)
         with job.stage(f"{label}convert"):
             onnx_to_mnn(work / f"{stem}.onnx", work / f"{stem}.mnn")
-            graph_json = mnn_to_json(work / f"{stem}.mnn", work / f"{stem}.mnn.json")
+            return mnn_to_json(work / f"{stem}.mnn", work / f"{stem}.mnn.json")
+
+    def rebuild(self, stem: str, graph_json, linears, weight_fn, scheme_fn, source_of, experts=()):
+        """The converted graph with its linears streamed from the checkpoint into {stem}.mnn.weight."""
+        from llmexport.mnn.convert import json_to_mnn
+        from llmexport.mnn.external import rehome_external
+        from llmexport.mnn.rebuild import NonFiniteLinear, rebuild_graph
+
+        job, work, out = self.job, self.work, self.job.out
+        label = "" if stem == "llm" else f"{stem}_"
         linears = list(linears)
         total = sum(spec.in_features * spec.out_features for spec in linears)
-        with job.stage(f"{label}weights"), open(out / f"{stem}.mnn.weight", "wb") as weight_file, \
+        with job.stage(f"{label}weights"), job.digests.open(out / f"{stem}.mnn.weight") as weight_file, \
                 Progress(f"{stem} weights", total, job.options.quiet, unit="param") as progress:
             try:
                 rebuilt = rebuild_graph(graph_json, linears, weight_fn, scheme_fn, weight_file, self.quantizers,
@@ -179,22 +199,16 @@ def _convert_expert_templates(arch: Architecture, work: Path) -> list:
     return converted
 
 
-def write_tables(arch: Architecture, out: Path, schemes, records, files: dict[str, Any]) -> str | None:
-    """The token table (mnn/token_table.py); returns the embedding file name config.json must name."""
-    from llmexport.mnn.embeddings import write_embedding_table
-
-    tables = schemes.tables()
-    if "embedding" not in tables:  # the runtime reads the tied lm_head record
+def table_config(table: TokenTableWriter, record, records, files: dict[str, Any]) -> str | None:
+    """What config.json and llm_config.json say of the token table; returns the embedding file name
+    config.json must name (None: the runtime reads the tied lm_head record)."""
+    if record is None:
         files["tie_embeddings"] = mnn_config.TableKeys.of_record(records["lm_head"]).to_config()
         return None
-    table, choice = tables["embedding"]
-    embedding_file = mnn_config.embedding_file_name(choice.bits)
-    with open(out / embedding_file, "wb") as f, _table_errors(table, "embedding"):
-        rec = write_embedding_table(f, choice.chunks(), choice.bits, choice.block, choice.quantizer)
-    files["hidden_size"] = rec.dim  # the width the runtime reads a row at (embedding + PLE)
-    if choice.bits != 16:
-        files["tie_embeddings"] = mnn_config.TableKeys.of_table(rec).to_config()
-    return embedding_file
+    files["hidden_size"] = record.dim  # the width the runtime reads a row at (embedding + PLE)
+    if record.bits != 16:
+        files["tie_embeddings"] = mnn_config.TableKeys.of_table(record).to_config()
+    return table.file_name
 
 
 def _media_token_tail(arch: Architecture, schemes):
@@ -206,17 +220,6 @@ def _media_token_tail(arch: Architecture, schemes):
     if "embedding" not in tables or arch.ple_table() is None:
         return None
     table, choice = tables["embedding"]
-    with _table_errors(table, "embedding"):
+    with table_errors(table, "embedding"):
         row = stored_row(choice.rows, arch.media_ple_id(), choice.bits, choice.block, choice.quantizer)
     return split_rows(arch, row)[1]
-
-
-@contextmanager
-def _table_errors(table, what: str) -> Iterator[None]:
-    """A table's values or its bits/block refused by the writer, as the input errors they are."""
-    try:
-        yield
-    except NonFiniteError as exc:
-        raise InputError(f"{what} table {table.name!r}: {exc}") from None
-    except ValueError as exc:
-        raise InputError(f"--embed_bit/--quant_block: {what} table of width {table.shape[-1]}: {exc}") from None
