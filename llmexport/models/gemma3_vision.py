@@ -156,7 +156,7 @@ def siglip_constants(args: SiglipArgs) -> Shapes:
 
 
 # --- the trace-friendly graph ------------------------------------------------------------------
-class _LayerNorm(nn.Module):
+class LayerNorm(nn.Module):
     def __init__(self, lookup, weight: str, bias: str, eps: float):
         super().__init__()
         self.weight, self.bias, self.eps = const(lookup, weight), const(lookup, bias), eps
@@ -165,7 +165,7 @@ class _LayerNorm(nn.Module):
         return F.layer_norm(x, self.weight.shape, self.weight, self.bias, self.eps)
 
 
-def _linear(linear: TowerLinear) -> PlaceholderLinear:
+def placeholder(linear: TowerLinear) -> PlaceholderLinear:
     s = linear.spec
     return PlaceholderLinear(s.name, s.in_features, s.out_features, s.bias)
 
@@ -177,10 +177,10 @@ class _EncoderLayer(nn.Module):
         super().__init__()
         p = args.names.bind(layer=index)
         self.args = args
-        self.layer_norm1 = _LayerNorm(lookup, p.name("layer_norm1.weight"), p.name("layer_norm1.bias"), args.eps)
-        self.layer_norm2 = _LayerNorm(lookup, p.name("layer_norm2.weight"), p.name("layer_norm2.bias"), args.eps)
-        self.q_proj, self.k_proj, self.v_proj, self.out_proj = (_linear(linears[n]) for n in p.names(ATTENTION))
-        self.fc1, self.fc2 = (_linear(linears[n]) for n in p.names(("mlp.fc1", "mlp.fc2")))
+        self.layer_norm1 = LayerNorm(lookup, p.name("layer_norm1.weight"), p.name("layer_norm1.bias"), args.eps)
+        self.layer_norm2 = LayerNorm(lookup, p.name("layer_norm2.weight"), p.name("layer_norm2.bias"), args.eps)
+        self.q_proj, self.k_proj, self.v_proj, self.out_proj = (placeholder(linears[n]) for n in p.names(ATTENTION))
+        self.fc1, self.fc2 = (placeholder(linears[n]) for n in p.names(("mlp.fc1", "mlp.fc2")))
 
     def forward(self, x, mask):
         a = self.args
@@ -206,7 +206,7 @@ class SiglipGraph(nn.Module):
         self.patch_bias = const(lookup, names.name("patch_bias"))
         self.positions = const(lookup, names.name("position_embedding"))
         self.layers = nn.ModuleList(_EncoderLayer(args, by_name, i, lookup) for i in range(args.layers))
-        self.post_layernorm = _LayerNorm(lookup, names.name("post_layernorm.weight"),
+        self.post_layernorm = LayerNorm(lookup, names.name("post_layernorm.weight"),
                                          names.name("post_layernorm.bias"), args.eps)
         self.soft_emb_norm = const(lookup, names.name("soft_emb_norm"))
         self.projection = const(lookup, names.name("projection"))
