@@ -161,8 +161,8 @@ def parse_args(raw: dict[str, Any], config_class: Any, where: str, *, multimodal
         num_heads=heads, kv_heads=kv_heads, head_dim=head_dim,
         eps=float_value(cfg, "rms_norm_eps", label, None, high=1.0) or _missing(label, "rms_norm_eps"),
         tie_embeddings=tie, max_position_embeddings=int_value(cfg, "max_position_embeddings", label),
-        layers=_layers(cfg, n, label), rope_theta=theta, rotary_dim=rotary, mrope_section=section, delta=_delta(cfg, label),
-        moe=_moe(cfg, label, max_count) if moe else None)
+        layers=_layers(cfg, n, label), rope_theta=theta, rotary_dim=rotary, mrope_section=section,
+        delta=_delta(cfg, label), moe=_moe(cfg, label, max_count) if moe else None)
 
 
 def _missing(label: str, key: str):

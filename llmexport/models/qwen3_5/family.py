@@ -1,8 +1,8 @@
 """Qwen3.5 family: ``qwen3_5`` / ``qwen3_5_moe`` (the released multimodal checkpoints,
 Qwen3_5ForConditionalGeneration / Qwen3_5MoeForConditionalGeneration: the text side, and the
 vision tower where the checkpoint has one, as ``visual.mnn`` (qwen3_5/vision.py, towers.py), the
-text graph then taking the runtime's M-RoPE positions, qwen3_5/mrope.py) and ``qwen3_5_text`` / ``qwen3_5_moe_text`` (what AutoModelForCausalLM
-saves: Qwen3_5ForCausalLM / Qwen3_5MoeForCausalLM).
+text graph then taking the runtime's M-RoPE positions, qwen3_5/mrope.py) and ``qwen3_5_text`` /
+``qwen3_5_moe_text`` (what AutoModelForCausalLM saves: Qwen3_5ForCausalLM / Qwen3_5MoeForCausalLM).
 
 Gated DeltaNet layers run on MNN's LinearAttention op, which keeps their conv and recurrent state
 between calls as the Attention op keeps its KV cache; gated full-attention layers on the Attention
@@ -39,7 +39,6 @@ from llmexport.models.decoder.names import (
 from llmexport.models.qwen3_5.args import Qwen3_5Args, parse_args
 from llmexport.models.qwen3_5.chat_template import qwen3_5_jinja
 from llmexport.models.qwen3_5.graph import Qwen3_5Graph, routed_expert
-from llmexport.models.qwen3_5.towers import Qwen3_5VisionTower
 from llmexport.models.qwen3_5.names import (
     DELTA_CONSTANTS,
     MLX_EXPERTS,
@@ -56,6 +55,7 @@ from llmexport.models.qwen3_5.names import (
     VISION_PREFIX,
     expert_linears,
 )
+from llmexport.models.qwen3_5.towers import Qwen3_5VisionTower
 from llmexport.models.tensor_checks import Shapes, count_limit, finite_lookup
 from llmexport.models.tensor_names import LinearList, NameTable, match, prefix_rule, rename_rule, weight_name
 from llmexport.source.checkpoint import Checkpoint

@@ -13,8 +13,13 @@ from torch import nn
 from llmexport.media.image import synthetic_image
 from llmexport.media.qwen_vl import IMAGE_MEAN, IMAGE_NORM, hf_pixel_values, runtime_pixels, vision_inputs
 from llmexport.models.gemma4.towers import Gemma4Tower
-from llmexport.models.qwen3_5.vision import INPUTS, Qwen3_5VisionGraph, parse_vision_args, vision_constants, \
-    vision_linears
+from llmexport.models.qwen3_5.vision import (
+    INPUTS,
+    Qwen3_5VisionGraph,
+    parse_vision_args,
+    vision_constants,
+    vision_linears,
+)
 from llmexport.models.tensor_checks import Shapes, finite_lookup
 from llmexport.models.tower_check import FeatureCase, Measure, PromptCase, PromptLogits, TowerCheck
 from llmexport.spec import GraphInputs
