@@ -170,6 +170,26 @@ def test_text_graph_on_runtime_positions_matches_hf(tiny, prompt):
     assert ref.abs().max() > 1.0 and (ours - ref).abs().max().item() < 2e-4
 
 
+@parametrize("rewrite", "variant", ["qwen3_5-moe"], "qwen3_5_moe")
+def test_moe_text_graph_and_tower_match_hf(tiny_qwen3_5, variant):
+    """``qwen3_5_moe``: the same tower and positions over the MoE text model."""
+    from transformers import Qwen3_5MoeForConditionalGeneration
+
+    path = tiny_qwen3_5(variant)
+    arch = open_architecture(Checkpoint.open(path))
+    (tower,) = arch.towers()
+    hf = Qwen3_5MoeForConditionalGeneration.from_pretrained(path, dtype=torch.float32).eval()
+    ids, positions, hf_inputs, features = _image_prompt(tower, hf, PROMPTS["tall+wide"])
+    with torch.no_grad():
+        out = bind_weights(tower.build_graph(), tower.linear_weight)(
+            *_feeds(tower, synthetic_image(128, 64, seed=128 + 64)))[:, 0]
+    assert _rel(out, features[:8]) < 1e-5
+    graph = bind_weights(arch.build_graph(), arch.linear_weight)
+    ours, ref = _logits(arch, graph, tower, ids, positions, features), _hf_logits(hf, tower, ids, hf_inputs)
+    print(f"\n{variant} tall+wide image prompt, graph vs HF: max |dlogit| {(ours - ref).abs().max().item():.2e}")
+    assert ref.abs().max() > 1.0 and (ours - ref).abs().max().item() < 2e-4
+
+
 @pytest.mark.parametrize("alter", ["uncorrected", "one_row"])
 def test_text_parity_check_detects_wrong_positions(tiny, alter):
     """Feeding the runtime's positions uncorrected, or reading every pair from the t row (1-D
@@ -259,3 +279,32 @@ def test_tensor_problems_are_input_errors(tiny, tmp_path, edit, message):
     bad = edit_checkpoint(tiny[0], tmp_path / "bad", **edit)
     with pytest.raises(InputError, match=message):
         open_architecture(Checkpoint.open(bad))
+
+
+# --- bad images ------------------------------------------------------------------------------------
+@pytest.mark.parametrize("make, message", [
+    (lambda p: None, "no such image file"),
+    (lambda p: p.write_text("not a picture"), "not an image MNN's runtime decodes"),
+    (lambda p: p.write_bytes(_png()[:300]), "the image does not decode"),  # MNN's imread: "Can't open"
+    (lambda p: p.write_bytes(_png()), "64x64 pixels, more than the 100"),
+])
+def test_bad_images_are_one_line_usage_errors(tmp_path, monkeypatch, make, message):
+    from llmexport.errors import UsageError
+    from llmexport.mnn import export_check
+
+    monkeypatch.setattr(export_check, "MAX_IMAGE_PIXELS", 100 if "more than" in message else 64_000_000)
+    path = tmp_path / "image.png"
+    make(path)
+    export = export_check.RunnableExport(tmp_path, tmp_path / "config.json", "qwen3_5", None, 16, True, False, True)
+    with pytest.raises(UsageError, match=message) as error:
+        export_check.check_media(f"say <img><hw>64,64</hw>{path}</img>", export)
+    assert "\n" not in str(error.value) and str(path) in str(error.value)
+    export_check.check_media("text only", export)
+
+
+def _png() -> bytes:
+    import io
+
+    buffer = io.BytesIO()
+    synthetic_image(64, 64, seed=7).save(buffer, format="PNG")
+    return buffer.getvalue()

@@ -39,7 +39,7 @@ from llmexport.errors import InputError
 from llmexport.media.image import synthetic_image
 from llmexport.models.config_values import float_value, int_value, str_value
 from llmexport.models.gemma4.media import MEDIA_MARK
-from llmexport.models.gemma4.towers import Gemma4Tower, TowerLinear, const, encoder_attention, tower_linear
+from llmexport.models.gemma4.towers import TextRowTower, TowerLinear, const, encoder_attention, tower_linear
 from llmexport.models.tensor_checks import Shapes, finite_lookup
 from llmexport.models.tensor_names import NameTable
 from llmexport.models.tower_check import FeatureCase, Measure, PromptCase, PromptLogits, TowerCheck
@@ -226,7 +226,7 @@ class SiglipGraph(nn.Module):
         return torch.matmul(normed, self.projection * self.output_scale).unsqueeze(1)  # the runtime's [rows, 1, hidden]
 
 
-class Gemma3VisionTower(Gemma4Tower):
+class Gemma3VisionTower(TextRowTower):
     """The SigLIP tower and projector of a multimodal ``gemma3`` checkpoint (Gemma4Tower holds the
     linears' bookkeeping both families share)."""
 
@@ -243,14 +243,6 @@ class Gemma3VisionTower(Gemma4Tower):
             return parse_siglip_args(config, text_hidden, where, tokens, VISION.bind(prefix=prefix), max_layers)
 
         super().__init__(arch, vision_config, parse, siglip_linears, VISION_TOKENS, "a vision")
-
-    @property
-    def token_width(self) -> int:
-        return self.arch.args.hidden_size
-
-    @property
-    def feature_columns(self) -> int | None:
-        return None
 
     @property
     def output_scale(self) -> float:

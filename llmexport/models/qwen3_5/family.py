@@ -24,7 +24,6 @@ from torch import nn
 
 from llmexport.errors import InputError
 from llmexport.mnn.config import Precision
-from llmexport.models.base import Tower
 from llmexport.models.decoder.family import DecoderFamily, expert_template
 from llmexport.models.decoder.names import (
     EXPERT_MLP,
@@ -128,14 +127,6 @@ class Qwen3_5(DecoderFamily):
                              "but no 'vision_config' object")
         return [Qwen3_5VisionTower(self, vision)]
 
-    def towers(self) -> list[Tower]:
-        return [tower for tower in self._towers]
-
-    def expected_tensors(self) -> Shapes:
-        expected = super().expected_tensors()
-        for tower in self._towers:
-            expected.update(tower.expected_tensors())
-        return expected
 
     def ignored_tensor(self, name: str) -> bool:
         return name.startswith(_NOT_READ) or super().ignored_tensor(name)

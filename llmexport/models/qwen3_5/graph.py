@@ -142,6 +142,8 @@ class Qwen3_5Graph(DecoderStack):
     ``mrope``: ``position_ids`` are the runtime's [3, seq] M-RoPE rows (an export with the vision
     tower, qwen3_5/mrope.py), else [1, seq]."""
 
+    pair_rows: torch.Tensor
+
     def __init__(self, args: Qwen3_5Args, names: NameTable, lookup: TensorLookup, stacked: bool = False,
                  mrope: bool = False):
         layers = [_layer(args, names, layer, lookup, stacked) for layer in args.layers]

@@ -12,7 +12,7 @@ from torch import nn
 
 from llmexport.media.image import synthetic_image
 from llmexport.media.qwen_vl import IMAGE_MEAN, IMAGE_NORM, hf_pixel_values, runtime_pixels, vision_inputs
-from llmexport.models.gemma4.towers import Gemma4Tower
+from llmexport.models.gemma4.towers import TextRowTower
 from llmexport.models.qwen3_5.vision import (
     INPUTS,
     Qwen3_5VisionGraph,
@@ -40,7 +40,7 @@ PROMPT_TAIL = "Describe this picture in a few words.<|im_end|>\n<|im_start|>assi
 TRACE_SIZE = (64, 96)
 
 
-class Qwen3_5VisionTower(Gemma4Tower):
+class Qwen3_5VisionTower(TextRowTower):
     """The vision tower of a multimodal ``qwen3_5`` / ``qwen3_5_moe`` checkpoint (Gemma4Tower holds
     the linears' bookkeeping the towers share)."""
 
@@ -48,14 +48,6 @@ class Qwen3_5VisionTower(Gemma4Tower):
 
     def __init__(self, arch, vision_config: dict[str, Any]):
         super().__init__(arch, vision_config, parse_vision_args, vision_linears, VISION_TOKENS, "a vision")
-
-    @property
-    def token_width(self) -> int:
-        return self.arch.args.hidden_size
-
-    @property
-    def feature_columns(self) -> int | None:
-        return None
 
     def expected_tensors(self) -> Shapes:
         return {**vision_constants(self.args), **self.linear_tensors(False)}
