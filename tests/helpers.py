@@ -133,3 +133,33 @@ def assert_config_edit_is_typed(src: Path, work: Path, edit: Callable[[dict], No
         open_architecture(Checkpoint.open(path)).build_graph()
     except LlmExportError as exc:
         assert str(exc) and "\n" not in str(exc).strip()
+
+
+def tower_report(path: Path, out: Path, alter=None, media: bool = True):
+    """The one tower of the checkpoint at ``path``, exported to ``out``, verified in MNN against HF
+    carrying the stored weights (``alter``: a change to its ``TowerCheck``; ``media``: the image
+    prompts too)."""
+    from llmexport.source.checkpoint import Checkpoint
+    from llmexport.source.loading import open_architecture
+    from llmexport.verification.towers import verify_tower
+    from llmexport.verification.verify import reference_pair, stored_tensors
+
+    arch = open_architecture(Checkpoint.open(path))
+    (tower,) = arch.towers()
+    check = tower.check() if alter is None else alter(tower.check())
+    return verify_tower(tower, out, *reference_pair(arch, stored_tensors(out, arch)), check, media=media)
+
+
+def cli_verified_visual(checkpoint: Path, dst: Path, *flags: str) -> dict:
+    """``llmexport --verify`` on the command line (``flags`` added), required to pass with the
+    visual tower ok: the report's ``visual`` section."""
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-c", "from llmexport.cli import main; main()", "--path",
+                           str(checkpoint), "--dst_path", str(dst), *flags, "--verify"], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "verify: PASS" in proc.stdout and "visual ok" in proc.stdout
+    report = json.loads((dst / "verify.json").read_text())
+    assert report["passed"] and report["towers"]["visual"]["passed"]
+    return report["towers"]["visual"]

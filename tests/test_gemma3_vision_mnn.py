@@ -7,20 +7,15 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import subprocess
-import sys
 
 import pytest
 
 from llmexport import ExportOptions, export
 from llmexport.quant.scheme import QuantScheme
-from llmexport.source.checkpoint import Checkpoint
-from llmexport.source.loading import open_architecture
 from llmexport.tiny.gemma3 import build_tiny_gemma3
-from llmexport.verification.towers import verify_tower
-from llmexport.verification.verify import reference_pair, stored_tensors
 
 from families import parametrize
+from helpers import cli_verified_visual, tower_report
 
 BITS = (16, 8, 4)
 
@@ -44,17 +39,10 @@ def exported(checkpoint, tmp_path_factory):
     return get
 
 
-def _report(path, out, alter=None):
-    arch = open_architecture(Checkpoint.open(path))
-    (tower,) = arch.towers()
-    check = tower.check() if alter is None else alter(tower.check())
-    return verify_tower(tower, out, *reference_pair(arch, stored_tensors(out, arch)), check)
-
-
 @pytest.mark.slow
 @parametrize("mnn", "bits", BITS, "gemma3")
 def test_visual_mnn_matches_stored_weights_hf(checkpoint, exported, bits):
-    report = _report(checkpoint, exported(bits))
+    report = tower_report(checkpoint, exported(bits))
     assert report.passed, report.failures
     for case in report.cases:
         print(f"\ngemma3 visual q{bits} image {case['seed']}: rel err {case['rel_err']:.2e} vs stored weights, "
@@ -69,21 +57,14 @@ def test_visual_mnn_matches_stored_weights_hf(checkpoint, exported, bits):
 
 @pytest.mark.slow
 def test_a_wrong_output_scale_fails(checkpoint, exported):
-    report = _report(checkpoint, exported(16), lambda c: dataclasses.replace(c, output_scale=c.output_scale * 1.01))
+    report = tower_report(checkpoint, exported(16),
+                          lambda c: dataclasses.replace(c, output_scale=c.output_scale * 1.01))
     assert not report.passed and "relative error" in report.failures[0]
 
 
 @pytest.mark.slow
 def test_cli_verify_on_gemma3_multimodal(checkpoint, tmp_path):
-    dst = tmp_path / "out"
-    proc = subprocess.run([sys.executable, "-c", "from llmexport.cli import main; main()", "--path",
-                           str(checkpoint), "--dst_path", str(dst), "--quant_bit", "8", "--verify"],
-                          capture_output=True, text=True)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    assert "verify: PASS" in proc.stdout and "visual ok" in proc.stdout
-    report = json.loads((dst / "verify.json").read_text())
-    visual = report["towers"]["visual"]
-    assert report["passed"] and visual["passed"]
+    visual = cli_verified_visual(checkpoint, tmp_path / "out", "--quant_bit", "8")
     (prompt,) = visual["prompts"]  # the image prompt through the runtime's <img> tag vs HF's full model
     print(f"\ngemma3 q8 image prompt: ids match {prompt['ids_match']}, greedy mnn {prompt['greedy_mnn']} vs hf "
           f"{prompt['greedy_ref']}, forced {prompt['forced']['top1_agreement']:.0%} top-1, max |dlogit| "

@@ -1,27 +1,22 @@
-"""Qwen3.5 multimodal exports in MNN: ``visual.mnn`` (16/8/4-bit tower linears) alone against HF's
-``get_image_features`` carrying the stored weights, image prompts through the runtime's ``<img>``
-path (a square and a taller than wide image, 16 greedy steps) against HF's full model, a wrong
-output scale caught, and ``--verify`` on the command line."""
+"""Qwen3.5 multimodal exports in MNN: ``visual.mnn`` (16/8/4-bit tower linears, 8 through the
+command line) alone against HF's ``get_image_features`` carrying the stored weights, image prompts
+through the runtime's ``<img>`` path (a square and a taller than wide image, 16 greedy steps)
+against HF's full model, a wrong output scale caught, and ``--verify`` on the command line."""
 
 from __future__ import annotations
 
 import dataclasses
 import json
-import subprocess
-import sys
 
 import pytest
 
 from llmexport import ExportOptions, export
 from llmexport.quant.scheme import QuantScheme
-from llmexport.source.checkpoint import Checkpoint
-from llmexport.source.loading import open_architecture
-from llmexport.verification.towers import verify_tower
-from llmexport.verification.verify import reference_pair, stored_tensors
 
 from families import parametrize
+from helpers import cli_verified_visual, tower_report
 
-BITS = (16, 8, 4)
+BITS = (16, 4)  # 8 bits: the command line export below
 
 
 @pytest.fixture(scope="module")
@@ -43,17 +38,10 @@ def exported(checkpoint, tmp_path_factory):
     return get
 
 
-def _report(path, out, alter=None, media=True):
-    arch = open_architecture(Checkpoint.open(path))
-    (tower,) = arch.towers()
-    check = tower.check() if alter is None else alter(tower.check())
-    return verify_tower(tower, out, *reference_pair(arch, stored_tensors(out, arch)), check, media=media)
-
-
 @pytest.mark.slow
 @parametrize("mnn", "bits", BITS, "qwen3_5")
 def test_visual_mnn_and_image_prompts_match_stored_weights_hf(checkpoint, exported, bits):
-    report = _report(checkpoint, exported(bits))
+    report = tower_report(checkpoint, exported(bits))
     assert report.passed, report.failures
     for case in report.cases:
         print(f"\nqwen3_5 visual q{bits} image {case['size']}: rel err {case['rel_err']:.2e} vs stored weights, "
@@ -74,21 +62,14 @@ def test_visual_mnn_and_image_prompts_match_stored_weights_hf(checkpoint, export
 
 @pytest.mark.slow
 def test_a_wrong_output_scale_fails(checkpoint, exported):
-    report = _report(checkpoint, exported(16), lambda c: dataclasses.replace(c, output_scale=1.01), media=False)
+    report = tower_report(checkpoint, exported(16), lambda c: dataclasses.replace(c, output_scale=1.01), media=False)
     assert not report.passed and "relative error" in report.failures[0]
 
 
 @pytest.mark.slow
 def test_cli_verify_on_qwen3_5_multimodal(checkpoint, tmp_path):
-    dst = tmp_path / "out"
-    proc = subprocess.run([sys.executable, "-c", "from llmexport.cli import main; main()", "--path",
-                           str(checkpoint), "--dst_path", str(dst), "--quant_bit", "8", "--verify"],
-                          capture_output=True, text=True)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    assert "verify: PASS" in proc.stdout and "visual ok" in proc.stdout
-    report = json.loads((dst / "verify.json").read_text())
-    visual = report["towers"]["visual"]
-    assert report["passed"] and visual["passed"] and len(visual["prompts"]) == 2
+    visual = cli_verified_visual(checkpoint, tmp_path / "out", "--quant_bit", "8")
+    assert len(visual["prompts"]) == 2 and all(case["rel_err"] < 1e-5 for case in visual["images"])
     for prompt in visual["prompts"]:
         print(f"\nqwen3_5 q8 image prompt {prompt['label']}: greedy mnn {prompt['greedy_mnn']} vs hf "
               f"{prompt['greedy_ref']}, forced {prompt['forced']['top1_agreement']:.0%} top-1, max |dlogit| "
