@@ -163,3 +163,21 @@ def cli_verified_visual(checkpoint: Path, dst: Path, *flags: str) -> dict:
     report = json.loads((dst / "verify.json").read_text())
     assert report["passed"] and report["towers"]["visual"]["passed"]
     return report["towers"]["visual"]
+
+
+def tower_exports(checkpoint: Path, folder: Callable[[str], Path]) -> Callable[[int], Path]:
+    """``get(bits)`` -> the checkpoint exported once per tower bit width (16-bit text), into
+    ``folder(name)`` (a test's ``tmp_path_factory.mktemp``)."""
+    from llmexport import ExportOptions, export
+    from llmexport.quant.scheme import QuantScheme
+
+    cache: dict[int, Path] = {}
+
+    def get(bits: int) -> Path:
+        if bits not in cache:
+            out = folder(f"{checkpoint.name}-visual-q{bits}") / "out"
+            export(checkpoint, out, ExportOptions(quant=QuantScheme(16, 64), visual_quant_bit=bits))
+            cache[bits] = out
+        return cache[bits]
+
+    return get

@@ -10,12 +10,10 @@ import json
 
 import pytest
 
-from llmexport import ExportOptions, export
-from llmexport.quant.scheme import QuantScheme
 from llmexport.tiny.gemma3 import build_tiny_gemma3
 
 from families import parametrize
-from helpers import cli_verified_visual, tower_report
+from helpers import cli_verified_visual, tower_exports, tower_report
 
 BITS = (16, 8, 4)
 
@@ -27,16 +25,7 @@ def checkpoint(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def exported(checkpoint, tmp_path_factory):
-    cache = {}
-
-    def get(bits):
-        if bits not in cache:
-            out = tmp_path_factory.mktemp(f"gemma3-vision-q{bits}") / "out"
-            export(checkpoint, out, ExportOptions(quant=QuantScheme(16, 64), visual_quant_bit=bits))
-            cache[bits] = out
-        return cache[bits]
-
-    return get
+    return tower_exports(checkpoint, tmp_path_factory.mktemp)
 
 
 @pytest.mark.slow

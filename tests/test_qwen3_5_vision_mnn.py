@@ -10,11 +10,8 @@ import json
 
 import pytest
 
-from llmexport import ExportOptions, export
-from llmexport.quant.scheme import QuantScheme
-
 from families import parametrize
-from helpers import cli_verified_visual, tower_report
+from helpers import cli_verified_visual, tower_exports, tower_report
 
 BITS = (16, 4)  # 8 bits: the command line export below
 
@@ -26,16 +23,7 @@ def checkpoint(tiny_qwen3_5):
 
 @pytest.fixture(scope="module")
 def exported(checkpoint, tmp_path_factory):
-    cache = {}
-
-    def get(bits):
-        if bits not in cache:
-            out = tmp_path_factory.mktemp(f"qwen3_5-vision-q{bits}") / "out"
-            export(checkpoint, out, ExportOptions(quant=QuantScheme(16, 64), visual_quant_bit=bits))
-            cache[bits] = out
-        return cache[bits]
-
-    return get
+    return tower_exports(checkpoint, tmp_path_factory.mktemp)
 
 
 @pytest.mark.slow
