@@ -181,3 +181,29 @@ def tower_exports(checkpoint: Path, folder: Callable[[str], Path]) -> Callable[[
         return cache[bits]
 
     return get
+
+
+def image_conversation(checkpoint: Path, out: Path):
+    """The tower's last image prompt's image as the first user turn of a chat, then two text turns,
+    through the runtime's chat path (``run_chat``, MNN's exact kernels, 8 greedy steps per turn)
+    on the export at ``out``: (tower, prompt, run, HF carrying the stored weights)."""
+    import re
+    import tempfile
+
+    from llmexport.mnn.config import EXACT_KERNELS
+    from llmexport.mnn.runtime import run_chat
+    from llmexport.source.checkpoint import Checkpoint
+    from llmexport.source.loading import open_architecture
+    from llmexport.verification.verify import reference_pair, stored_tensors
+
+    arch = open_architecture(Checkpoint.open(checkpoint))
+    (tower,) = arch.towers()
+    prompt = tower.check().prompts[-1]
+    with tempfile.TemporaryDirectory() as tmp:
+        image = re.search(r"<img>.*</img>", prompt.runtime_text(Path(tmp)))
+        assert image is not None
+        first = f"{image.group(0)}Describe this picture in a few words."
+        run = run_chat(out, [[first, "Tell me about the sea, briefly.", "Und jetzt auf Deutsch, bitte."]], 8,
+                       config=EXACT_KERNELS)
+    assert run.error is None and len(run.turns) == 3, run.error
+    return tower, prompt, run, reference_pair(arch, stored_tensors(out, arch))[0]
