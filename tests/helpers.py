@@ -133,3 +133,77 @@ def assert_config_edit_is_typed(src: Path, work: Path, edit: Callable[[dict], No
         open_architecture(Checkpoint.open(path)).build_graph()
     except LlmExportError as exc:
         assert str(exc) and "\n" not in str(exc).strip()
+
+
+def tower_report(path: Path, out: Path, alter=None, media: bool = True):
+    """The one tower of the checkpoint at ``path``, exported to ``out``, verified in MNN against HF
+    carrying the stored weights (``alter``: a change to its ``TowerCheck``; ``media``: the image
+    prompts too)."""
+    from llmexport.source.checkpoint import Checkpoint
+    from llmexport.source.loading import open_architecture
+    from llmexport.verification.towers import verify_tower
+    from llmexport.verification.verify import reference_pair, stored_tensors
+
+    arch = open_architecture(Checkpoint.open(path))
+    (tower,) = arch.towers()
+    check = tower.check() if alter is None else alter(tower.check())
+    return verify_tower(tower, out, *reference_pair(arch, stored_tensors(out, arch)), check, media=media)
+
+
+def cli_verified_visual(checkpoint: Path, dst: Path, *flags: str) -> dict:
+    """``llmexport --verify`` on the command line (``flags`` added), required to pass with the
+    visual tower ok: the report's ``visual`` section."""
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-c", "from llmexport.cli import main; main()", "--path",
+                           str(checkpoint), "--dst_path", str(dst), *flags, "--verify"], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "verify: PASS" in proc.stdout and "visual ok" in proc.stdout
+    report = json.loads((dst / "verify.json").read_text())
+    assert report["passed"] and report["towers"]["visual"]["passed"]
+    return report["towers"]["visual"]
+
+
+def tower_exports(checkpoint: Path, folder: Callable[[str], Path]) -> Callable[[int], Path]:
+    """``get(bits)`` -> the checkpoint exported once per tower bit width (16-bit text), into
+    ``folder(name)`` (a test's ``tmp_path_factory.mktemp``)."""
+    from llmexport import ExportOptions, export
+    from llmexport.quant.scheme import QuantScheme
+
+    cache: dict[int, Path] = {}
+
+    def get(bits: int) -> Path:
+        if bits not in cache:
+            out = folder(f"{checkpoint.name}-visual-q{bits}") / "out"
+            export(checkpoint, out, ExportOptions(quant=QuantScheme(16, 64), visual_quant_bit=bits))
+            cache[bits] = out
+        return cache[bits]
+
+    return get
+
+
+def image_conversation(checkpoint: Path, out: Path):
+    """The tower's last image prompt's image as the first user turn of a chat, then two text turns,
+    through the runtime's chat path (``run_chat``, MNN's exact kernels, 8 greedy steps per turn)
+    on the export at ``out``: (tower, prompt, run, HF carrying the stored weights)."""
+    import re
+    import tempfile
+
+    from llmexport.mnn.config import EXACT_KERNELS
+    from llmexport.mnn.runtime import run_chat
+    from llmexport.source.checkpoint import Checkpoint
+    from llmexport.source.loading import open_architecture
+    from llmexport.verification.verify import reference_pair, stored_tensors
+
+    arch = open_architecture(Checkpoint.open(checkpoint))
+    (tower,) = arch.towers()
+    prompt = tower.check().prompts[-1]
+    with tempfile.TemporaryDirectory() as tmp:
+        image = re.search(r"<img>.*</img>", prompt.runtime_text(Path(tmp)))
+        assert image is not None
+        first = f"{image.group(0)}Describe this picture in a few words."
+        run = run_chat(out, [[first, "Tell me about the sea, briefly.", "Und jetzt auf Deutsch, bitte."]], 8,
+                       config=EXACT_KERNELS)
+    assert run.error is None and len(run.turns) == 3, run.error
+    return tower, prompt, run, reference_pair(arch, stored_tensors(out, arch))[0]

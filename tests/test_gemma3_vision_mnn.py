@@ -7,20 +7,13 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import subprocess
-import sys
 
 import pytest
 
-from llmexport import ExportOptions, export
-from llmexport.quant.scheme import QuantScheme
-from llmexport.source.checkpoint import Checkpoint
-from llmexport.source.loading import open_architecture
 from llmexport.tiny.gemma3 import build_tiny_gemma3
-from llmexport.verification.towers import verify_tower
-from llmexport.verification.verify import reference_pair, stored_tensors
 
 from families import parametrize
+from helpers import cli_verified_visual, image_conversation, tower_exports, tower_report
 
 BITS = (16, 8, 4)
 
@@ -32,29 +25,13 @@ def checkpoint(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def exported(checkpoint, tmp_path_factory):
-    cache = {}
-
-    def get(bits):
-        if bits not in cache:
-            out = tmp_path_factory.mktemp(f"gemma3-vision-q{bits}") / "out"
-            export(checkpoint, out, ExportOptions(quant=QuantScheme(16, 64), visual_quant_bit=bits))
-            cache[bits] = out
-        return cache[bits]
-
-    return get
-
-
-def _report(path, out, alter=None):
-    arch = open_architecture(Checkpoint.open(path))
-    (tower,) = arch.towers()
-    check = tower.check() if alter is None else alter(tower.check())
-    return verify_tower(tower, out, *reference_pair(arch, stored_tensors(out, arch)), check)
+    return tower_exports(checkpoint, tmp_path_factory.mktemp)
 
 
 @pytest.mark.slow
 @parametrize("mnn", "bits", BITS, "gemma3")
 def test_visual_mnn_matches_stored_weights_hf(checkpoint, exported, bits):
-    report = _report(checkpoint, exported(bits))
+    report = tower_report(checkpoint, exported(bits))
     assert report.passed, report.failures
     for case in report.cases:
         print(f"\ngemma3 visual q{bits} image {case['seed']}: rel err {case['rel_err']:.2e} vs stored weights, "
@@ -69,24 +46,36 @@ def test_visual_mnn_matches_stored_weights_hf(checkpoint, exported, bits):
 
 @pytest.mark.slow
 def test_a_wrong_output_scale_fails(checkpoint, exported):
-    report = _report(checkpoint, exported(16), lambda c: dataclasses.replace(c, output_scale=c.output_scale * 1.01))
+    report = tower_report(checkpoint, exported(16),
+                          lambda c: dataclasses.replace(c, output_scale=c.output_scale * 1.01))
     assert not report.passed and "relative error" in report.failures[0]
 
 
 @pytest.mark.slow
 def test_cli_verify_on_gemma3_multimodal(checkpoint, tmp_path):
-    dst = tmp_path / "out"
-    proc = subprocess.run([sys.executable, "-c", "from llmexport.cli import main; main()", "--path",
-                           str(checkpoint), "--dst_path", str(dst), "--quant_bit", "8", "--verify"],
-                          capture_output=True, text=True)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    assert "verify: PASS" in proc.stdout and "visual ok" in proc.stdout
-    report = json.loads((dst / "verify.json").read_text())
-    visual = report["towers"]["visual"]
-    assert report["passed"] and visual["passed"]
+    visual = cli_verified_visual(checkpoint, tmp_path / "out", "--quant_bit", "8")
     (prompt,) = visual["prompts"]  # the image prompt through the runtime's <img> tag vs HF's full model
     print(f"\ngemma3 q8 image prompt: ids match {prompt['ids_match']}, greedy mnn {prompt['greedy_mnn']} vs hf "
           f"{prompt['greedy_ref']}, forced {prompt['forced']['top1_agreement']:.0%} top-1, max |dlogit| "
           f"{prompt['forced']['max_abs_err']:.2e}; vs fp32 HF {prompt['fp32']['max_abs_err']:.2e}")
     assert prompt["ids_match"] and prompt["greedy_mnn"] == prompt["greedy_ref"] and len(prompt["greedy_ref"]) == 16
     assert prompt["forced"]["top1_agreement"] == 1.0 and prompt["forced"]["max_abs_err"] < 1e-3
+
+
+@pytest.mark.slow
+def test_an_image_conversation_matches_stored_weights_hf(checkpoint, exported):
+    """The runtime's chat path on an image turn and two text turns (each later turn prefills only
+    what its KV cache lacks; 1-D positions) against HF's full model with the image on the same
+    ids; the image still moves the last turn's logits (the comparison is not vacuous)."""
+    tower, prompt, run, oracle = image_conversation(checkpoint, exported(16))
+    flipped = prompt.inputs["pixel_values"].flip(-1)
+    other = dataclasses.replace(prompt, inputs={**prompt.inputs, "pixel_values": flipped})
+    errors, moved = [], 0.0
+    for turn in run.turns:
+        context = turn.ids + turn.answer[:-1]
+        hf = tower.check().prompt_logits(oracle, prompt)(context, len(turn.ids) - 1).numpy()
+        errors.append(float(abs(turn.logits - hf).max()))
+        moved = float(abs(tower.check().prompt_logits(oracle, other)(context, len(turn.ids) - 1).numpy() - hf).max())
+        assert (turn.logits.argmax(-1) == hf.argmax(-1)).all()
+    print(f"\ngemma3 image conversation: max |dlogit| per turn {errors}; another image moves the last turn {moved:.2e}")
+    assert max(errors) < 1e-3 and moved > 1e-2

@@ -5,7 +5,6 @@ files and config/checkpoint problems as input errors."""
 from __future__ import annotations
 
 import json
-import logging
 import os
 import shutil
 
@@ -231,24 +230,24 @@ def test_runtime_files_describe_the_family(tiny_qwen3_5, variant):
     config = arch.llm_config()
     assert config["model_type"] == MODEL_TYPE[variant]
     assert config["layer_nums"] == 4 and config["attention_type"] == "full"
-    assert "is_mrope" not in config and "attn_scale" not in config and "sliding_window" not in config
+    assert config.get("is_mrope", False) == (MODEL_TYPE[variant] in ("qwen3_5", "qwen3_5_moe"))  # their tower
+    assert "attn_scale" not in config and "sliding_window" not in config
     assert config["jinja"]["chat_template"] == CHATML_TEMPLATE
     assert arch.runtime_config() == {"precision": arch.precision.value}  # test_runtime_profile: which
     assert arch.end_of_turn_tokens() == ("<|im_end|>",)
     assert arch.tied_embedding == (variant in ("qwen3_5-tied", "qwen3_5-moe-text"))
 
 
-def test_vision_tower_is_left_out_with_one_info_line(tiny_qwen3_5, caplog):
+def test_vision_tower_is_exported_where_the_checkpoint_has_one(tiny_qwen3_5, tmp_path):
+    """The multimodal layout's tower becomes ``visual.mnn`` (tests/test_qwen3_5_vision*.py); without
+    its tensors (mlx-lm's port drops them) the text model is exported alone, as the text types are."""
     path = tiny_qwen3_5("qwen3_5")
-    assert any(n.startswith("model.visual.") for n in Checkpoint.open(path).weights.names())
-    with caplog.at_level(logging.INFO, logger="llmexport.models.qwen3_5.family"):
-        open_architecture(Checkpoint.open(path))
-    lines = [r for r in caplog.records if r.name == "llmexport.models.qwen3_5.family"]
-    assert len(lines) == 1 and lines[0].levelno == logging.INFO and "vision tower" in lines[0].getMessage()
-    caplog.clear()
-    with caplog.at_level(logging.INFO, logger="llmexport.models.qwen3_5.family"):
-        open_architecture(Checkpoint.open(tiny_qwen3_5("qwen3_5-text")))
-    assert not [r for r in caplog.records if r.name == "llmexport.models.qwen3_5.family"]
+    assert [tower.name for tower in open_architecture(Checkpoint.open(path)).towers()] == ["visual"]
+    names = Checkpoint.open(path).weights.names()
+    bare = edit_checkpoint(path, tmp_path / "bare", drop=[n for n in names if n.startswith("model.visual.")])
+    arch = open_architecture(Checkpoint.open(bare))
+    assert arch.towers() == [] and "is_mrope" not in arch.llm_config()
+    assert open_architecture(Checkpoint.open(tiny_qwen3_5("qwen3_5-text"))).towers() == []
 
 
 def test_released_config_keys_read_the_same(tiny_qwen3_5, tmp_path):

@@ -35,6 +35,8 @@ DEFAULT_MAX_NEW_TOKENS = 512  # LlmConfig::max_new_tokens
 
 # What MNN 3.6.1 decodes: images through stb_image built with JPEG, PNG and BMP only
 # (tools/cv/source/imgcodecs/imgcodecs.cpp), audio through a RIFF/WAVE reader (tools/audio/source/audio.cpp).
+#: the largest image (pixels) the runtime is given: it decodes the whole file before resizing
+MAX_IMAGE_PIXELS = 64_000_000
 _IMAGE_MAGIC = {b"\xff\xd8\xff": "JPEG", b"\x89PNG\r\n\x1a\n": "PNG", b"BM": "BMP"}
 #: media tags as the runtime finds them in a prompt (Omni::tokenizer_encode)
 MEDIA_TAG = re.compile(r"<(img|audio)>(.*?)</\1>")
@@ -257,8 +259,28 @@ def check_media(text: str, export: RunnableExport) -> None:
             head = f.read(12)
         if kind == "img" and not any(head.startswith(magic) for magic in _IMAGE_MAGIC):
             raise UsageError(f"{path}: not an image MNN's runtime decodes ({', '.join(_IMAGE_MAGIC.values())})")
+        if kind == "img":
+            _check_image_decodes(path)
         if kind == "audio" and not (head[:4] == b"RIFF" and head[8:12] == b"WAVE"):
             raise UsageError(f"{path}: not a WAV file (MNN's runtime reads RIFF/WAVE audio only)")
+
+
+def _check_image_decodes(path: Path) -> None:
+    """UsageError unless the whole image decodes and holds at most ``MAX_IMAGE_PIXELS``: MNN's
+    ``CV::imread`` prints "Can't open" for a truncated file and the prompt goes on without the image
+    (measured with 3.6.1), and it decodes the full image before any resize."""
+    from PIL import Image
+
+    try:
+        with Image.open(path) as image:
+            width, height = image.size
+            if width * height > MAX_IMAGE_PIXELS:
+                raise UsageError(f"{path}: {width}x{height} pixels, more than the {MAX_IMAGE_PIXELS:,} an image may "
+                                 "have here (resize it first)")
+            image.load()
+    except (OSError, SyntaxError, ValueError, Image.DecompressionBombError) as exc:
+        raise UsageError(f"{path}: the image does not decode ({str(exc).splitlines()[0] if str(exc) else 'corrupt'})"
+                         ) from None
 
 
 def media_tag(kind: str, path: str) -> str:

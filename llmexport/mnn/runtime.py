@@ -352,20 +352,22 @@ def common_prefix_length(a: Sequence[Any], b: Sequence[Any]) -> int:
     return n
 
 
-def _rewind(model, cached: int, keep: int, cut: bool, ids: Sequence[int]) -> int:
+def _rewind(model, cached: int, keep: int, cut: bool, ids: Sequence[int],
+            ready: Callable[[Sequence[int]], Sequence[int]] = list) -> int:
     """Drop the KV cache after its first ``keep`` tokens (``Llm::eraseHistory``), and make the
     instance ready for the next call (``generate_init`` keeps the cache under ``reuse_kv``).
     Without ``cut`` (an export with recurrent state, mnn/config.py ``cache_can_be_cut``) a shorter
     history is never erased to: the instance is reset and the kept prefix ``ids[:keep]`` prefilled
     again, so that the turn's own prefill still continues a carried state across calls (a prefix
-    of one id is not replayed: the whole history is then prefilled). Returns the tokens kept."""
+    of one id is not replayed: the whole history is then prefilled; ``ready``: what the replay feeds,
+    see ``_chat_child``). Returns the tokens kept."""
     if keep < cached:
         if cut:
             model._c_obj.erase_history(keep, 0)
         else:
             model.reset()
             if keep >= 2:
-                model.forward(list(ids[:keep]))
+                model.forward(list(ready(ids[:keep])))
             else:
                 keep = 0
     model._c_obj.generate_init()
@@ -398,16 +400,27 @@ def _chat_child(request: dict[str, Any]) -> None:
         messages: list[dict[str, str]] = []
         for user in users:
             messages = messages + [{"role": "user", "content": user}]
-            ids = [int(i) for i in model.tokenizer_encode(model.apply_chat_template(messages))]
-            kept = _rewind(model, len(cache), min(common_prefix_length(cache, ids), len(ids) - 1), cut, ids)
-            answer = [int(t) for t in model._c_obj.generate(_prefill_ids(ids, kept, cut), int(request["steps"]))]
+            rendered = model.apply_chat_template(messages)
+            ids = [int(i) for i in model.tokenizer_encode(rendered)]
+
+            def ready(part: Sequence[int], rendered: str = rendered) -> list[int]:
+                # Omni keeps the last encode's media embeddings (a prefill consumes them) and M-RoPE
+                # table (a prefill reads it from its head, moved on by all_seq_len): a part with media
+                # ids (the history's start) needs the history encoded again; a text part gets a text
+                # table, as a chat app encoding only the new text has (Llm::response's prompt cache)
+                if media:
+                    model.tokenizer_encode(rendered if media.intersection(part) else "")
+                return list(part)
+
+            kept = _rewind(model, len(cache), min(common_prefix_length(cache, ids), len(ids) - 1), cut, ids, ready)
+            answer = [int(t) for t in model._c_obj.generate(ready(_prefill_ids(ids, kept, cut)), int(request["steps"]))]
             if not answer:
                 raise RuntimeError(f"generate() returned no token after {len(ids) - kept} prefilled ones")
             stopped = bool(model.stoped())
             fed = answer[:-1] if stopped else answer  # a stop token is sampled, never fed back
             pieces = [_decoded(model, t) for t in fed]
-            again = _rewind(model, len(ids) + len(fed), kept, cut, ids)
-            logits = [_logits(model.forward(_prefill_ids(ids, again, cut)))] + \
+            again = _rewind(model, len(ids) + len(fed), kept, cut, ids, ready)
+            logits = [_logits(model.forward(ready(_prefill_ids(ids, again, cut))))] + \
                 [_logits(model.forward([t])) for t in answer[:-1]]
             cache = ids + answer[:-1]
             np.save(out / f"turn{index}.npy", np.stack(logits))

@@ -18,7 +18,6 @@ from torch import nn
 
 from llmexport.errors import InputError
 from llmexport.mnn.config import Precision
-from llmexport.models.base import Tower
 from llmexport.models.decoder.family import DecoderFamily
 from llmexport.models.decoder.names import (
     LLAMA_LAYOUT,
@@ -93,14 +92,6 @@ class Gemma3(DecoderFamily):
                              "object")
         return [Gemma3VisionTower(self, vision)]
 
-    def towers(self) -> list[Tower]:
-        return [tower for tower in self._towers]
-
-    def expected_tensors(self) -> Shapes:
-        expected = super().expected_tensors()
-        for tower in self._towers:
-            expected.update(tower.expected_tensors())
-        return expected
 
     def reference_slot(self, tensor: str) -> tuple[str, tuple[Any, ...]]:
         if self.multimodal:

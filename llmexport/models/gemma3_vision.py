@@ -39,7 +39,7 @@ from llmexport.errors import InputError
 from llmexport.media.image import synthetic_image
 from llmexport.models.config_values import float_value, int_value, str_value
 from llmexport.models.gemma4.media import MEDIA_MARK
-from llmexport.models.gemma4.towers import Gemma4Tower, TowerLinear, const, encoder_attention, tower_linear
+from llmexport.models.gemma4.towers import TextRowTower, TowerLinear, const, encoder_attention, tower_linear
 from llmexport.models.tensor_checks import Shapes, finite_lookup
 from llmexport.models.tensor_names import NameTable
 from llmexport.models.tower_check import FeatureCase, Measure, PromptCase, PromptLogits, TowerCheck
@@ -156,7 +156,7 @@ def siglip_constants(args: SiglipArgs) -> Shapes:
 
 
 # --- the trace-friendly graph ------------------------------------------------------------------
-class _LayerNorm(nn.Module):
+class LayerNorm(nn.Module):
     def __init__(self, lookup, weight: str, bias: str, eps: float):
         super().__init__()
         self.weight, self.bias, self.eps = const(lookup, weight), const(lookup, bias), eps
@@ -165,7 +165,7 @@ class _LayerNorm(nn.Module):
         return F.layer_norm(x, self.weight.shape, self.weight, self.bias, self.eps)
 
 
-def _linear(linear: TowerLinear) -> PlaceholderLinear:
+def placeholder(linear: TowerLinear) -> PlaceholderLinear:
     s = linear.spec
     return PlaceholderLinear(s.name, s.in_features, s.out_features, s.bias)
 
@@ -177,10 +177,10 @@ class _EncoderLayer(nn.Module):
         super().__init__()
         p = args.names.bind(layer=index)
         self.args = args
-        self.layer_norm1 = _LayerNorm(lookup, p.name("layer_norm1.weight"), p.name("layer_norm1.bias"), args.eps)
-        self.layer_norm2 = _LayerNorm(lookup, p.name("layer_norm2.weight"), p.name("layer_norm2.bias"), args.eps)
-        self.q_proj, self.k_proj, self.v_proj, self.out_proj = (_linear(linears[n]) for n in p.names(ATTENTION))
-        self.fc1, self.fc2 = (_linear(linears[n]) for n in p.names(("mlp.fc1", "mlp.fc2")))
+        self.layer_norm1 = LayerNorm(lookup, p.name("layer_norm1.weight"), p.name("layer_norm1.bias"), args.eps)
+        self.layer_norm2 = LayerNorm(lookup, p.name("layer_norm2.weight"), p.name("layer_norm2.bias"), args.eps)
+        self.q_proj, self.k_proj, self.v_proj, self.out_proj = (placeholder(linears[n]) for n in p.names(ATTENTION))
+        self.fc1, self.fc2 = (placeholder(linears[n]) for n in p.names(("mlp.fc1", "mlp.fc2")))
 
     def forward(self, x, mask):
         a = self.args
@@ -206,7 +206,7 @@ class SiglipGraph(nn.Module):
         self.patch_bias = const(lookup, names.name("patch_bias"))
         self.positions = const(lookup, names.name("position_embedding"))
         self.layers = nn.ModuleList(_EncoderLayer(args, by_name, i, lookup) for i in range(args.layers))
-        self.post_layernorm = _LayerNorm(lookup, names.name("post_layernorm.weight"),
+        self.post_layernorm = LayerNorm(lookup, names.name("post_layernorm.weight"),
                                          names.name("post_layernorm.bias"), args.eps)
         self.soft_emb_norm = const(lookup, names.name("soft_emb_norm"))
         self.projection = const(lookup, names.name("projection"))
@@ -226,7 +226,7 @@ class SiglipGraph(nn.Module):
         return torch.matmul(normed, self.projection * self.output_scale).unsqueeze(1)  # the runtime's [rows, 1, hidden]
 
 
-class Gemma3VisionTower(Gemma4Tower):
+class Gemma3VisionTower(TextRowTower):
     """The SigLIP tower and projector of a multimodal ``gemma3`` checkpoint (Gemma4Tower holds the
     linears' bookkeeping both families share)."""
 
@@ -243,14 +243,6 @@ class Gemma3VisionTower(Gemma4Tower):
             return parse_siglip_args(config, text_hidden, where, tokens, VISION.bind(prefix=prefix), max_layers)
 
         super().__init__(arch, vision_config, parse, siglip_linears, VISION_TOKENS, "a vision")
-
-    @property
-    def token_width(self) -> int:
-        return self.arch.args.hidden_size
-
-    @property
-    def feature_columns(self) -> int | None:
-        return None
 
     @property
     def output_scale(self) -> float:

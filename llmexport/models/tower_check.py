@@ -79,7 +79,7 @@ class TowerCheck:
     prompts: tuple[PromptCase, ...]
     prompt_logits: Callable[[nn.Module, PromptCase], PromptLogits]
     stop_ids: frozenset[int]  # generated ids that end a prompt's comparison (media tokens)
-    bos_id: int  # the runtime's prompt must hold it exactly once
+    bos_id: int | None  # the runtime's prompt must hold it exactly once (None: a tokenizer without BOS)
     output_scale: float = 1.0
     feature_columns: int | None = None  # the rows' first columns are the features; the rest is a token tail
     keeps_first_rows: bool = False

@@ -2,7 +2,7 @@
 
 ``qwen3_5`` / ``qwen3_5_moe`` are the released layout (``Qwen3_5ForConditionalGeneration`` /
 ``Qwen3_5MoeForConditionalGeneration``: the text model under ``model.language_model.``, a tiny
-vision tower under ``model.visual.``); ``qwen3_5_text`` / ``qwen3_5_moe_text`` are what
+vision tower under ``model.visual.``, exported as ``visual.mnn``); ``qwen3_5_text`` / ``qwen3_5_moe_text`` are what
 ``AutoModelForCausalLM`` saves (``Qwen3_5ForCausalLM`` / ``Qwen3_5MoeForCausalLM``);
 ``qwen3_5-moe-stacked`` stores its routed experts stacked, as mlx-lm's sanitize reads them. Every variant
 mixes Gated DeltaNet (``linear_attention``) and gated full-attention layers, with more value heads
@@ -55,9 +55,10 @@ TEXT_BASE: dict[str, Any] = dict(
                      "mrope_section": [2, 1, 1], "mrope_interleaved": True})
 MOE: dict[str, Any] = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
                            shared_expert_intermediate_size=48)
-#: a tower small enough to cost nothing, in the released layout (left out by the export)
-VISION: dict[str, Any] = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64,
-                              patch_size=4, spatial_merge_size=2, temporal_patch_size=2, num_position_embeddings=16)
+#: a tower small enough to cost little, in the released layout: patch 16 (the runtime's for this
+#: tower), a 4x4 square of learned positions (the released 48x48), two blocks
+VISION: dict[str, Any] = dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64,
+                              patch_size=16, spatial_merge_size=2, temporal_patch_size=2, num_position_embeddings=16)
 
 # name -> (model type, text config overrides)
 VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
@@ -129,7 +130,8 @@ def _config(model_type: str, text: dict[str, Any], token_ids: dict[str, Any], to
         ("image_token_id", "<|image_pad|>"), ("video_token_id", "<|vision_pad|>"),
         ("vision_start_token_id", "<|vision_start|>"), ("vision_end_token_id", "<|vision_end|>"))}
     tie = text.get("tie_word_embeddings", False)
-    return config_class(text_config=text_class(**text, **token_ids).to_dict(), vision_config=dict(VISION),
+    vision = dict(VISION, out_hidden_size=text["hidden_size"])  # the merger writes text embeddings
+    return config_class(text_config=text_class(**text, **token_ids).to_dict(), vision_config=vision,
                         tie_word_embeddings=tie, **ids)
 
 

@@ -61,5 +61,7 @@ def prompt_inputs(arch: Architecture, ids: torch.Tensor, embedding: torch.Tensor
     else:
         mask = _causal(seq, None)
     positions = torch.arange(seq, dtype=torch.int32).view(1, -1)
+    if config.get("is_mrope"):  # llm.cpp gen_position_ids: three equal rows for a text prompt
+        positions = positions.repeat(3, 1)
     logits_index = torch.tensor([0 if all_logits else -1], dtype=torch.int32)
     return embeds, mask, positions, logits_index

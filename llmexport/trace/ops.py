@@ -168,6 +168,13 @@ def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
     return x * (0.5 * (1.0 + torch.tanh(math.sqrt(2.0 / math.pi) * (x + 0.044715 * torch.pow(x, 3.0)))))
 
 
+def gelu_erf(x: torch.Tensor) -> torch.Tensor:
+    """The exact (erf) gelu, spelled out: exported as ONNX ``Gelu`` (opset 20) it becomes MNN's
+    GELU op, which computes the tanh approximation (about 1e-4 relative off on a tower's output,
+    measured); ``Erf`` is libm's ``erff`` in MNN's CPU backend."""
+    return x * (0.5 * (1.0 + torch.erf(x * (1.0 / math.sqrt(2.0)))))
+
+
 class GatedMlp(nn.Module):
     """``down(act(gate(x)) * up(x))`` with placeholder linears named ``names`` (the family's names
     of gate, up and down); the families differ only in the activation (Gemma4: tanh-gelu,

@@ -84,8 +84,9 @@ def check_media_prompts(export_dir: Path, check: TowerCheck, oracle: nn.Module,
             forced32 = check.prompt_logits(fp32, prompt)(context, len(prompt.ids) - 1).numpy()
             report = compare_prompt(run, prompt.ids, greedy_along(logits, tokens, check.stop_ids), logits, forced32,
                                     max_abs)
-            bos_count = run.ids.count(check.bos_id)
-            bos = (f"{bos_count} BOS tokens in the runtime's prompt",) if bos_count != 1 else ()
+            expected = 0 if check.bos_id is None else 1  # a tokenizer without BOS (Qwen) must not get one
+            bos_count = 0 if check.bos_id is None else run.ids.count(check.bos_id)
+            bos = (f"{bos_count} BOS tokens in the runtime's prompt",) if bos_count != expected else ()
             reports.append(dataclasses.replace(report, failures=report.failures + bos, label=prompt.label,
                                                stopped_at_media_token=len(tokens) < GREEDY_STEPS,
                                                bos_count=bos_count, info=dict(prompt.info)))

@@ -16,7 +16,7 @@ from typing import Any, Callable, Iterable, Sequence
 import torch
 from torch import nn
 
-from llmexport.models.base import Architecture
+from llmexport.models.base import Architecture, Tower
 from llmexport.models.tensor_checks import Shapes, check_tensors
 from llmexport.models.tensor_names import LinearList, NameTable
 from llmexport.source.input_files import TOKENIZER_LIMIT, read_bytes, read_optional_json
@@ -53,6 +53,9 @@ class DecoderFamily(Architecture):
     ``check_weights``."""
 
     family: str = ""
+    #: the towers a multimodal family exports beside the text graph, set before ``check_weights``
+    #: (each lists its checkpoint tensors: ``expected_tensors``)
+    _towers: Sequence[Any] = ()
     #: the family's checkpoint tensor names (llmexport/models/tensor_names.py)
     names: NameTable
     #: the family's parsed config (a frozen dataclass with at least ``vocab_size``, ``hidden_size``)
@@ -103,7 +106,12 @@ class DecoderFamily(Architecture):
                 expected[source.bias] = (spec.out_features,)
         for name, shape in self.constant_shapes().items():
             expected.setdefault(name, shape)
+        for tower in self._towers:
+            expected.update(tower.expected_tensors())
         return expected
+
+    def towers(self) -> list[Tower]:
+        return list(self._towers)
 
     def check_weights(self) -> None:
         check_tensors(self.checkpoint.weights, self.expected_tensors(), self.checkpoint.path, self.family,

@@ -102,7 +102,7 @@ class DecoderStack(nn.Module):
 
     def forward(self, input_ids, attention_mask, position_ids, logits_index):
         x = input_ids.view(1, -1, self.hidden)
-        cos, sin = rope_cos_sin(position_ids, self.inv_freq)  # [1, seq, 1, head_dim]
+        cos, sin = self.rope(position_ids)  # [1, seq, 1, head_dim]
         # unbind (one Split op) rather than indexing each layer's slice
         masks = attention_mask.unbind(0) if self.sliding else None
         for i, layer in enumerate(self.layers):
@@ -110,6 +110,11 @@ class DecoderStack(nn.Module):
         x = x[:, logits_index.to(torch.int64):, :]
         hidden = self.norm(x)
         return self.lm_head(hidden), hidden
+
+    def rope(self, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin of the runtime's ``position_ids`` [1, seq] (a family with other positions
+        overrides it)."""
+        return rope_cos_sin(position_ids, self.inv_freq)
 
 
 class SwiGlu(GatedMlp):

@@ -150,12 +150,6 @@ class Gemma4(DecoderFamily):
             raise NotImplementedError("a dense Gemma4 stacks no experts")
         return self.args.moe.num_experts
 
-    def expected_tensors(self) -> Shapes:
-        expected = super().expected_tensors()
-        for tower in self._towers:
-            expected.update(tower.expected_tensors())
-        return expected
-
     def _build_towers(self) -> list:
         """Vision/audio towers named by a multimodal config, each exported as its own graph."""
         config = self.checkpoint.config
@@ -169,9 +163,6 @@ class Gemma4(DecoderFamily):
 
             towers.append(Gemma4AudioTower(self, config["audio_config"]))
         return towers
-
-    def towers(self) -> list:
-        return list(self._towers)
 
     def media_token_ids(self) -> tuple[int, ...]:
         """Token ids whose positions carry soft tokens (image, audio, video)."""

@@ -141,6 +141,19 @@ class Gemma4Tower(Tower):
         return expected
 
 
+class TextRowTower(Gemma4Tower):
+    """A tower whose soft tokens are text embedding rows with nothing after them (no per-layer
+    embedding tail): Gemma3's and Qwen3.5's vision towers."""
+
+    @property
+    def token_width(self) -> int:
+        return self.arch.args.hidden_size
+
+    @property
+    def feature_columns(self) -> int | None:
+        return None
+
+
 class TokenTail(nn.Module):
     """Appends the runtime token input's tail (mnn/token_table.py) to every soft token:
     ``[features * feature_scale | tail * tail_scale]``; the scales undo what the runtime and the

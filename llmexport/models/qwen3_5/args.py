@@ -7,9 +7,10 @@ The multimodal types (``qwen3_5``, ``qwen3_5_moe``) keep the text model's config
 transformers' defaults and ``layer_types`` is derived from ``full_attention_interval`` as the
 reference derives it. Refused by key: attention biases, an ungated attention
 (``attn_output_gate`` false), RoPE types other than the default, an activation other than SiLU.
-M-RoPE's ``mrope_section`` only matters when the three position rows differ (images, video):
-text prompts give equal rows, and the rotation is 1-D RoPE over the first
-``head_dim * partial_rotary_factor`` dims (Qwen3_5TextRotaryEmbedding).
+M-RoPE's ``mrope_section`` (default [11, 11, 10], Qwen3_5TextRotaryEmbedding) only matters when
+the three position rows differ (images, video): text prompts give equal rows, and the rotation is
+1-D RoPE over the first ``head_dim * partial_rotary_factor`` dims; an export with the vision tower
+takes the three rows (qwen3_5/mrope.py).
 """
 
 from __future__ import annotations
@@ -70,6 +71,7 @@ class LayerSpec:
 class Qwen3_5Args(UniformAttentionShape):
     rope_theta: float
     rotary_dim: int  # the rotated prefix of each head (head_dim * partial_rotary_factor, even)
+    mrope_section: tuple[int, int, int]  # rotary pairs per position row (t, h, w), interleaved
     delta: DeltaNetSpec
     moe: MoeSpec | None
 
@@ -84,7 +86,7 @@ def text_config(raw: dict[str, Any], multimodal: bool, where: str) -> dict[str, 
     return text
 
 
-def _rope(cfg: dict[str, Any], head_dim: int, where: str) -> tuple[float, int]:
+def _rope(cfg: dict[str, Any], head_dim: int, where: str) -> tuple[float, int, tuple[int, int, int]]:
     params = cfg.get("rope_parameters")
     if not isinstance(params, dict):
         raise InputError(f"{where}: 'rope_parameters' must be an object with 'rope_theta'")
@@ -98,7 +100,11 @@ def _rope(cfg: dict[str, Any], head_dim: int, where: str) -> tuple[float, int]:
     if rotary < 2 or rotary % 2:
         raise InputError(f"{label}: partial_rotary_factor {factor} leaves {rotary} rotated dims of head_dim "
                          f"{head_dim} (an even number >= 2 is needed)")
-    return theta, rotary
+    section = params.get("mrope_section", [11, 11, 10])  # Qwen3_5TextRotaryEmbedding's default
+    if (not isinstance(section, list) or len(section) != 3
+            or not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in section)):
+        raise InputError(f"{label}: 'mrope_section' must be three counts of rotary pairs (got {section!r})")
+    return theta, rotary, (section[0], section[1], section[2])
 
 
 def _layers(cfg: dict[str, Any], n: int, where: str) -> tuple[LayerSpec, ...]:
@@ -146,7 +152,7 @@ def parse_args(raw: dict[str, Any], config_class: Any, where: str, *, multimodal
     if heads % kv_heads:
         raise InputError(f"{label}: num_attention_heads {heads} is not a multiple of num_key_value_heads {kv_heads}")
     head_dim = int_value(cfg, "head_dim", label)
-    theta, rotary = _rope(cfg, head_dim, label)
+    theta, rotary, section = _rope(cfg, head_dim, label)
     # a multimodal checkpoint's head is tied by the outer config (Qwen3_5Config.tie_word_embeddings)
     tie = flag_value(raw if multimodal else cfg, "tie_word_embeddings", where, False)
     return Qwen3_5Args(
@@ -155,8 +161,8 @@ def parse_args(raw: dict[str, Any], config_class: Any, where: str, *, multimodal
         num_heads=heads, kv_heads=kv_heads, head_dim=head_dim,
         eps=float_value(cfg, "rms_norm_eps", label, None, high=1.0) or _missing(label, "rms_norm_eps"),
         tie_embeddings=tie, max_position_embeddings=int_value(cfg, "max_position_embeddings", label),
-        layers=_layers(cfg, n, label), rope_theta=theta, rotary_dim=rotary, delta=_delta(cfg, label),
-        moe=_moe(cfg, label, max_count) if moe else None)
+        layers=_layers(cfg, n, label), rope_theta=theta, rotary_dim=rotary, mrope_section=section,
+        delta=_delta(cfg, label), moe=_moe(cfg, label, max_count) if moe else None)
 
 
 def _missing(label: str, key: str):

@@ -1,7 +1,8 @@
 """Qwen3.5 family: ``qwen3_5`` / ``qwen3_5_moe`` (the released multimodal checkpoints,
-Qwen3_5ForConditionalGeneration / Qwen3_5MoeForConditionalGeneration: the text side is exported,
-the vision tower left out) and ``qwen3_5_text`` / ``qwen3_5_moe_text`` (what AutoModelForCausalLM
-saves: Qwen3_5ForCausalLM / Qwen3_5MoeForCausalLM).
+Qwen3_5ForConditionalGeneration / Qwen3_5MoeForConditionalGeneration: the text side, and the
+vision tower where the checkpoint has one, as ``visual.mnn`` (qwen3_5/vision.py, towers.py), the
+text graph then taking the runtime's M-RoPE positions, qwen3_5/mrope.py) and ``qwen3_5_text`` /
+``qwen3_5_moe_text`` (what AutoModelForCausalLM saves: Qwen3_5ForCausalLM / Qwen3_5MoeForCausalLM).
 
 Gated DeltaNet layers run on MNN's LinearAttention op, which keeps their conv and recurrent state
 between calls as the Attention op keeps its KV cache; gated full-attention layers on the Attention
@@ -16,9 +17,9 @@ transformers keeps them in memory (``gate_up_proj`` [E, 2 * width, hidden], ``do
 
 from __future__ import annotations
 
-import logging
 from typing import Any
 
+import torch
 from torch import nn
 
 from llmexport.errors import InputError
@@ -53,16 +54,23 @@ from llmexport.models.qwen3_5.names import (
     VISION_PREFIX,
     expert_linears,
 )
+from llmexport.models.qwen3_5.towers import Qwen3_5VisionTower
 from llmexport.models.tensor_checks import Shapes, count_limit, finite_lookup
 from llmexport.models.tensor_names import LinearList, NameTable, match, prefix_rule, rename_rule, weight_name
 from llmexport.source.checkpoint import Checkpoint
-from llmexport.spec import ArchitectureSummary, ExpertTemplate, LinearRole, MlxLayout, NormFormula, ScaleGroup
+from llmexport.spec import (
+    ArchitectureSummary,
+    ExpertTemplate,
+    GraphInputs,
+    LinearRole,
+    MlxLayout,
+    NormFormula,
+    ScaleGroup,
+)
 
-log = logging.getLogger(__name__)
-
-#: checkpoint tensors the text export does not read: the multi-token-prediction head the released
-#: checkpoints ship (Qwen3_5ForCausalLM ignores ``mtp.*`` on load too) and the vision tower
-_NOT_TEXT = ("mtp.", VISION_PREFIX)
+#: checkpoint tensors the export does not read: the multi-token-prediction head the released
+#: checkpoints ship (Qwen3_5ForCausalLM ignores ``mtp.*`` on load too)
+_NOT_READ = ("mtp.",)
 
 
 def stacked_experts(names: NameTable, weights: Any, where: Any) -> bool:
@@ -105,13 +113,23 @@ class Qwen3_5(DecoderFamily):
                                             str(checkpoint.path / "config.json"), multimodal=self.multimodal,
                                             moe=self.moe, max_count=count_limit(checkpoint.weights))
         self._linears = self._collect_linears()
+        self._towers = self._build_towers()
         self.check_weights()
-        if any(name.startswith(VISION_PREFIX) for name in checkpoint.weights.names()):
-            log.info("%s: the vision tower (%s*) is left out; the text model is exported", checkpoint.path,
-                     VISION_PREFIX)
+
+    def _build_towers(self) -> list[Qwen3_5VisionTower]:
+        """The vision tower of a multimodal checkpoint that has its tensors (mlx-lm's port drops
+        them and the vision config)."""
+        if not self.multimodal or not any(n.startswith(VISION_PREFIX) for n in self.checkpoint.weights.names()):
+            return []
+        vision = self.checkpoint.config.get("vision_config")
+        if not isinstance(vision, dict):
+            raise InputError(f"{self.checkpoint.path / 'config.json'}: the checkpoint has {VISION_PREFIX}* tensors "
+                             "but no 'vision_config' object")
+        return [Qwen3_5VisionTower(self, vision)]
+
 
     def ignored_tensor(self, name: str) -> bool:
-        return name.startswith(_NOT_TEXT) or super().ignored_tensor(name)
+        return name.startswith(_NOT_READ) or super().ignored_tensor(name)
 
     # --- weights ----------------------------------------------------------------------------
     def _collect_linears(self) -> LinearList:
@@ -184,7 +202,17 @@ class Qwen3_5(DecoderFamily):
     # --- graph ------------------------------------------------------------------------------
     def build_graph(self) -> nn.Module:
         lookup = finite_lookup(self.checkpoint.weights, self.checkpoint.path)
-        return Qwen3_5Graph(self.args, self.names, lookup, self.stacked).eval()
+        return Qwen3_5Graph(self.args, self.names, lookup, self.stacked, mrope=bool(self._towers)).eval()
+
+    def graph_inputs(self, seq_len: int) -> GraphInputs:
+        """The standard inputs; with the vision tower ``position_ids`` are the runtime's three
+        M-RoPE rows [3, seq] (the runtime reads the graph's input shape, omni.cpp ``gen_position_ids``)."""
+        inputs = super().graph_inputs(seq_len)
+        if not self._towers:
+            return inputs
+        args = list(inputs.args)
+        args[2] = torch.arange(seq_len, dtype=torch.int32).view(1, -1).repeat(3, 1)
+        return GraphInputs(tuple(args), inputs.names, inputs.dynamic_axes, inputs.output_names)
 
     def expert_templates(self) -> list[ExpertTemplate]:
         a = self.args
@@ -212,8 +240,10 @@ class Qwen3_5(DecoderFamily):
     # --- runtime files ----------------------------------------------------------------------
     def llm_config(self) -> dict[str, Any]:
         # "full": the Attention layers take the causal mask, the LinearAttention layers no mask;
-        # text positions need no M-RoPE (no is_mrope key, see graph.py)
-        return self.full_attention_config(self.checkpoint.model_type)
+        # text positions need no M-RoPE (no is_mrope key, see graph.py); with the vision tower
+        # the runtime feeds its three rows
+        config = self.full_attention_config(self.checkpoint.model_type)
+        return config | {"is_mrope": True} if self._towers else config
 
     def runtime_chat_template(self) -> dict[str, Any] | None:
         """Qwen3.5's real template in the form MNN's runtime renders as transformers does

@@ -9,7 +9,8 @@ with the runtime's interface (decoder/graph.py ``DecoderStack``):
   the first ``rotary_dim`` dims only (apply_rotary_pos_emb keeps the rest), MNN's Attention op,
   then ``out * sigmoid(gate)`` before ``o_proj``. Text prompts give M-RoPE three equal position
   rows, so ``recomposition_frequencies`` picks the same frequency table whichever row a pair
-  reads: 1-D RoPE (tests/test_qwen3_5.py proves it against HF);
+  reads: 1-D RoPE (tests/test_qwen3_5.py proves it against HF); with the vision tower the graph
+  takes the runtime's three rows (qwen3_5/mrope.py, tests/test_qwen3_5_vision.py);
 - Gated DeltaNet (Qwen3_5GatedDeltaNet): ``in_proj_qkv`` channel-major into MNN's LinearAttention
   op (``FusedLinearAttention``, gated delta rule: conv + SiLU + split + l2norm + recurrence),
   ``beta = sigmoid(in_proj_b(x))``, ``gate = -exp(A_log) * softplus(in_proj_a(x) + dt_bias)`` in
@@ -34,6 +35,7 @@ from llmexport.models.decoder.names import MLP
 from llmexport.models.gemma3_graph import gemma_norm
 from llmexport.models.graph_parts import Norm, TensorLookup, const
 from llmexport.models.qwen3_5.args import LayerSpec, MoeSpec, Qwen3_5Args
+from llmexport.models.qwen3_5.mrope import hf_relative_positions, mrope_cos_sin, pair_rows
 from llmexport.models.qwen3_5.names import SHARED_MLP, expert_linears
 from llmexport.models.rope import RopeSpec, rotate_prefix
 from llmexport.models.tensor_names import NameTable
@@ -136,13 +138,25 @@ def _layer(args: Qwen3_5Args, names: NameTable, layer: LayerSpec, lookup: Tensor
 
 class Qwen3_5Graph(DecoderStack):
     """The pre-norm stack with Qwen3.5's layers; RoPE tables over the rotated prefix only;
-    ``stacked``: the checkpoint stores its routed experts stacked (names.py ``QWEN3_5_STACKED``)."""
+    ``stacked``: the checkpoint stores its routed experts stacked (names.py ``QWEN3_5_STACKED``);
+    ``mrope``: ``position_ids`` are the runtime's [3, seq] M-RoPE rows (an export with the vision
+    tower, qwen3_5/mrope.py), else [1, seq]."""
 
-    def __init__(self, args: Qwen3_5Args, names: NameTable, lookup: TensorLookup, stacked: bool = False):
+    pair_rows: torch.Tensor
+
+    def __init__(self, args: Qwen3_5Args, names: NameTable, lookup: TensorLookup, stacked: bool = False,
+                 mrope: bool = False):
         layers = [_layer(args, names, layer, lookup, stacked) for layer in args.layers]
         rope = RopeSpec(args.rope_theta, args.rotary_dim, args.rotary_dim // 2)
         super().__init__(layers, gemma_norm(lookup, names.name("norm.final"), args.eps), names.name("lm_head"),
                          args.hidden_size, args.vocab_size, rope.inv_freq())
+        self.mrope = mrope
+        self.register_buffer("pair_rows", pair_rows(args.mrope_section, args.rotary_dim // 2), persistent=False)
+
+    def rope(self, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if not self.mrope:
+            return super().rope(position_ids)
+        return mrope_cos_sin(hf_relative_positions(position_ids), self.inv_freq, self.pair_rows)
 
 
 __all__ = ["Qwen3_5Graph", "GatedAttention", "GatedDeltaNet", "SparseBlock", "MoeSpec", "routed_expert"]
