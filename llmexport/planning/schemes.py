@@ -51,7 +51,7 @@ from llmexport.quant.scheme import QuantMethod, QuantScheme
 from llmexport.quant.transcode import transcode
 from llmexport.results import ChangedLinear, PrequantizedSummary, PrequantizedTable
 from llmexport.source.importers import imported_store
-from llmexport.source.importers.mlx import MlxLazy, stored_format, tables_format
+from llmexport.source.importers.mlx import MlxLazy, tables_format
 from llmexport.source.lora import unmerged
 from llmexport.spec import LazyRows, LinearRole, LinearSpec, PrequantizedStore, QuantInfo, common_group
 
@@ -157,12 +157,12 @@ class Schemes:
         weight = self.arch.linear_source(spec.name).weight
         infos = store.quantization(weight)
         reason = self._requested(spec) or self._unfit(spec, infos)
-        if reason is None and infos[0] is not None:
-            reason = store.unfit(weight)  # the source's own reasons (GPTQ's act-order)
+        if reason is None:
+            reason = store.unfit(weight)  # the source's own reasons (GPTQ's act-order, a GGUF type without a record)
         if reason is not None:
-            return Choice(requested_scheme(self.options, spec), stored_format(infos), reason)
+            return Choice(requested_scheme(self.options, spec), store.label(weight), reason)
         if infos[0] is None:  # float in the checkpoint: kept as fp16
-            return Choice(QuantScheme(FP16_BITS), stored_format(infos))
+            return Choice(QuantScheme(FP16_BITS), store.label(weight))
         info = infos[0]
         block = info.group if info.group in BLOCKS else 0  # else one group per row (_unfit)
         return Choice(QuantScheme(info.bits, block, info.sym, QuantMethod.STORED), str(info))

@@ -7,7 +7,6 @@ from typing import Any
 import torch
 
 from llmexport.source.importers.formats import imported_store
-from llmexport.source.importers.mlx.format import stored_format
 from llmexport.source.importers.mlx.weights import MlxLazy, tables_format
 from llmexport.spec import Prequantized, SourcedModel, StoredModel, WeightStore
 
@@ -28,7 +27,7 @@ def compare_with_source(arch: SourcedModel, store: WeightStore, stored: StoredMo
         if torch.equal(ref, value):
             exact += 1
         else:
-            changed[name] = {"stored": stored_format(weights.quantization(source.weight)),
+            changed[name] = {"stored": weights.label(source.weight),
                              "max_abs_diff": float((ref - value).abs().max())}
     tables = {}
     # The token table: the embedding rows, joined with the PLE rows where the model has them

@@ -12,6 +12,7 @@ import torch
 
 from llmexport.errors import InputError
 from llmexport.source.importers.gptq_awq.format import PackedFormat
+from llmexport.source.importers.mlx.format import stored_format
 from llmexport.source.safetensors_file import LazyTensor
 from llmexport.spec import LazyRows, Prequantized, QuantInfo, WeightStore
 
@@ -195,6 +196,9 @@ class PackedWeights:
     def unfit(self, name: str) -> str | None:
         linear = self._linears.get(name)
         return None if linear is None else linear.unfit()
+
+    def label(self, name: str) -> str:
+        return stored_format(self.quantization(name))
 
     def stored(self, name: str, expert: int | None = None) -> Prequantized | torch.Tensor:
         """A packed linear's integers where its groups are blocks, else its (dequantized) values."""

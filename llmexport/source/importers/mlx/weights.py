@@ -226,6 +226,9 @@ class MlxWeights:
         """None: every MLX group is a run of consecutive inputs, as an MNN block is."""
         return None
 
+    def label(self, name: str) -> str:
+        return stored_format(self.quantization(name))
+
     def stored(self, name: str, expert: int | None = None) -> Prequantized | torch.Tensor:
         """A tensor (or one expert of a stacked one) as stored: integers, or floats."""
         tensor = self._get(name)
