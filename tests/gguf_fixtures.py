@@ -1,0 +1,163 @@
+"""Test data: GGUF files made by llama.cpp's own tools from our tiny checkpoints, cached on disk.
+
+* ``convert_hf_to_gguf.py`` of the llama-cpp-python sdist (tests/real_vocab.py fetches it; its
+  ``conversion/`` package and ``gguf-py`` come with it) converts a tiny checkpoint to ``f32``,
+  ``f16`` or ``q8_0``. It names a BPE pre-tokenizer by a hash of a released tokenizer's ids, so a
+  tokenizer trained in a test is "not recognized": the run names it (``PRE``: ``llama-bpe`` for the
+  Llama-3 style tokenizer, ``qwen2`` for the Qwen one), as ``convert_hf_to_gguf_update.py`` would.
+* ``Q4_0``, ``Q4_1``, ``Q5_0``, ``Q5_1`` files: the ``f32`` file with every 2-D weight quantized by
+  gguf-py's ``gguf.quants.quantize`` (llama.cpp's Python reference of ``ggml-quants.c``).
+* K-quants (``Q4_K_M``, ``Q6_K``, ...) need llama.cpp's C quantizer: ``llama_cpp.llama_model_quantize``
+  when llama-cpp-python is installed (``k_quant``), else the caller skips those cases.
+
+Files live in ``<test data cache>/gguf/`` (tests/real_vocab.py ``cache_dir``), named by the
+checkpoint builder, seed, type and the sdist version; a lock keeps parallel workers from racing.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import subprocess
+import sys
+import tarfile
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Callable, Iterator
+
+import numpy as np
+
+from real_vocab import SDIST_FILE, cache_dir, sdist_path
+
+CONVERT_DIR = "llama_cpp_python-0.3.36/vendor/llama.cpp/"
+#: the pre-tokenizer name each tiny family's tokenizer stands for
+PRE = {"llama": "llama-bpe", "qwen2": "qwen2", "qwen3": "qwen2"}
+#: types gguf-py quantizes in Python
+PY_TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1")
+#: llama.cpp's file types (``llama_ftype``) the C quantizer makes
+K_FTYPES = {"Q4_K_M": 15, "Q5_K_M": 17, "Q6_K": 18, "Q4_0": 2, "Q4_1": 3, "IQ4_NL": 25}
+
+
+@contextmanager
+def _locked(folder: Path) -> Iterator[None]:
+    folder.mkdir(parents=True, exist_ok=True)
+    with open(folder / ".lock", "w") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def folder() -> Path:
+    return cache_dir() / "gguf"
+
+
+def converter() -> Path:
+    """llama.cpp's ``convert_hf_to_gguf.py`` with its packages, extracted from the sdist once."""
+    root = folder() / "convert"
+    script = root / CONVERT_DIR / "convert_hf_to_gguf.py"
+    with _locked(folder()):
+        if not script.exists():
+            with tarfile.open(sdist_path()) as tar:
+                members = [m for m in tar.getmembers() if m.name.startswith(CONVERT_DIR) and (
+                    m.name == CONVERT_DIR + "convert_hf_to_gguf.py" or m.name.startswith(
+                        (CONVERT_DIR + "conversion/", CONVERT_DIR + "gguf-py/")))]
+                tar.extractall(root, members=members, filter="data")
+    return script
+
+
+#: the wrapper that runs the converter with the pre-tokenizer named (argv: script, pre, args...)
+_RUN = """
+import runpy, sys
+script, pre = sys.argv[1], sys.argv[2]
+sys.path.insert(0, str(__import__('pathlib').Path(script).parent))
+import conversion.base as base
+base.TextModel.get_vocab_base_pre = lambda self, tokenizer: pre
+sys.argv = [script] + sys.argv[3:]
+runpy.run_path(script, run_name='__main__')
+"""
+
+
+def convert(checkpoint: Path, pre: str, outtype: str, out: Path) -> Path:
+    """``convert_hf_to_gguf.py checkpoint --outtype outtype`` into ``out``."""
+    cmd = [sys.executable, "-c", _RUN, str(converter()), pre, str(checkpoint), "--outtype", outtype,
+           "--outfile", str(out)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    if proc.returncode != 0 or not out.exists():
+        raise RuntimeError(f"convert_hf_to_gguf.py failed (rc={proc.returncode}):\n{proc.stderr[-3000:]}")
+    return out
+
+
+def requantized(source: Path, qtype: str, out: Path) -> Path:
+    """``source`` (an f32 file) with every 2-D weight whose rows fit the blocks quantized to ``qtype``
+    by gguf-py's ``gguf.quants.quantize``; everything else, metadata included, copied."""
+    from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType, GGUFWriter
+    from gguf.quants import quantize
+
+    kind = GGMLQuantizationType[qtype]
+    reader = GGUFReader(source)
+    writer = GGUFWriter(out, str(reader.fields["general.architecture"].contents()))
+    for key, field in reader.fields.items():
+        if key.startswith("GGUF.") or key == "general.architecture":
+            continue
+        sub = field.types[1] if field.types[0] == GGUFValueType.ARRAY else None
+        value = field.contents()
+        if key == "general.file_type":
+            value = {"Q4_0": 2, "Q4_1": 3, "Q5_0": 8, "Q5_1": 9}[qtype]
+        writer.add_key_value(key, value, field.types[0], sub)
+    for tensor in reader.tensors:
+        data = np.array(tensor.data)
+        if data.ndim == 2 and tensor.name.endswith(".weight") and data.shape[1] % 32 == 0:
+            writer.add_tensor(tensor.name, quantize(data.astype(np.float32), kind), raw_dtype=kind)
+        else:
+            writer.add_tensor(tensor.name, data)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return out
+
+
+def k_quant(source: Path, ftype: str, out: Path) -> Path:
+    """llama.cpp's own quantizer (``llama_model_quantize``) on ``source`` (llama-cpp-python installed)."""
+    import llama_cpp
+
+    params = llama_cpp.llama_model_quantize_default_params()
+    params.ftype = K_FTYPES[ftype]
+    params.nthread = 1
+    rc = llama_cpp.llama_model_quantize(str(source).encode(), str(out).encode(), params)
+    if rc != 0 or not out.exists():
+        raise RuntimeError(f"llama_model_quantize {ftype} failed (rc={rc})")
+    return out
+
+
+def has_llama_cpp() -> bool:
+    try:
+        import llama_cpp  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def gguf_file(name: str, build: Callable[[Path], Path], family: str, qtype: str) -> Path:
+    """The cached GGUF file of the checkpoint ``build(folder)`` makes (``name`` keys it), of type
+    ``qtype``: "f32"/"f16"/"q8_0" (converter), ``PY_TYPES`` (gguf-py) or ``K_FTYPES`` (llama.cpp)."""
+    root = folder()
+    out = root / f"{name}-{qtype}-{SDIST_FILE.removesuffix('.tar.gz')}.gguf"
+    if out.exists():
+        return out
+    converted = qtype in ("f32", "f16", "q8_0")
+    source = None if converted else gguf_file(name, build, family, "f32")  # before the lock: it takes it too
+    with _locked(root / name):
+        if out.exists():
+            return out
+        part = out.with_suffix(".part")
+        if source is not None:
+            (requantized if qtype in PY_TYPES else k_quant)(source, qtype, part)
+        else:
+            checkpoint = root / name / "hf"
+            if not (checkpoint / "config.json").exists():
+                build(checkpoint)
+            convert(checkpoint, PRE[family], qtype, part)
+        part.replace(out)
+    return out
