@@ -31,8 +31,9 @@ from real_vocab import SDIST_FILE, cache_dir, sdist_path
 CONVERT_DIR = "llama_cpp_python-0.3.36/vendor/llama.cpp/"
 #: the pre-tokenizer name each tiny family's tokenizer stands for
 PRE = {"llama": "llama-bpe", "qwen2": "qwen2", "qwen3": "qwen2"}
-#: types gguf-py quantizes in Python
-PY_TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1")
+#: types gguf-py quantizes in Python, with llama.cpp's file type of each (``llama_ftype``)
+PY_FILE_TYPES = {"Q4_0": 2, "Q4_1": 3, "Q5_0": 8, "Q5_1": 9}
+PY_TYPES = tuple(PY_FILE_TYPES)
 #: llama.cpp's file types (``llama_ftype``) the C quantizer makes
 K_FTYPES = {"Q4_K_M": 15, "Q5_K_M": 17, "Q6_K": 18, "Q4_0": 2, "Q4_1": 3, "IQ4_NL": 25}
 
@@ -88,29 +89,34 @@ def convert(checkpoint: Path, pre: str, outtype: str, out: Path) -> Path:
     return out
 
 
-def requantized(source: Path, qtype: str, out: Path) -> Path:
-    """``source`` (an f32 file) with every 2-D weight whose rows fit the blocks quantized to ``qtype``
-    by gguf-py's ``gguf.quants.quantize``; everything else, metadata included, copied."""
+def rewritten(source: Path, out: Path, qtype: str | None = None, metadata: dict | None = None,
+              extra: dict[str, np.ndarray] | None = None) -> Path:
+    """A copy of ``source`` (an f32 file) with every 2-D weight quantized to ``qtype`` by gguf-py's
+    ``gguf.quants.quantize`` (when given), ``metadata`` values replaced and ``extra`` tensors added."""
     from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType, GGUFWriter
     from gguf.quants import quantize
 
-    kind = GGMLQuantizationType[qtype]
+    kind = None if qtype is None else GGMLQuantizationType[qtype]
     reader = GGUFReader(source)
-    writer = GGUFWriter(out, str(reader.fields["general.architecture"].contents()))
+    metadata = metadata or {}
+    arch = metadata.get("general.architecture", reader.fields["general.architecture"].contents())
+    writer = GGUFWriter(out, str(arch))
     for key, field in reader.fields.items():
         if key.startswith("GGUF.") or key == "general.architecture":
             continue
         sub = field.types[1] if field.types[0] == GGUFValueType.ARRAY else None
-        value = field.contents()
-        if key == "general.file_type":
-            value = {"Q4_0": 2, "Q4_1": 3, "Q5_0": 8, "Q5_1": 9}[qtype]
+        value = metadata.get(key, field.contents())
+        if key == "general.file_type" and qtype is not None:
+            value = PY_FILE_TYPES[qtype]
         writer.add_key_value(key, value, field.types[0], sub)
     for tensor in reader.tensors:
         data = np.array(tensor.data)
-        if data.ndim == 2 and tensor.name.endswith(".weight") and data.shape[1] % 32 == 0:
+        if kind is not None and data.ndim == 2 and tensor.name.endswith(".weight") and data.shape[1] % 32 == 0:
             writer.add_tensor(tensor.name, quantize(data.astype(np.float32), kind), raw_dtype=kind)
         else:
             writer.add_tensor(tensor.name, data)
+    for name, data in (extra or {}).items():
+        writer.add_tensor(name, data)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -153,7 +159,10 @@ def gguf_file(name: str, build: Callable[[Path], Path], family: str, qtype: str)
             return out
         part = out.with_suffix(".part")
         if source is not None:
-            (requantized if qtype in PY_TYPES else k_quant)(source, qtype, part)
+            if qtype in PY_TYPES:
+                rewritten(source, part, qtype)
+            else:
+                k_quant(source, qtype, part)
         else:
             checkpoint = root / name / "hf"
             if not (checkpoint / "config.json").exists():

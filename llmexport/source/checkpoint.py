@@ -234,7 +234,7 @@ def _gguf_weights(folder: Path, config: dict[str, Any]) -> WeightStore | None:
     from llmexport.source.importers.gguf import GGUF_LINK, open_weights
 
     link = folder / GGUF_LINK
-    return open_weights(link, config) if os.path.lexists(link) else None
+    return open_weights(link.resolve(), config) if os.path.lexists(link) else None  # errors name the file itself
 
 
 def read_config(folder: Path) -> dict[str, Any]:

@@ -140,8 +140,8 @@ def llama3_parameters(freqs: np.ndarray, theta: float, dim: int, where: str) -> 
         s = (1 / freqs[smooth] - 1 / factor) / (1 - 1 / factor)
         slope, intercept = np.polyfit(1 / wavelens[smooth], s, 1)
         high = 1 - 1 / intercept if intercept else 0.0
-        if high > 1:
-            candidates.insert(0, (1.0, float(high), float(slope * (high - 1))))
+        if high > 1:  # after the released settings; rounded as a config would write it
+            candidates.append((1.0, round(float(high), 4), round(float(slope * (high - 1)))))
     for low, high, original in candidates:
         got = _llama3_factors(theta, dim, factor, low, high, original)
         if np.allclose(got, freqs, rtol=1e-6, atol=0):
@@ -152,4 +152,4 @@ def llama3_parameters(freqs: np.ndarray, theta: float, dim: int, where: str) -> 
 
 def _f32(value: float) -> float:
     """A float32 metadata value as the decimal HF's config had (its shortest float32 repr: 1e-06)."""
-    return float(repr(np.float32(value)))
+    return float(str(np.float32(value)))
