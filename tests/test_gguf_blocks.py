@@ -13,8 +13,8 @@ from gguf.quants import dequantize, quantize
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from llmexport.mnn.weights import WeightFileWriter
 from llmexport.mnn.weight_reader import read_linear
+from llmexport.mnn.weights import WeightFileWriter
 from llmexport.quant.scheme import QuantMethod, QuantScheme
 from llmexport.source.importers.gguf.blocks import KEPT, prequantized
 

@@ -13,6 +13,7 @@ import shutil
 import numpy as np
 import pytest
 import torch
+from gguf_fixtures import gguf_file, rewritten
 from tokenizers import Tokenizer
 
 from llmexport.api import plan
@@ -24,8 +25,6 @@ from llmexport.source.hub import resolve_source
 from llmexport.source.importers.gguf.config import _llama3_factors, llama3_parameters
 from llmexport.tiny.decoders import build_tiny_decoder
 from llmexport.tiny.tokenizer import TRAINING_CORPUS
-
-from gguf_fixtures import gguf_file, rewritten
 
 #: family -> the tiny decoder variant converted (qwen2 without sliding layers: GGUF keeps none)
 VARIANTS = {"llama": "llama3", "qwen2": "qwen2-tied", "qwen3": "qwen3"}
@@ -119,7 +118,8 @@ def test_plan_keeps_the_integers_and_says_why_not(ggufs):
     f16, _ = ggufs("llama", "f16")
     floats = plan(f16, ExportOptions()).prequantized
     assert floats is not None and floats.transcoded == 0
-    assert {e.reason for e in floats.quantized_from_float} == {"F16 in the GGUF file: quantized by the export's options"}
+    assert {e.reason for e in floats.quantized_from_float} == {
+        "F16 in the GGUF file: quantized by the export's options"}
     asked = plan(q8, ExportOptions(requantize=True)).prequantized
     assert asked is not None and {e.reason for e in asked.requantized} == {"requantize requested"}
     assert {e.stored for e in asked.requantized} == {"Q8_0"}
