@@ -25,6 +25,9 @@ from pathlib import Path
 from typing import Callable, Iterator
 
 import numpy as np
+import pytest
+
+from llmexport.tiny.decoders import build_tiny_decoder
 
 from real_vocab import SDIST_FILE, cache_dir, sdist_path
 
@@ -170,3 +173,22 @@ def gguf_file(name: str, build: Callable[[Path], Path], family: str, qtype: str)
             convert(checkpoint, PRE[family], qtype, part)
         part.replace(out)
     return out
+
+
+#: family -> the tiny decoder variant converted (qwen2 without sliding layers: GGUF keeps none)
+VARIANTS = {"llama": "llama3", "qwen2": "qwen2-tied", "qwen3": "qwen3"}
+
+
+def gguf_views(tmp_path_factory) -> Iterator[Callable[[str, str], tuple[Path, Path]]]:
+    """The body of the test modules' session fixture ``ggufs``: (family, type) -> (the cached GGUF
+    file, the HF checkpoint it was converted from); the files' HF views in a session folder."""
+    mp = pytest.MonkeyPatch()
+    mp.setenv("LLMEXPORT_GGUF_CACHE", str(tmp_path_factory.mktemp("gguf-views")))
+
+    def get(family: str, qtype: str):
+        variant = VARIANTS[family]
+        path = gguf_file(f"tiny-{variant}-s0", lambda out: build_tiny_decoder(out, variant, seed=0), family, qtype)
+        return path, path.parent / f"tiny-{variant}-s0" / "hf"
+
+    yield get
+    mp.undo()

@@ -13,7 +13,7 @@ import shutil
 import numpy as np
 import pytest
 import torch
-from gguf_fixtures import gguf_file, rewritten
+from gguf_fixtures import VARIANTS, gguf_views, rewritten
 from tokenizers import Tokenizer
 
 from llmexport.api import plan
@@ -23,29 +23,16 @@ from llmexport.quant.scheme import QuantMethod
 from llmexport.source.checkpoint import Checkpoint
 from llmexport.source.hub import resolve_source
 from llmexport.source.importers.gguf.config import _llama3_factors, llama3_parameters
-from llmexport.tiny.decoders import build_tiny_decoder
 from llmexport.tiny.tokenizer import TRAINING_CORPUS
-
-#: family -> the tiny decoder variant converted (qwen2 without sliding layers: GGUF keeps none)
-VARIANTS = {"llama": "llama3", "qwen2": "qwen2-tied", "qwen3": "qwen3"}
-CONFIG_KEYS = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
-               "head_dim", "vocab_size", "tie_word_embeddings", "rope_parameters", "rms_norm_eps",
-               "max_position_embeddings", "model_type", "architectures")
 
 
 @pytest.fixture(scope="session")
 def ggufs(tmp_path_factory):
-    """(family, type) -> (the cached GGUF file, the HF checkpoint it was converted from)."""
-    mp = pytest.MonkeyPatch()
-    mp.setenv("LLMEXPORT_GGUF_CACHE", str(tmp_path_factory.mktemp("gguf-views")))
+    yield from gguf_views(tmp_path_factory)
 
-    def get(family: str, qtype: str):
-        variant = VARIANTS[family]
-        path = gguf_file(f"tiny-{variant}-s0", lambda out: build_tiny_decoder(out, variant, seed=0), family, qtype)
-        return path, path.parent / f"tiny-{variant}-s0" / "hf"
-
-    yield get
-    mp.undo()
+CONFIG_KEYS = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+               "head_dim", "vocab_size", "tie_word_embeddings", "rope_parameters", "rms_norm_eps",
+               "max_position_embeddings", "model_type", "architectures")
 
 
 def _opened(path) -> Checkpoint:

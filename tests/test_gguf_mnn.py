@@ -1,0 +1,87 @@
+"""GGUF files made by llama.cpp's tools, exported to MNN with ``--verify`` (one session-scoped export
+per file): every kept record holds llama.cpp's integers and reads back to exactly gguf-py's
+dequantized values, and MNN's runtime matches the HF model carrying the stored weights, the
+conversation check included. The K-quant file (llama.cpp's own ``Q4_K_M`` mix of Q4_K and Q6_K,
+made by ``llama_model_quantize``) of the trained tiny Llama runs where llama-cpp-python is
+installed; with it, llama.cpp's own greedy answer is compared with MNN's."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+from gguf_fixtures import gguf_views
+
+from llmexport.api import export
+from llmexport.mnn.readback import linear_records
+from llmexport.mnn.weight_reader import read_levels, read_linear
+from llmexport.options import ExportOptions
+from llmexport.quant.scheme import QuantMethod
+from llmexport.source.checkpoint import Checkpoint
+from llmexport.source.hub import resolve_source
+from llmexport.source.loading import open_architecture
+
+
+@pytest.fixture(scope="session")
+def ggufs(tmp_path_factory):
+    yield from gguf_views(tmp_path_factory)
+
+
+#: case -> (family, GGUF type): asymmetric 4-bit blocks with llama.cpp's q/k permutation, and
+#: symmetric 8-bit blocks of Qwen3 (q/k norms, head_dim from key_length)
+CASES = {"llama-Q4_1": ("llama", "Q4_1"), "qwen3-q8_0": ("qwen3", "q8_0")}
+
+
+@pytest.fixture(scope="session")
+def exported(ggufs, tmp_path_factory):
+    done = {}
+
+    def get(case: str):
+        if case not in done:
+            path, hf = ggufs(*CASES[case])
+            result = export(path, tmp_path_factory.mktemp(case) / "out", ExportOptions(verify=True))
+            done[case] = (path, hf, result)
+        return done[case]
+
+    return get
+
+
+def _check_records(path, out, result) -> int:
+    """Every transcoded record holds the file's integers and decodes to gguf-py's values exactly."""
+    arch = open_architecture(Checkpoint.open(resolve_source(path).folder))
+    weights = arch.checkpoint.weights
+    kept = {linear.name for linear in result.plan.linears if linear.method is QuantMethod.STORED}
+    checked = 0
+    for name, rec in linear_records(out).items():
+        if name not in kept:
+            continue
+        source = weights.prequantized(arch.linear_source(name).weight)
+        levels, _ = read_levels(out / "llm.mnn.weight", rec["external"], rec["quanParameter"], rec["oc"], rec["ic"])
+        assert np.array_equal(levels + (1 << (source.bits - 1)), source.levels.numpy()), name
+        decoded, _ = read_linear(out / "llm.mnn.weight", rec["external"], rec["quanParameter"], rec["oc"], rec["ic"])
+        assert torch.equal(decoded, weights.tensor(arch.linear_source(name).weight)), name
+        checked += 1
+    return checked
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_gguf_export_keeps_the_integers_and_verifies(exported, case):
+    path, hf, result = exported(case)
+    report = result.verification
+    assert result.verify_error is None and report is not None and report.passed, result.verify_error
+    pre = result.plan.prequantized
+    assert pre is not None and pre.transcoded == len(result.plan.linears) and not pre.requantized
+    assert report.prequantized["linears_exact"] == pre.transcoded and not report.prequantized["linears_changed"]
+    assert _check_records(path, result.dst, result) == pre.transcoded
+    assert report.exact_kernels is not None and report.exact_kernels.max_abs_err < 1e-3
+    assert report.conversation is not None and len(report.conversation.turns) == report.conversation.planned_turns
+    # not vacuous: the records hold llama.cpp's rounding, not the checkpoint's floats
+    source = Checkpoint.open(hf).weights.tensor("model.layers.0.mlp.down_proj.weight").float()
+    rec = linear_records(result.dst)["model.layers.0.mlp.down_proj"]
+    decoded, _ = read_linear(result.dst / "llm.mnn.weight", rec["external"], rec["quanParameter"], rec["oc"], rec["ic"])
+    assert 0 < float((decoded - source).abs().max()) < 0.1
+    manifest = json.loads((result.dst / "manifest.json").read_text())
+    assert manifest["prequantized"]["format"] == "gguf" and manifest["prequantized"]["transcoded"] == pre.transcoded
