@@ -17,6 +17,7 @@ checkpoint builder, seed, type and the sdist version; a lock keeps parallel work
 from __future__ import annotations
 
 import fcntl
+import shutil
 import subprocess
 import sys
 import tarfile
@@ -93,13 +94,13 @@ def convert(checkpoint: Path, pre: str, outtype: str, out: Path) -> Path:
 
 
 def rewritten(source: Path, out: Path, qtype: str | None = None, metadata: dict | None = None,
-              extra: dict[str, np.ndarray] | None = None) -> Path:
+              extra: dict[str, np.ndarray] | None = None, mix: dict[str, str] | None = None) -> Path:
     """A copy of ``source`` (an f32 file) with every 2-D weight quantized to ``qtype`` by gguf-py's
-    ``gguf.quants.quantize`` (when given), ``metadata`` values replaced and ``extra`` tensors added."""
+    ``gguf.quants.quantize`` (when given; ``mix``: the type of named tensors, K-quants by our
+    packers), ``metadata`` values replaced and ``extra`` tensors added."""
     from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType, GGUFWriter
     from gguf.quants import quantize
 
-    kind = None if qtype is None else GGMLQuantizationType[qtype]
     reader = GGUFReader(source)
     metadata = metadata or {}
     arch = metadata.get("general.architecture", reader.fields["general.architecture"].contents())
@@ -110,14 +111,19 @@ def rewritten(source: Path, out: Path, qtype: str | None = None, metadata: dict 
         sub = field.types[1] if field.types[0] == GGUFValueType.ARRAY else None
         value = metadata.get(key, field.contents())
         if key == "general.file_type" and qtype is not None:
-            value = PY_FILE_TYPES[qtype]
+            value = PY_FILE_TYPES.get(qtype, K_FTYPES.get(qtype, value))
         writer.add_key_value(key, value, field.types[0], sub)
     for tensor in reader.tensors:
         data = np.array(tensor.data)
-        if kind is not None and data.ndim == 2 and tensor.name.endswith(".weight") and data.shape[1] % 32 == 0:
-            writer.add_tensor(tensor.name, quantize(data.astype(np.float32), kind), raw_dtype=kind)
-        else:
+        chosen = (mix or {}).get(tensor.name) or (qtype if data.ndim == 2 and tensor.name.endswith(".weight")
+                                                  and data.shape[1] % 32 == 0 else None)
+        if chosen is None:
             writer.add_tensor(tensor.name, data)
+        elif chosen in OUR_PACKERS:
+            writer.add_tensor(tensor.name, OUR_PACKERS[chosen](data), raw_dtype=GGMLQuantizationType[chosen])
+        else:
+            kind = GGMLQuantizationType[chosen]
+            writer.add_tensor(tensor.name, quantize(data.astype(np.float32), kind), raw_dtype=kind)
     for name, data in (extra or {}).items():
         writer.add_tensor(name, data)
     writer.write_header_to_file()
@@ -125,6 +131,73 @@ def rewritten(source: Path, out: Path, qtype: str | None = None, metadata: dict 
     writer.write_tensors_to_file()
     writer.close()
     return out
+
+
+def pack_q4_k(rows: np.ndarray) -> np.ndarray:
+    """Our own ``Q4_K`` packer, from the block layout (llmexport.source.importers.gguf.blocks): per 32
+    values a scale and a min over the sub-block's range, both as 6-bit multiples of the super-block's
+    fp16 ``d`` / ``dmin``; llama.cpp's search for better scales is not reproduced (any valid blocks do)."""
+    x = rows.astype(np.float32).reshape(rows.shape[0], -1, 8, 32)
+    lo, hi = np.minimum(x.min(-1), 0), x.max(-1)
+    scale, mins = np.maximum(hi - lo, 1e-8) / 15, -lo
+    d = (scale.max(-1) / 63).astype(np.float16)
+    dmin = (mins.max(-1) / 63).astype(np.float16)
+    d32, dmin32 = np.maximum(d.astype(np.float32), 6e-8), np.maximum(dmin.astype(np.float32), 6e-8)
+    sc = np.clip(np.rint(scale / d32[..., None]), 1, 63).astype(np.uint8)
+    m = np.clip(np.rint(mins / dmin32[..., None]), 0, 63).astype(np.uint8)
+    step, low = (d32[..., None] * sc)[..., None], (dmin32[..., None] * m)[..., None]
+    q = np.clip(np.rint((x + low) / step), 0, 15).astype(np.uint8)
+    packed = np.zeros((*sc.shape[:-1], 12), np.uint8)
+    packed[..., 0:4] = (sc[..., :4] & 63) | ((sc[..., 4:] >> 4) << 6)
+    packed[..., 4:8] = (m[..., :4] & 63) | ((m[..., 4:] >> 4) << 6)
+    packed[..., 8:12] = (sc[..., 4:] & 15) | ((m[..., 4:] & 15) << 4)
+    runs = q.reshape(*q.shape[:2], 4, 2, 32)
+    nibbles = (runs[..., 0, :] | (runs[..., 1, :] << 4)).reshape(*q.shape[:2], 128)
+    block = np.concatenate([d[..., None].view(np.uint8), dmin[..., None].view(np.uint8), packed, nibbles], -1)
+    return block.reshape(rows.shape[0], -1)
+
+
+def pack_q6_k(rows: np.ndarray) -> np.ndarray:
+    """Our own ``Q6_K`` packer: per 16 values an int8 scale times the super-block's fp16 ``d``,
+    levels ``q - 32`` of 6 bits (low nibbles in ``ql``, high 2 bits in ``qh``)."""
+    x = rows.astype(np.float32).reshape(rows.shape[0], -1, 16, 16)
+    amax = np.maximum(np.abs(x).max(-1), 1e-8) / 31
+    d = (amax.max(-1) / 127).astype(np.float16)
+    d32 = np.maximum(d.astype(np.float32), 6e-8)
+    sc = np.clip(np.rint(amax / d32[..., None]), 1, 127).astype(np.int8)
+    q = (np.clip(np.rint(x / (d32[..., None] * sc)[..., None]), -32, 31) + 32).astype(np.uint8)
+    q = q.reshape(*q.shape[:2], 2, 4, 32)  # [half, quarter s, i]: value 128 h + 32 s + i
+    low = q & 15
+    ql = np.concatenate([low[..., 0, :] | (low[..., 2, :] << 4), low[..., 1, :] | (low[..., 3, :] << 4)], -1)
+    high = q >> 4
+    qh = high[..., 0, :] | (high[..., 1, :] << 2) | (high[..., 2, :] << 4) | (high[..., 3, :] << 6)
+    block = np.concatenate([ql.reshape(*q.shape[:2], 128), qh.reshape(*q.shape[:2], 64), sc.view(np.uint8),
+                            d[..., None].view(np.uint8)], -1)
+    return block.reshape(rows.shape[0], -1)
+
+
+#: the type name of ``k_mix``'s files
+OUR_MIX = "ours-Q4_K_M"
+#: K-quant types packed by our own packers (gguf-py has no Python quantizer for them)
+OUR_PACKERS = {"Q4_K": pack_q4_k, "Q6_K": pack_q6_k}
+
+
+def k_mix(source: Path, out: Path) -> Path:
+    """``source`` as a ``Q4_K_M``-like mix made by our packers: Q6_K for ``output.weight`` and the
+    first and last layers' ``attn_v`` / ``ffn_down`` (llama.cpp gives some of those more bits), Q4_K
+    for every other 2-D weight whose rows hold whole 256-value super-blocks."""
+    from gguf import GGUFReader
+
+    tensors = GGUFReader(source).tensors
+    last = max(int(t.name.split(".")[1]) for t in tensors if t.name.startswith("blk."))
+    mix = {}
+    for t in tensors:
+        if len(t.shape) != 2 or int(t.shape[0]) % 256:
+            continue
+        wide = t.name == "output.weight" or (t.name.endswith(("attn_v.weight", "ffn_down.weight"))
+                                             and int(t.name.split(".")[1]) in (0, last))
+        mix[t.name] = "Q6_K" if wide else "Q4_K"
+    return rewritten(source, out, metadata={"general.file_type": K_FTYPES["Q4_K_M"]}, mix=mix)
 
 
 def k_quant(source: Path, ftype: str, out: Path) -> Path:
@@ -150,7 +223,8 @@ def has_llama_cpp() -> bool:
 
 def gguf_file(name: str, build: Callable[[Path], Path], family: str, qtype: str) -> Path:
     """The cached GGUF file of the checkpoint ``build(folder)`` makes (``name`` keys it), of type
-    ``qtype``: "f32"/"f16"/"q8_0" (converter), ``PY_TYPES`` (gguf-py) or ``K_FTYPES`` (llama.cpp)."""
+    ``qtype``: "f32"/"f16"/"q8_0" (converter), ``PY_TYPES`` (gguf-py), ``OUR_MIX`` (our K-quant
+    packers) or ``K_FTYPES`` (llama.cpp's quantizer)."""
     root = folder()
     out = root / f"{name}-{qtype}-{SDIST_FILE.removesuffix('.tar.gz')}.gguf"
     if out.exists():
@@ -164,6 +238,8 @@ def gguf_file(name: str, build: Callable[[Path], Path], family: str, qtype: str)
         if source is not None:
             if qtype in PY_TYPES:
                 rewritten(source, part, qtype)
+            elif qtype == OUR_MIX:
+                k_mix(source, part)
             else:
                 k_quant(source, qtype, part)
         else:
@@ -189,6 +265,16 @@ def gguf_views(tmp_path_factory) -> Iterator[Callable[[str, str], tuple[Path, Pa
         variant = VARIANTS[family]
         path = gguf_file(f"tiny-{variant}-s0", lambda out: build_tiny_decoder(out, variant, seed=0), family, qtype)
         return path, path.parent / f"tiny-{variant}-s0" / "hf"
+
+    def trained(qtype: str):
+        """The trained tiny Llama (hidden 256: whole K-quant super-blocks) as a GGUF file of ``qtype``."""
+        from llmexport.tiny.trained import trained_checkpoint
+
+        source = trained_checkpoint("llama")
+        path = gguf_file(f"trained-{source.name}", lambda out: Path(shutil.copytree(source, out)), "llama", qtype)
+        return path, source
+
+    get.trained = trained  # type: ignore[attr-defined]
 
     yield get
     mp.undo()

@@ -13,7 +13,7 @@ import shutil
 import numpy as np
 import pytest
 import torch
-from gguf_fixtures import VARIANTS, gguf_views, rewritten
+from gguf_fixtures import OUR_MIX, VARIANTS, gguf_views, rewritten
 from tokenizers import Tokenizer
 
 from llmexport.api import plan
@@ -161,3 +161,19 @@ def test_hostile_files_are_one_line_errors(ggufs, tmp_path):
         shutil.copy(q8, two / f"m{i}.gguf")
     with pytest.raises(InputError, match="holds 2 GGUF files"):
         resolve_source(two)
+
+
+def test_k_quant_mix_keeps_q4_k_and_says_why_not_q6_k(ggufs):
+    """A ``Q4_K_M``-like mix (our packers, tests/gguf_fixtures.py) of the trained tiny Llama: Q4_K
+    linears keep their integers (4-bit asymmetric records), Q6_K ones are re-quantized with the reason."""
+    path, _ = ggufs.trained(OUR_MIX)
+    planned = plan(path, ExportOptions())
+    pre = planned.prequantized
+    assert pre is not None and pre.transcoded > 0 and not pre.quantized_from_float
+    q6 = {e.name: e for e in pre.requantized}
+    assert q6 and {e.stored for e in q6.values()} == {"Q6_K"}
+    assert all("16-value blocks" in e.reason for e in q6.values())
+    assert {"model.layers.0.self_attn.v_proj", "model.layers.0.mlp.down_proj"} <= set(q6)
+    kept = [linear for linear in planned.linears if linear.method is QuantMethod.STORED]
+    assert len(kept) == pre.transcoded == len(planned.linears) - len(q6)
+    assert all(linear.bits == 4 and linear.block == 32 and not linear.sym for linear in kept)
