@@ -1,9 +1,7 @@
 """GGUF files made by llama.cpp's tools, exported to MNN with ``--verify`` (one session-scoped export
 per file): every kept record holds llama.cpp's integers and reads back to exactly gguf-py's
 dequantized values, and MNN's runtime matches the HF model carrying the stored weights, the
-conversation check included. The K-quant file (llama.cpp's own ``Q4_K_M`` mix of Q4_K and Q6_K,
-made by ``llama_model_quantize``) of the trained tiny Llama runs where llama-cpp-python is
-installed; with it, llama.cpp's own greedy answer is compared with MNN's."""
+conversation check included."""
 
 from __future__ import annotations
 
@@ -12,7 +10,7 @@ import json
 import numpy as np
 import pytest
 import torch
-from gguf_fixtures import gguf_views
+from gguf_fixtures import OUR_MIX, gguf_views
 
 from llmexport.api import export
 from llmexport.mnn.readback import linear_records
@@ -29,9 +27,10 @@ def ggufs(tmp_path_factory):
     yield from gguf_views(tmp_path_factory)
 
 
-#: case -> (family, GGUF type): asymmetric 4-bit blocks with llama.cpp's q/k permutation, and
-#: symmetric 8-bit blocks of Qwen3 (q/k norms, head_dim from key_length)
-CASES = {"llama-Q4_1": ("llama", "Q4_1"), "qwen3-q8_0": ("qwen3", "q8_0")}
+#: case -> (family, GGUF type): symmetric 8-bit blocks of Qwen3 (q/k norms, head_dim from key_length) by
+#: convert_hf_to_gguf.py; the trained Llama (llama.cpp's q/k permutation, llama3 RoPE from rope_freqs)
+#: as a Q4_K_M-like mix by our packers: Q4_K kept as asymmetric records, Q6_K re-quantized
+CASES = {"qwen3-q8_0": ("qwen3", "q8_0"), "trained-llama-mix": ("trained", OUR_MIX)}
 
 
 @pytest.fixture(scope="session")
@@ -40,7 +39,8 @@ def exported(ggufs, tmp_path_factory):
 
     def get(case: str):
         if case not in done:
-            path, hf = ggufs(*CASES[case])
+            family, qtype = CASES[case]
+            path, hf = ggufs.trained(qtype) if family == "trained" else ggufs(family, qtype)
             result = export(path, tmp_path_factory.mktemp(case) / "out", ExportOptions(verify=True))
             done[case] = (path, hf, result)
         return done[case]
@@ -73,14 +73,16 @@ def test_gguf_export_keeps_the_integers_and_verifies(exported, case):
     report = result.verification
     assert result.verify_error is None and report is not None and report.passed, result.verify_error
     pre = result.plan.prequantized
-    assert pre is not None and pre.transcoded == len(result.plan.linears) and not pre.requantized
-    assert report.prequantized["linears_exact"] == pre.transcoded and not report.prequantized["linears_changed"]
+    assert pre is not None and pre.transcoded == len(result.plan.linears) - len(pre.requantized) > 0
+    assert {e.stored for e in pre.requantized} <= {"Q6_K"}
+    assert report.prequantized["linears_exact"] == pre.transcoded
+    assert set(report.prequantized["linears_changed"]) == {e.name for e in pre.requantized}
     assert _check_records(path, result.dst, result) == pre.transcoded
     assert report.exact_kernels is not None and report.exact_kernels.max_abs_err < 1e-3
     assert report.conversation is not None and len(report.conversation.turns) == report.conversation.planned_turns
     # not vacuous: the records hold llama.cpp's rounding, not the checkpoint's floats
-    source = Checkpoint.open(hf).weights.tensor("model.layers.0.mlp.down_proj.weight").float()
-    rec = linear_records(result.dst)["model.layers.0.mlp.down_proj"]
+    source = Checkpoint.open(hf).weights.tensor("model.layers.1.mlp.up_proj.weight").float()
+    rec = linear_records(result.dst)["model.layers.1.mlp.up_proj"]
     decoded, _ = read_linear(result.dst / "llm.mnn.weight", rec["external"], rec["quanParameter"], rec["oc"], rec["ic"])
     assert 0 < float((decoded - source).abs().max()) < 0.1
     manifest = json.loads((result.dst / "manifest.json").read_text())
