@@ -10,7 +10,7 @@ import json
 import numpy as np
 import pytest
 import torch
-from gguf_fixtures import OUR_MIX, gguf_views
+from gguf_fixtures import OUR_MIX, gguf_views, has_llama_cpp
 
 from llmexport.api import export
 from llmexport.mnn.readback import linear_records
@@ -87,3 +87,38 @@ def test_gguf_export_keeps_the_integers_and_verifies(exported, case):
     assert 0 < float((decoded - source).abs().max()) < 0.1
     manifest = json.loads((result.dst / "manifest.json").read_text())
     assert manifest["prequantized"]["format"] == "gguf" and manifest["prequantized"]["transcoded"] == pre.transcoded
+
+
+def llama_cpp_greedy(path, prompt: list[int], steps: int) -> list[int]:
+    """llama.cpp's own greedy continuation of ``prompt`` on the GGUF file (llama-cpp-python)."""
+    import llama_cpp
+
+    llm = llama_cpp.Llama(model_path=str(path), n_ctx=256, n_threads=1, logits_all=False, verbose=False)
+    out = []
+    llm.eval(prompt)
+    for _ in range(steps):
+        token = int(np.argmax(llm.scores[llm.n_tokens - 1]))
+        out.append(token)
+        llm.eval([token])
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not has_llama_cpp(), reason="llama-cpp-python (llama.cpp's quantizer, runtime) is not installed")
+def test_llama_cpp_q4_k_m_file_exports_and_gives_llama_cpps_greedy_answer(ggufs, tmp_path):
+    """llama.cpp's own ``Q4_K_M`` file (``llama_model_quantize``) of the trained tiny Llama: Q4_K kept,
+    Q6_K re-quantized, --verify passes, and MNN's greedy answer is llama.cpp's."""
+    from transformers import AutoTokenizer
+
+    from llmexport.mnn.runtime import run_runtime
+
+    path, _ = ggufs.trained("Q4_K_M")
+    result = export(path, tmp_path / "out", ExportOptions(verify=True))
+    report, pre = result.verification, result.plan.prequantized
+    assert report is not None and report.passed and pre is not None and pre.transcoded > 0
+    assert report.prequantized["linears_exact"] == pre.transcoded
+    assert _check_records(path, result.dst, result) == pre.transcoded
+    tokenizer = AutoTokenizer.from_pretrained(resolve_source(path).folder)
+    prompt = tokenizer("It is a truth universally acknowledged, that a single man")["input_ids"]
+    ours = run_runtime(result.dst, prompt, None, 12).greedy_ids
+    assert ours == llama_cpp_greedy(path, prompt, 12)
