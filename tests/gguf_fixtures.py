@@ -16,7 +16,6 @@ checkpoint builder, seed, type and the sdist version; a lock keeps parallel work
 
 from __future__ import annotations
 
-import fcntl
 import shutil
 import subprocess
 import sys
@@ -31,6 +30,7 @@ import pytest
 from llmexport.tiny.decoders import build_tiny_decoder
 
 from real_vocab import SDIST_FILE, cache_dir, sdist_path
+from real_vocab import _locked as locked
 
 CONVERT_DIR = "llama_cpp_python-0.3.36/vendor/llama.cpp/"
 #: the pre-tokenizer name each tiny family's tokenizer stands for
@@ -45,12 +45,8 @@ K_FTYPES = {"Q4_K_M": 15, "Q5_K_M": 17, "Q6_K": 18, "Q4_0": 2, "Q4_1": 3, "IQ4_N
 @contextmanager
 def _locked(folder: Path) -> Iterator[None]:
     folder.mkdir(parents=True, exist_ok=True)
-    with open(folder / ".lock", "w") as handle:
-        fcntl.flock(handle, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(handle, fcntl.LOCK_UN)
+    with locked(folder):
+        yield
 
 
 def folder() -> Path:

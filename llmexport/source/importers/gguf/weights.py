@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import numpy as np
 import torch
@@ -16,8 +16,8 @@ from llmexport.source.importers.gguf.blocks import KEPT, prequantized
 from llmexport.source.importers.gguf.config import ARCHITECTURES
 from llmexport.source.importers.gguf.file import GgufFile, GgufTensor
 from llmexport.source.importers.gguf.names import NOT_TENSORS, hf_name, permuted_heads, unpermute_order
-from llmexport.source.safetensors_file import LazyTensor
-from llmexport.spec import Prequantized, QuantInfo, rows_at
+from llmexport.source.importers.view import WholeLazy
+from llmexport.spec import Prequantized, QuantInfo
 
 #: the float types, which the export quantizes by its options
 FLOAT_TYPES = ("F32", "F16", "BF16")
@@ -61,33 +61,16 @@ class _Entry:
         return np.array(values, dtype=np.float32).reshape(self.tensor.shape)
 
 
-class GgufLazy(LazyTensor):
+class GgufLazy(WholeLazy):
     """An HF-named tensor of the file: ``read``/``rows``/``row_chunks``/``take`` give fp32 values."""
 
     def __init__(self, entry: _Entry, name: str):
         self._entry, self.name = entry, name
         self.shape = torch.Size(entry.tensor.shape)
-        self.dtype = torch.float32
-
-    @property
-    def row_bytes(self) -> int:
-        return max(1, int(np.prod(self.shape[1:], dtype=np.int64)) * 4)
 
     def read(self) -> torch.Tensor:
         value = self._entry.stored()
         return value.dequantize() if isinstance(value, Prequantized) else value
-
-    def rows(self, start: int, stop: int) -> torch.Tensor:
-        return self.read()[start:stop]
-
-    def row_chunks(self, max_bytes: int = 64 << 20) -> Iterator[torch.Tensor]:
-        value = self.read()
-        step = max(1, max_bytes // self.row_bytes)
-        for start in range(0, self.shape[0], step):
-            yield value[start:start + step]
-
-    def take(self, ids: torch.Tensor) -> torch.Tensor:
-        return rows_at(self.rows, ids)
 
 
 class GgufWeights:
