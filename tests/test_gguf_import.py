@@ -99,6 +99,8 @@ def test_plan_keeps_the_integers_and_says_why_not(ggufs):
     assert kept.prequantized is not None and kept.prequantized.format == "gguf"
     assert all(linear.method is QuantMethod.STORED and linear.bits == 8 for linear in kept.linears)
     assert kept.prequantized.transcoded == len(kept.linears) == 4 * 7 + 1
+    table = kept.prequantized.tables["embedding"]  # the untied token table keeps its Q8_0 integers too
+    assert (table.stored, table.bits, table.block, table.kept) == ("Q8_0", 8, 32, True)
     q41, _ = ggufs("llama", "Q4_1")
     asym = plan(q41, ExportOptions())
     assert all(linear.method is QuantMethod.STORED and linear.bits == 4 and not linear.sym for linear in asym.linears)

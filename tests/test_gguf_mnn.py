@@ -77,6 +77,8 @@ def test_gguf_export_keeps_the_integers_and_verifies(exported, case):
     assert {e.stored for e in pre.requantized} <= {"Q6_K"}
     assert report.prequantized["linears_exact"] == pre.transcoded
     assert set(report.prequantized["linears_changed"]) == {e.name for e in pre.requantized}
+    for name, table in pre.tables.items():  # an untied table kept as stored reads back exactly
+        assert report.prequantized["tables"][name]["exact"] == table.kept
     assert _check_records(path, result.dst, result) == pre.transcoded
     assert report.exact_kernels is not None and report.exact_kernels.max_abs_err < 1e-3
     assert report.conversation is not None and len(report.conversation.turns) == report.conversation.planned_turns

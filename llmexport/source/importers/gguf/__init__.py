@@ -11,6 +11,6 @@ dequantized with gguf-py's reference and quantized by the options, the reason in
 """
 
 from llmexport.source.importers.gguf.folder import GGUF_LINK, gguf_file_of, materialize
-from llmexport.source.importers.gguf.weights import GgufWeights, open_weights
+from llmexport.source.importers.gguf.weights import GgufLazy, GgufWeights, open_weights
 
-__all__ = ["GGUF_LINK", "GgufWeights", "gguf_file_of", "materialize", "open_weights"]
+__all__ = ["GGUF_LINK", "GgufLazy", "GgufWeights", "gguf_file_of", "materialize", "open_weights"]

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import numpy as np
 import torch
@@ -72,6 +72,29 @@ class GgufLazy(WholeLazy):
         value = self._entry.stored()
         return value.dequantize() if isinstance(value, Prequantized) else value
 
+    @property
+    def quantization(self) -> tuple[QuantInfo | None, ...]:
+        kept = KEPT.get(self._entry.tensor.kind)
+        return (None if kept is None else kept.info,)
+
+    @property
+    def label(self) -> str:
+        kind = self._entry.tensor.kind
+        return "unquantized" if kind in FLOAT_TYPES else kind
+
+    def quantized_rows(self, start: int, stop: int) -> Prequantized:
+        """Rows [start, stop) with their stored integers (a token table written as stored)."""
+        value = self._entry.stored()
+        if not isinstance(value, Prequantized):
+            raise ValueError(f"{self.name} is not stored in a kept GGUF type")
+        return value[start:stop]
+
+    def quantized_chunks(self, max_bytes: int = 64 << 20) -> Iterator[Prequantized]:
+        value = self.quantized_rows(0, self.shape[0])
+        step = max(1, max_bytes // self.row_bytes)
+        for start in range(0, self.shape[0], step):
+            yield value[start:start + step]
+
 
 class GgufWeights:
     """The file's tensors under their HF names; ``config``: the HF config read from its metadata
@@ -130,8 +153,7 @@ class GgufWeights:
 
     def label(self, name: str) -> str:
         """How ``name`` is stored, for plans and reports: its GGUF type, "unquantized" for floats."""
-        kind = self.kind(name)
-        return "unquantized" if kind in FLOAT_TYPES else kind
+        return self.lazy(name).label
 
     def quantization(self, name: str) -> tuple[QuantInfo | None, ...]:
         """The record a kept type becomes; None for every other type (``unfit`` says why)."""
