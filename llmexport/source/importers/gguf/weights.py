@@ -105,7 +105,8 @@ class GgufWeights:
                   "sub-block scale d*sc and min dmin*m are exact in fp32, not in fp16)")
 
     def __init__(self, file: GgufFile, config: dict[str, Any]):
-        self.path, self.folder = file.path, file.path.parent
+        self.path = file.path
+        self.folder: Path | None = file.path.parent
         arch = ARCHITECTURES[str(file.metadata.get("general.architecture"))]
         self._entries: dict[str, _Entry] = {}
         for name, tensor in file.tensors.items():
