@@ -198,12 +198,14 @@ def k_mix(source: Path, out: Path) -> Path:
 
 def k_quant(source: Path, ftype: str, out: Path) -> Path:
     """llama.cpp's own quantizer (``llama_model_quantize``) on ``source`` (llama-cpp-python installed)."""
+    import ctypes
+
     import llama_cpp
 
     params = llama_cpp.llama_model_quantize_default_params()
     params.ftype = K_FTYPES[ftype]
     params.nthread = 1
-    rc = llama_cpp.llama_model_quantize(str(source).encode(), str(out).encode(), params)
+    rc = llama_cpp.llama_model_quantize(str(source).encode(), str(out).encode(), ctypes.byref(params))
     if rc != 0 or not out.exists():
         raise RuntimeError(f"llama_model_quantize {ftype} failed (rc={rc})")
     return out

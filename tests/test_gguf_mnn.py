@@ -16,7 +16,7 @@ from llmexport.api import export
 from llmexport.mnn.readback import linear_records
 from llmexport.mnn.weight_reader import read_levels, read_linear
 from llmexport.options import ExportOptions
-from llmexport.quant.scheme import QuantMethod
+from llmexport.quant.scheme import QuantMethod, QuantScheme
 from llmexport.source.checkpoint import Checkpoint
 from llmexport.source.hub import resolve_source
 from llmexport.source.loading import open_architecture
@@ -95,7 +95,7 @@ def llama_cpp_greedy(path, prompt: list[int], steps: int) -> list[int]:
     """llama.cpp's own greedy continuation of ``prompt`` on the GGUF file (llama-cpp-python)."""
     import llama_cpp
 
-    llm = llama_cpp.Llama(model_path=str(path), n_ctx=256, n_threads=1, logits_all=False, verbose=False)
+    llm = llama_cpp.Llama(model_path=str(path), n_ctx=256, n_threads=1, logits_all=True, verbose=False)
     out = []
     llm.eval(prompt)
     for _ in range(steps):
@@ -115,7 +115,9 @@ def test_llama_cpp_q4_k_m_file_exports_and_gives_llama_cpps_greedy_answer(ggufs,
     from llmexport.mnn.runtime import run_runtime
 
     path, _ = ggufs.trained("Q4_K_M")
-    result = export(path, tmp_path / "out", ExportOptions(verify=True))
+    # the Q6_K tensors (the tied token_embd / lm_head, some attn_v and ffn_down) are re-quantized:
+    # at 8 bits, block 32, so that the answer is llama.cpp's model, not a 4-bit copy of it
+    result = export(path, tmp_path / "out", ExportOptions(verify=True, quant=QuantScheme(bits=8, block=32)))
     report, pre = result.verification, result.plan.prequantized
     assert report is not None and report.passed and pre is not None and pre.transcoded > 0
     assert report.prequantized["linears_exact"] == pre.transcoded
