@@ -77,9 +77,10 @@ class ExportCommand:
 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
-@click.option("--path", required=True, type=click.Path(file_okay=False, path_type=str),
-              help="HF checkpoint folder (config.json, *.safetensors, tokenizer.json), or a hub repo id org/name "
-                   "(downloaded into the HF cache; an existing folder always wins).")
+@click.option("--path", required=True, type=click.Path(path_type=str),
+              help="HF checkpoint folder (config.json, *.safetensors, tokenizer.json), a GGUF file (or a folder "
+                   "holding one), or a hub repo id org/name (downloaded into the HF cache; an existing path always "
+                   "wins).")
 @click.option("--export", "export_format", type=click.Choice(["mnn", "onnx"]), default="mnn", show_default=True,
               help="mnn: a folder MNN's LLM runtime loads; onnx: a standard-op ONNX with the weights.")
 @click.option("--dst_path", required=True, type=click.Path(path_type=str),

@@ -328,7 +328,12 @@ class PrequantizedStore(WeightStore, Protocol):
 
     def unfit(self, name: str) -> str | None:
         """Why the stored integers of ``name`` cannot be one MNN record at any bits and block
-        (GPTQ's act-order); None when they can."""
+        (GPTQ's act-order, a GGUF type no record holds), or why a float tensor is quantized by the
+        options (GGUF's F16); None when they can, or a float tensor stays as stored."""
+        ...
+
+    def label(self, name: str) -> str:
+        """How ``name`` is stored, for plans and reports ("4-bit group 64", "Q4_K", "unquantized")."""
         ...
 
     def stored(self, name: str, expert: int | None = None) -> Prequantized | torch.Tensor:

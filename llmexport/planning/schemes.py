@@ -51,7 +51,9 @@ from llmexport.quant.scheme import QuantMethod, QuantScheme
 from llmexport.quant.transcode import transcode
 from llmexport.results import ChangedLinear, PrequantizedSummary, PrequantizedTable
 from llmexport.source.importers import imported_store
-from llmexport.source.importers.mlx import MlxLazy, stored_format, tables_format
+from llmexport.source.importers.formats import QUANTIZED_TABLES, tables_format
+from llmexport.source.importers.gguf import GgufLazy
+from llmexport.source.importers.mlx import MlxLazy
 from llmexport.source.lora import unmerged
 from llmexport.spec import LazyRows, LinearRole, LinearSpec, PrequantizedStore, QuantInfo, common_group
 
@@ -157,12 +159,12 @@ class Schemes:
         weight = self.arch.linear_source(spec.name).weight
         infos = store.quantization(weight)
         reason = self._requested(spec) or self._unfit(spec, infos)
-        if reason is None and infos[0] is not None:
-            reason = store.unfit(weight)  # the source's own reasons (GPTQ's act-order)
+        if reason is None:
+            reason = store.unfit(weight)  # the source's own reasons (GPTQ's act-order, a GGUF type without a record)
         if reason is not None:
-            return Choice(requested_scheme(self.options, spec), stored_format(infos), reason)
+            return Choice(requested_scheme(self.options, spec), store.label(weight), reason)
         if infos[0] is None:  # float in the checkpoint: kept as fp16
-            return Choice(QuantScheme(FP16_BITS), stored_format(infos))
+            return Choice(QuantScheme(FP16_BITS), store.label(weight))
         info = infos[0]
         block = info.group if info.group in BLOCKS else 0  # else one group per row (_unfit)
         return Choice(QuantScheme(info.bits, block, info.sym, QuantMethod.STORED), str(info))
@@ -201,7 +203,7 @@ class Schemes:
         o = self.options
         bits = requested_table_bits(o)
         parts = lazy.parts if isinstance(lazy, JoinedColumns) else (lazy,)
-        if self.imported is None or not all(isinstance(p, MlxLazy) for p in parts):
+        if self.imported is None or not all(isinstance(p, QUANTIZED_TABLES) for p in parts):
             return TableChoice(bits, o.quant.block, lazy.row_chunks, lazy.rows)
         stored = tables_format(parts)
         reason = self._table_requested() or _table_unfit(parts)
@@ -212,7 +214,7 @@ class Schemes:
             return TableChoice(16, 0, lazy.row_chunks, lazy.rows, stored=stored)
         # MNN reads the whole table with one block: the parts' common group keeps every MLX group's
         # scale and bias (a larger group is split into runs that share them, Prequantized.regrouped)
-        held = cast("MlxLazy | JoinedColumns", lazy)  # every part is an MLX table (checked above)
+        held = cast("MlxLazy | GgufLazy | JoinedColumns", lazy)  # every part is an importer's table (checked)
         return TableChoice(infos[0].bits, common_group(i.group for i in infos), held.quantized_chunks,
                            held.quantized_rows, transcode, stored)
 
@@ -261,7 +263,7 @@ class Schemes:
             tables=tables)
 
 
-def _table_unfit(parts: Iterable[MlxLazy]) -> str | None:
+def _table_unfit(parts: Iterable[MlxLazy | GgufLazy]) -> str | None:
     """Why one MNN table cannot hold the stored integers of these MLX tables (the parts of the
     token table, read side by side), if it cannot: it has one width and one block for all rows."""
     stored = [(int(p.shape[-1]), info) for p in parts for info in p.quantization]

@@ -187,7 +187,8 @@ class Checkpoint:
             raise InputError(f"{folder}: model path does not exist")
         if not folder.is_dir():
             raise InputError(f"{folder}: model path is not a folder")
-        return cls(folder, read_config(folder), SafetensorsIndex.open(folder))
+        config = read_config(folder)
+        return cls(folder, config, _gguf_weights(folder, config) or SafetensorsIndex.open(folder))
 
     @property
     def model_type(self) -> str:
@@ -226,6 +227,14 @@ class Checkpoint:
         for name in ("tokenizer_config.json", "generation_config.json", "special_tokens_map.json",
                      "added_tokens.json"):
             read_optional_json(self.path / name, TOKENIZER_LIMIT, "tokenizer file")
+
+
+def _gguf_weights(folder: Path, config: dict[str, Any]) -> WeightStore | None:
+    """The tensors of the GGUF file a materialized GGUF folder links to (llmexport.source.importers.gguf)."""
+    from llmexport.source.importers.gguf import GGUF_LINK, open_weights
+
+    link = folder / GGUF_LINK
+    return open_weights(link.resolve(), config) if os.path.lexists(link) else None  # errors name the file itself
 
 
 def read_config(folder: Path) -> dict[str, Any]:

@@ -30,6 +30,7 @@ from typing import Any, Iterator
 
 from llmexport.errors import InputError, UsageError
 from llmexport.progress import bars_wanted
+from llmexport.source.importers.gguf import gguf_file_of, materialize
 from llmexport.source.input_files import CONFIG_LIMIT, INDEX_LIMIT, SAFETENSORS_HEADER_LIMIT, read_json
 
 log = logging.getLogger(__name__)
@@ -119,7 +120,8 @@ def _local(path: str, revision: str | None) -> ModelSource | None:
         raise UsageError(f"--revision {revision}: applies to a hub repo id; --path {path} is a local path")
     if not os.path.lexists(path):
         raise InputError(f"{path}: model path does not exist (nor is it a hub repo id such as org/name)")
-    return ModelSource(Path(path))
+    gguf = gguf_file_of(Path(path))  # a GGUF file: exported from its HF view (llmexport.source.importers.gguf)
+    return ModelSource(Path(path) if gguf is None else materialize(gguf))
 
 
 @dataclass(frozen=True)

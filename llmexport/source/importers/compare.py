@@ -6,9 +6,7 @@ from typing import Any
 
 import torch
 
-from llmexport.source.importers.formats import imported_store
-from llmexport.source.importers.mlx.format import stored_format
-from llmexport.source.importers.mlx.weights import MlxLazy, tables_format
+from llmexport.source.importers.formats import QUANTIZED_TABLES, imported_store, tables_format
 from llmexport.spec import Prequantized, SourcedModel, StoredModel, WeightStore
 
 
@@ -28,14 +26,14 @@ def compare_with_source(arch: SourcedModel, store: WeightStore, stored: StoredMo
         if torch.equal(ref, value):
             exact += 1
         else:
-            changed[name] = {"stored": stored_format(weights.quantization(source.weight)),
+            changed[name] = {"stored": weights.label(source.weight),
                              "max_abs_diff": float((ref - value).abs().max())}
     tables = {}
     # The token table: the embedding rows, joined with the PLE rows where the model has them
     # (the MNN writer stores them as one table, reported under "embedding").
     lazies = {lazy.name: lazy for lazy in (arch.embedding_table(), arch.ple_table()) if lazy is not None}
     names = stored.table_tensors()
-    if any(isinstance(lazies[name], MlxLazy) for name in names):
+    if any(isinstance(lazies[name], QUANTIZED_TABLES) for name in names):
         diff = max(float((lazies[name].read().float() - stored.read(name)).abs().max()) for name in names)
         tables["embedding"] = {"stored": tables_format(lazies[name] for name in names), "exact": diff == 0.0,
                                "max_abs_diff": diff}

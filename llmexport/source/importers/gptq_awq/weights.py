@@ -6,13 +6,13 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
-from typing import Iterator
 
 import torch
 
 from llmexport.errors import InputError
 from llmexport.source.importers.gptq_awq.format import PackedFormat
-from llmexport.source.safetensors_file import LazyTensor
+from llmexport.source.importers.mlx.format import stored_format
+from llmexport.source.importers.view import WholeLazy
 from llmexport.spec import LazyRows, Prequantized, QuantInfo, WeightStore
 
 #: the tensors of one packed linear ``P``: ``P.<leaf>``, besides its optional ``P.bias``
@@ -81,31 +81,16 @@ class _PackedLinear:
         return scales * (self.fmt.levels(self.qweight.read()).float() - zeros)
 
 
-class PackedLazy(LazyTensor):
-    """A packed linear's HF weight: ``read``/``rows``/``row_chunks``/``take`` give fp32 values."""
+class PackedLazy(WholeLazy):
+    """A packed linear's HF weight: ``read``/``rows``/``row_chunks``/``take`` give fp32 values (a
+    linear is dequantized whole)."""
 
     def __init__(self, linear: _PackedLinear, name: str):
         self._linear, self.name = linear, name
         self.shape = torch.Size((linear.out_features, linear.in_features))
-        self.dtype = torch.float32
-
-    @property
-    def row_bytes(self) -> int:
-        return self.shape[1] * 4
 
     def read(self) -> torch.Tensor:
         return self._linear.dequantize()
-
-    def rows(self, start: int, stop: int) -> torch.Tensor:
-        # a linear is dequantized whole: its packing runs along the input axis (GPTQ) or mixes
-        # output columns within a word (AWQ)
-        return self.read()[start:stop]
-
-    def row_chunks(self, max_bytes: int = 64 << 20) -> Iterator[torch.Tensor]:
-        value = self.read()
-        step = max(1, max_bytes // self.row_bytes)
-        for start in range(0, self.shape[0], step):
-            yield value[start:start + step]
 
 
 class PackedWeights:
@@ -195,6 +180,9 @@ class PackedWeights:
     def unfit(self, name: str) -> str | None:
         linear = self._linears.get(name)
         return None if linear is None else linear.unfit()
+
+    def label(self, name: str) -> str:
+        return stored_format(self.quantization(name))
 
     def stored(self, name: str, expert: int | None = None) -> Prequantized | torch.Tensor:
         """A packed linear's integers where its groups are blocks, else its (dequantized) values."""

@@ -29,7 +29,7 @@ comes from ``Architecture.mlx_layout``; which linears keep their integers is dec
 
 from llmexport.source.importers.mlx.checkpoint import MlxCheckpoint, adapt_checkpoint
 from llmexport.source.importers.mlx.format import MlxQuantConfig, mlx_quantization, stored_format, unpack_levels
-from llmexport.source.importers.mlx.weights import MlxLazy, MlxWeights, tables_format
+from llmexport.source.importers.mlx.weights import MlxLazy, MlxWeights
 
 __all__ = ["MlxCheckpoint", "MlxLazy", "MlxQuantConfig", "MlxWeights", "adapt_checkpoint",
-           "mlx_quantization", "stored_format", "tables_format", "unpack_levels"]
+           "mlx_quantization", "stored_format", "unpack_levels"]

@@ -120,6 +120,11 @@ class MlxLazy(LazyTensor):
     def quantization(self) -> tuple[QuantInfo | None, ...]:
         return tuple(p.info for p in self._tensor.parts)
 
+    @property
+    def label(self) -> str:
+        """How the table is stored, for plans and reports ("4-bit group 64")."""
+        return stored_format(self.quantization)
+
     def quantized_rows(self, start: int, stop: int) -> Prequantized:
         """Rows [start, stop) with their stored integers (a table written as stored)."""
         value = self._tensor.read(start, stop)
@@ -226,6 +231,9 @@ class MlxWeights:
         """None: every MLX group is a run of consecutive inputs, as an MNN block is."""
         return None
 
+    def label(self, name: str) -> str:
+        return stored_format(self.quantization(name))
+
     def stored(self, name: str, expert: int | None = None) -> Prequantized | torch.Tensor:
         """A tensor (or one expert of a stacked one) as stored: integers, or floats."""
         tensor = self._get(name)
@@ -237,9 +245,3 @@ class MlxWeights:
         if not isinstance(value, Prequantized):
             raise ValueError(f"{name} is not stored quantized in one format")
         return value
-
-
-def tables_format(tables) -> str:
-    """How the parts of a table joined from several (the token table) are stored, for plans and
-    reports: MLX's format of each quantized part, "unquantized" for the others."""
-    return " + ".join(stored_format(t.quantization) if isinstance(t, MlxLazy) else "unquantized" for t in tables)

@@ -1,0 +1,61 @@
+"""llama.cpp's tensor names (gguf-py's ``TENSOR_NAMES``) and the HF names they came from, for the
+decoders read here; which of them ``convert_hf_to_gguf.py`` permuted for RoPE.
+
+llama.cpp's ``LlamaModel.permute`` reorders the rows of ``q_proj`` / ``k_proj`` (weights and biases)
+from HF's rotate-half layout (per head: the first half, then the second half of each rotated pair)
+to interleaved pairs: per head, rows ``[h, 2, d/2]`` are swapped to ``[h, d/2, 2]``. Qwen2/Qwen3
+are written unpermuted (``Qwen2Model`` has no permute).
+"""
+
+from __future__ import annotations
+
+import re
+
+#: GGUF name (``{i}`` the block index) -> HF name
+TENSORS: dict[str, str] = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+    "blk.{i}.attn_norm.weight": "model.layers.{i}.input_layernorm.weight",
+    "blk.{i}.attn_q.weight": "model.layers.{i}.self_attn.q_proj.weight",
+    "blk.{i}.attn_q.bias": "model.layers.{i}.self_attn.q_proj.bias",
+    "blk.{i}.attn_k.weight": "model.layers.{i}.self_attn.k_proj.weight",
+    "blk.{i}.attn_k.bias": "model.layers.{i}.self_attn.k_proj.bias",
+    "blk.{i}.attn_v.weight": "model.layers.{i}.self_attn.v_proj.weight",
+    "blk.{i}.attn_v.bias": "model.layers.{i}.self_attn.v_proj.bias",
+    "blk.{i}.attn_output.weight": "model.layers.{i}.self_attn.o_proj.weight",
+    "blk.{i}.attn_output.bias": "model.layers.{i}.self_attn.o_proj.bias",
+    "blk.{i}.attn_q_norm.weight": "model.layers.{i}.self_attn.q_norm.weight",
+    "blk.{i}.attn_k_norm.weight": "model.layers.{i}.self_attn.k_norm.weight",
+    "blk.{i}.ffn_norm.weight": "model.layers.{i}.post_attention_layernorm.weight",
+    "blk.{i}.ffn_gate.weight": "model.layers.{i}.mlp.gate_proj.weight",
+    "blk.{i}.ffn_up.weight": "model.layers.{i}.mlp.up_proj.weight",
+    "blk.{i}.ffn_down.weight": "model.layers.{i}.mlp.down_proj.weight",
+}
+#: tensors that are no HF tensor: llama-3's RoPE factors (read into the config instead)
+NOT_TENSORS = ("rope_freqs.weight",)
+#: GGUF tensors whose rows llama.cpp permuted, -> the config key of their head count
+PERMUTED = {"attn_q": "num_attention_heads", "attn_k": "num_key_value_heads"}
+
+_BLOCK = re.compile(r"blk\.(\d+)\.")
+
+
+def hf_name(gguf_name: str) -> str | None:
+    """The HF name of a GGUF tensor, None for one this table does not know."""
+    match = _BLOCK.match(gguf_name)
+    key = _BLOCK.sub("blk.{i}.", gguf_name, count=1) if match else gguf_name
+    hf = TENSORS.get(key)
+    return None if hf is None else hf.replace("{i}", match.group(1) if match else "")
+
+
+def permuted_heads(gguf_name: str) -> str | None:
+    """The config key of the head count whose rows llama.cpp permuted in this tensor, if it did."""
+    match = _BLOCK.match(gguf_name)
+    part = gguf_name[match.end():].split(".")[0] if match else ""
+    return PERMUTED.get(part)
+
+
+def unpermute_order(rows: int, heads: int) -> list[int]:
+    """For each HF row, the GGUF row holding it (the inverse of ``LlamaModel.permute``)."""
+    half = rows // heads // 2
+    return [h * 2 * half + i * 2 + j for h in range(heads) for j in range(2) for i in range(half)]

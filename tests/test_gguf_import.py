@@ -1,0 +1,181 @@
+"""GGUF files made by llama.cpp's own tools (tests/gguf_fixtures.py) opened as the HF checkpoints they
+were converted from (llmexport.source.importers.gguf): the config, every tensor (q/k rows put back),
+the tokenizer, chat template and stop ids equal the checkpoint's; transformers' own GGUF loader
+reads the same weights; the plan says which linears keep llama.cpp's integers and why the others do
+not; hostile files are one-line InputErrors naming the file."""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+
+import numpy as np
+import pytest
+import torch
+from gguf_fixtures import OUR_MIX, VARIANTS, gguf_views, rewritten
+from tokenizers import Tokenizer
+
+from llmexport.api import plan
+from llmexport.errors import InputError
+from llmexport.options import ExportOptions
+from llmexport.quant.scheme import QuantMethod
+from llmexport.source.checkpoint import Checkpoint
+from llmexport.source.hub import resolve_source
+from llmexport.source.importers.gguf.config import _llama3_factors, llama3_parameters
+from llmexport.tiny.tokenizer import TRAINING_CORPUS
+
+
+@pytest.fixture(scope="session")
+def ggufs(tmp_path_factory):
+    yield from gguf_views(tmp_path_factory)
+
+CONFIG_KEYS = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+               "head_dim", "vocab_size", "tie_word_embeddings", "rope_parameters", "rms_norm_eps",
+               "max_position_embeddings", "model_type", "architectures")
+
+
+def _opened(path) -> Checkpoint:
+    return Checkpoint.open(resolve_source(path).folder)
+
+
+@pytest.mark.parametrize("family", sorted(VARIANTS))
+def test_f32_file_is_the_checkpoint_it_was_converted_from(ggufs, family):
+    path, hf = ggufs(family, "f32")
+    ours, source = _opened(path), Checkpoint.open(hf)
+    assert {k: ours.config.get(k) for k in CONFIG_KEYS} == {k: source.config.get(k) for k in CONFIG_KEYS}
+    if "attention_bias" in ours.config:  # Qwen2's class always has q/k/v biases: its key is not read
+        assert ours.config["attention_bias"] == source.config["attention_bias"]
+    assert set(ours.weights.names()) == set(source.weights.names())
+    for name in source.weights.names():
+        assert torch.equal(ours.weights.tensor(name), source.weights.tensor(name).float()), name
+    if family == "llama":  # llama.cpp permuted q/k rows: reading them as stored would be wrong
+        from gguf import GGUFReader
+
+        raw = {t.name: np.array(t.data) for t in GGUFReader(path).tensors}
+        q = source.weights.tensor("model.layers.0.self_attn.q_proj.weight").float().numpy()
+        assert not np.array_equal(raw["blk.0.attn_q.weight"], q)
+        assert ours.config["rope_parameters"]["rope_type"] == "llama3"  # from the rope_freqs tensor
+
+
+@pytest.mark.parametrize("family", sorted(VARIANTS))
+def test_tokenizer_template_and_stop_ids_are_the_checkpoints(ggufs, family):
+    path, hf = ggufs("llama" if family == "llama" else family, "q8_0")
+    folder = resolve_source(path).folder
+    ours, theirs = Tokenizer.from_file(str(folder / "tokenizer.json")), Tokenizer.from_file(str(hf / "tokenizer.json"))
+    texts = [line for line in TRAINING_CORPUS.split("\n") if line][:60]
+    texts += ["<|im_start|>user\nhi<|im_end|>", "  two  spaces\n\nand 12345 digits", "naïve café"]
+    for text in texts:
+        for special in (True, False):
+            assert ours.encode(text, add_special_tokens=special).ids == \
+                theirs.encode(text, add_special_tokens=special).ids, text
+    assert ours.get_vocab() == theirs.get_vocab()
+    template = (hf / "chat_template.jinja").read_text() if (hf / "chat_template.jinja").exists() else \
+        json.loads((hf / "tokenizer_config.json").read_text())["chat_template"]
+    assert json.loads((folder / "tokenizer_config.json").read_text())["chat_template"] == template
+    eos = json.loads((hf / "generation_config.json").read_text())["eos_token_id"]
+    stops = json.loads((folder / "generation_config.json").read_text())["eos_token_id"]
+    assert set(eos if isinstance(eos, list) else [eos]) <= set(stops)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_transformers_gguf_loader_reads_the_same_weights(ggufs, family):
+    """transformers' own GGUF loader (``from_pretrained(..., gguf_file=...)``) dequantizes with
+    gguf-py and undoes llama.cpp's permutation: its model carries exactly our weights."""
+    from transformers import AutoModelForCausalLM
+
+    path, _ = ggufs(family, "q8_0")
+    ours = _opened(path)
+    model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
+    state = model.state_dict()
+    for name in ours.weights.names():
+        assert torch.equal(state[name], ours.weights.tensor(name)), name
+    assert len(ours.weights.names()) >= len([n for n in state if not n.endswith("inv_freq")]) - 1  # tied lm_head
+
+
+def test_plan_keeps_the_integers_and_says_why_not(ggufs):
+    q8, _ = ggufs("llama", "q8_0")
+    kept = plan(q8, ExportOptions())
+    assert kept.prequantized is not None and kept.prequantized.format == "gguf"
+    assert all(linear.method is QuantMethod.STORED and linear.bits == 8 for linear in kept.linears)
+    assert kept.prequantized.transcoded == len(kept.linears) == 4 * 7 + 1
+    table = kept.prequantized.tables["embedding"]  # the untied token table keeps its Q8_0 integers too
+    assert (table.stored, table.bits, table.block, table.kept) == ("Q8_0", 8, 32, True)
+    q41, _ = ggufs("llama", "Q4_1")
+    asym = plan(q41, ExportOptions())
+    assert all(linear.method is QuantMethod.STORED and linear.bits == 4 and not linear.sym for linear in asym.linears)
+    f16, _ = ggufs("llama", "f16")
+    floats = plan(f16, ExportOptions()).prequantized
+    assert floats is not None and floats.transcoded == 0
+    assert {e.reason for e in floats.quantized_from_float} == {
+        "F16 in the GGUF file: quantized by the export's options"}
+    asked = plan(q8, ExportOptions(requantize=True)).prequantized
+    assert asked is not None and {e.reason for e in asked.requantized} == {"requantize requested"}
+    assert {e.stored for e in asked.requantized} == {"Q8_0"}
+
+
+def test_llama3_rope_is_read_from_the_rope_freqs_tensor():
+    for dim, theta, factor, original in ((128, 500000.0, 8.0, 8192), (64, 500000.0, 32.0, 8192), (16, 5e5, 8.0, 8192)):
+        freqs = _llama3_factors(theta, dim, factor, 1.0, 4.0, original)
+        params = llama3_parameters(freqs, theta, dim, "f")
+        assert np.array_equal(_llama3_factors(theta, dim, params["factor"], params["low_freq_factor"],
+                                              params["high_freq_factor"], params["original_max_position_embeddings"]),
+                              freqs)
+        assert params["factor"] == factor
+    with pytest.raises(InputError, match="no llama3 scaling"):
+        llama3_parameters(np.linspace(1, 3, 8, dtype=np.float32) ** math.pi, 5e5, 16, "f")
+
+
+def _patched_type(src, dst) -> None:
+    """``src`` with the first tensor's type id set to 99 (no GGML type)."""
+    from gguf import GGUFReader
+
+    tensor = GGUFReader(src).tensors[0]
+    at = tensor.field.offset + 8 + len(tensor.name.encode()) + 4 + 8 * len(tensor.shape)
+    data = bytearray(src.read_bytes())
+    data[at:at + 4] = (99).to_bytes(4, "little")
+    dst.write_bytes(bytes(data))
+
+
+def test_hostile_files_are_one_line_errors(ggufs, tmp_path):
+    q8, _ = ggufs("llama", "q8_0")
+    f32, _ = ggufs("llama", "f32")
+    cases = {}
+    (tmp_path / "magic.gguf").write_bytes(b"GGML" + q8.read_bytes()[4:])
+    cases["magic.gguf"] = "not a GGUF file"
+    (tmp_path / "truncated.gguf").write_bytes(q8.read_bytes()[:q8.stat().st_size // 2])
+    cases["truncated.gguf"] = "not a readable GGUF file"
+    _patched_type(q8, tmp_path / "type.gguf")
+    cases["type.gguf"] = "not a readable GGUF file"
+    rewritten(f32, tmp_path / "arch.gguf", metadata={"general.architecture": "mamba"})
+    cases["arch.gguf"] = "general.architecture 'mamba' is not supported"
+    rewritten(f32, tmp_path / "pre.gguf", metadata={"tokenizer.ggml.pre": "bogus"})
+    cases["pre.gguf"] = "tokenizer.ggml.pre 'bogus' is not supported"
+    rewritten(f32, tmp_path / "extra.gguf", extra={"blk.0.weird.weight": np.zeros((4, 4), np.float32)})
+    cases["extra.gguf"] = "tensor 'blk.0.weird.weight' has no HF counterpart"
+    for name, message in cases.items():
+        with pytest.raises(InputError) as err:
+            _opened(tmp_path / name)
+        assert message in str(err.value) and name in str(err.value) and "\n" not in str(err.value), name
+    two = tmp_path / "two"
+    two.mkdir()
+    for i in range(2):
+        shutil.copy(q8, two / f"m{i}.gguf")
+    with pytest.raises(InputError, match="holds 2 GGUF files"):
+        resolve_source(two)
+
+
+def test_k_quant_mix_keeps_q4_k_and_says_why_not_q6_k(ggufs):
+    """A ``Q4_K_M``-like mix (our packers, tests/gguf_fixtures.py) of the trained tiny Llama: Q4_K
+    linears keep their integers (4-bit asymmetric records), Q6_K ones are re-quantized with the reason."""
+    path, _ = ggufs.trained(OUR_MIX)
+    planned = plan(path, ExportOptions())
+    pre = planned.prequantized
+    assert pre is not None and pre.transcoded > 0 and not pre.quantized_from_float
+    q6 = {e.name: e for e in pre.requantized}
+    assert q6 and {e.stored for e in q6.values()} == {"Q6_K"}
+    assert all("16-value blocks" in e.reason for e in q6.values())
+    assert {"model.layers.0.self_attn.v_proj", "model.layers.0.mlp.down_proj"} <= set(q6)
+    kept = [linear for linear in planned.linears if linear.method is QuantMethod.STORED]
+    assert len(kept) == pre.transcoded == len(planned.linears) - len(q6)
+    assert all(linear.bits == 4 and linear.block == 32 and not linear.sym for linear in kept)

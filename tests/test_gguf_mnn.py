@@ -1,0 +1,128 @@
+"""GGUF files made by llama.cpp's tools, exported to MNN with ``--verify`` (one session-scoped export
+per file): every kept record holds llama.cpp's integers and reads back to exactly gguf-py's
+dequantized values, and MNN's runtime matches the HF model carrying the stored weights, the
+conversation check included."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+from gguf_fixtures import OUR_MIX, gguf_views, has_llama_cpp
+
+from llmexport.api import export
+from llmexport.mnn.readback import linear_records
+from llmexport.mnn.weight_reader import read_levels, read_linear
+from llmexport.options import ExportOptions
+from llmexport.quant.scheme import QuantMethod, QuantScheme
+from llmexport.source.checkpoint import Checkpoint
+from llmexport.source.hub import resolve_source
+from llmexport.source.loading import open_architecture
+
+
+@pytest.fixture(scope="session")
+def ggufs(tmp_path_factory):
+    yield from gguf_views(tmp_path_factory)
+
+
+#: case -> (family, GGUF type): symmetric 8-bit blocks of Qwen3 (q/k norms, head_dim from key_length) by
+#: convert_hf_to_gguf.py; the trained Llama (llama.cpp's q/k permutation, llama3 RoPE from rope_freqs)
+#: as a Q4_K_M-like mix by our packers: Q4_K kept as asymmetric records, Q6_K re-quantized
+CASES = {"qwen3-q8_0": ("qwen3", "q8_0"), "trained-llama-mix": ("trained", OUR_MIX)}
+
+
+@pytest.fixture(scope="session")
+def exported(ggufs, tmp_path_factory):
+    done = {}
+
+    def get(case: str):
+        if case not in done:
+            family, qtype = CASES[case]
+            path, hf = ggufs.trained(qtype) if family == "trained" else ggufs(family, qtype)
+            result = export(path, tmp_path_factory.mktemp(case) / "out", ExportOptions(verify=True))
+            done[case] = (path, hf, result)
+        return done[case]
+
+    return get
+
+
+def _check_records(path, out, result) -> int:
+    """Every transcoded record holds the file's integers and decodes to gguf-py's values exactly."""
+    arch = open_architecture(Checkpoint.open(resolve_source(path).folder))
+    weights = arch.checkpoint.weights
+    kept = {linear.name for linear in result.plan.linears if linear.method is QuantMethod.STORED}
+    checked = 0
+    for name, rec in linear_records(out).items():
+        if name not in kept:
+            continue
+        source = weights.prequantized(arch.linear_source(name).weight)
+        levels, _ = read_levels(out / "llm.mnn.weight", rec["external"], rec["quanParameter"], rec["oc"], rec["ic"])
+        assert np.array_equal(levels + (1 << (source.bits - 1)), source.levels.numpy()), name
+        decoded, _ = read_linear(out / "llm.mnn.weight", rec["external"], rec["quanParameter"], rec["oc"], rec["ic"])
+        assert torch.equal(decoded, weights.tensor(arch.linear_source(name).weight)), name
+        checked += 1
+    return checked
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_gguf_export_keeps_the_integers_and_verifies(exported, case):
+    path, hf, result = exported(case)
+    report = result.verification
+    assert result.verify_error is None and report is not None and report.passed, result.verify_error
+    pre = result.plan.prequantized
+    assert pre is not None and pre.transcoded == len(result.plan.linears) - len(pre.requantized) > 0
+    assert {e.stored for e in pre.requantized} <= {"Q6_K"}
+    assert report.prequantized["linears_exact"] == pre.transcoded
+    assert set(report.prequantized["linears_changed"]) == {e.name for e in pre.requantized}
+    for name, table in pre.tables.items():  # an untied table kept as stored reads back exactly
+        assert report.prequantized["tables"][name]["exact"] == table.kept
+    assert _check_records(path, result.dst, result) == pre.transcoded
+    assert report.exact_kernels is not None and report.exact_kernels.max_abs_err < 1e-3
+    assert report.conversation is not None and len(report.conversation.turns) == report.conversation.planned_turns
+    # not vacuous: the records hold llama.cpp's rounding, not the checkpoint's floats
+    source = Checkpoint.open(hf).weights.tensor("model.layers.1.mlp.up_proj.weight").float()
+    rec = linear_records(result.dst)["model.layers.1.mlp.up_proj"]
+    decoded, _ = read_linear(result.dst / "llm.mnn.weight", rec["external"], rec["quanParameter"], rec["oc"], rec["ic"])
+    assert 0 < float((decoded - source).abs().max()) < 0.1
+    manifest = json.loads((result.dst / "manifest.json").read_text())
+    assert manifest["prequantized"]["format"] == "gguf" and manifest["prequantized"]["transcoded"] == pre.transcoded
+
+
+def llama_cpp_greedy(path, prompt: list[int], steps: int) -> list[int]:
+    """llama.cpp's own greedy continuation of ``prompt`` on the GGUF file (llama-cpp-python)."""
+    import llama_cpp
+
+    llm = llama_cpp.Llama(model_path=str(path), n_ctx=256, n_threads=1, logits_all=True, verbose=False)
+    out = []
+    llm.eval(prompt)
+    for _ in range(steps):
+        token = int(np.argmax(llm.scores[llm.n_tokens - 1]))
+        out.append(token)
+        llm.eval([token])
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not has_llama_cpp(), reason="llama-cpp-python (llama.cpp's quantizer, runtime) is not installed")
+def test_llama_cpp_q4_k_m_file_exports_and_gives_llama_cpps_greedy_answer(ggufs, tmp_path):
+    """llama.cpp's own ``Q4_K_M`` file (``llama_model_quantize``) of the trained tiny Llama: Q4_K kept,
+    Q6_K re-quantized, --verify passes, and MNN's greedy answer is llama.cpp's."""
+    from transformers import AutoTokenizer
+
+    from llmexport.mnn.runtime import run_runtime
+
+    path, _ = ggufs.trained("Q4_K_M")
+    # the Q6_K tensors (the tied token_embd / lm_head, some attn_v and ffn_down) are re-quantized:
+    # at 8 bits, block 32, so that the answer is llama.cpp's model, not a 4-bit copy of it
+    result = export(path, tmp_path / "out", ExportOptions(verify=True, quant=QuantScheme(bits=8, block=32)))
+    report, pre = result.verification, result.plan.prequantized
+    assert report is not None and report.passed and pre is not None and pre.transcoded > 0
+    assert report.prequantized["linears_exact"] == pre.transcoded
+    assert _check_records(path, result.dst, result) == pre.transcoded
+    tokenizer = AutoTokenizer.from_pretrained(resolve_source(path).folder)
+    prompt = tokenizer("It is a truth universally acknowledged, that a single man")["input_ids"]
+    ours = run_runtime(result.dst, prompt, None, 12).greedy_ids
+    assert ours == llama_cpp_greedy(path, prompt, 12)
