@@ -30,9 +30,15 @@ ALLOWED: dict[str, tuple[str, ...]] = {
     "llmexport.source.input_files": ("llmexport.errors",),
     "llmexport.source.safetensors_file": ("llmexport.errors", "llmexport.source.input_files", "llmexport.spec"),
     "llmexport.source.checkpoint": ("llmexport.errors", "llmexport.source.input_files",
-                                    "llmexport.source.safetensors_file", "llmexport.spec"),
-    # a hub repo id as --path: huggingface_hub's cache and download, the index read defensively
-    "llmexport.source.hub": ("llmexport.errors", "llmexport.source.input_files", "llmexport.progress"),
+                                    "llmexport.source.safetensors_file", "llmexport.spec",
+                                    "llmexport.source.importers.gguf"),
+    # a hub repo id as --path: huggingface_hub's cache and download, the index read defensively; a GGUF
+    # file as --path: its HF folder
+    "llmexport.source.hub": ("llmexport.errors", "llmexport.source.input_files", "llmexport.progress",
+                             "llmexport.source.importers.gguf"),
+    # a GGUF file as the HF folder it was converted from: below the checkpoint, which reads its tensors
+    "llmexport.source.importers.gguf": ("llmexport.source.importers.gguf", "llmexport.spec", "llmexport.errors",
+                                        "llmexport.source.safetensors_file"),
     "llmexport.source.importers": ("llmexport.source.importers", "llmexport.spec", "llmexport.errors",
                                    "llmexport.source.checkpoint", "llmexport.source.safetensors_file",
                                    "llmexport.quant"),
@@ -65,7 +71,8 @@ ALLOWED: dict[str, tuple[str, ...]] = {
     # MNN 3.6.1's template engine versus Jinja2, which the families' chat-template modules build on
     "llmexport.models.chat_templates": ("llmexport.errors",),
     "llmexport.tiny": ("llmexport.tiny", "llmexport.reference.k2_horizon", "llmexport.mnn.tokenizer.pipeline",
-                       "llmexport.mnn.tokenizer.byte_level", "llmexport.verification.quality"),
+                       "llmexport.mnn.tokenizer.byte_level", "llmexport.verification.quality",
+                       "llmexport.source.importers.gguf.tokenizer"),
     # make demo: trains with tiny/, exports through the command line, generates with MNN's runtime
     "llmexport.demo": ("llmexport.tiny", "llmexport.mnn"),
     "llmexport.options": ("llmexport.options", "llmexport.errors", "llmexport.spec", "llmexport.quant",
@@ -93,7 +100,7 @@ ALLOWED: dict[str, tuple[str, ...]] = {
                           "llmexport.results", "llmexport.progress", "llmexport.quant", "llmexport.mnn",
                           "llmexport.models", "llmexport.source", "llmexport.trace", "llmexport.calibration",
                           "llmexport.planning.schemes", "llmexport.planning.memory_plan",
-                          "llmexport.planning.weight_sources"),
+                          "llmexport.planning.weight_sources", "llmexport.planning.digests"),
     "llmexport.targets.staging": ("llmexport.errors",),
     # llama.cpp's quality numbers: numpy only (the trainer scores its held-out text with them)
     "llmexport.verification.quality": (),

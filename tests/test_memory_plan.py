@@ -12,6 +12,7 @@ import pytest
 from click.testing import CliRunner
 
 import llmexport
+import llmexport.mnn.embeddings as embeddings
 import llmexport.pipeline as pipeline
 import llmexport.targets.mnn_target as mnn_target
 from llmexport.cli import main
@@ -124,10 +125,10 @@ def test_the_estimate_bounds_the_measured_peak_of_a_tiny_export(tiny_decoder, tm
     (MemoryError(), "out of memory during the embeddings stage"),
 ])
 def test_memory_running_out_in_a_stage_is_a_resource_error(tiny_decoder, tmp_path, monkeypatch, exc, message):
-    def write_tables(*args):
+    def write_embedding_table(*args, **kwargs):  # on the token table's own thread, raised in its stage
         raise exc
 
-    monkeypatch.setattr(mnn_target, "write_tables", write_tables)
+    monkeypatch.setattr(embeddings, "write_embedding_table", write_embedding_table)
     dst = tmp_path / "out"
     dst.mkdir()
     (dst / "previous.txt").write_text("old export")
@@ -152,10 +153,10 @@ def test_memory_running_out_outside_a_stage_is_a_resource_error(tiny_decoder, tm
 
 
 def test_other_runtime_errors_stay_internal_errors(tiny_decoder, tmp_path, monkeypatch):
-    def write_tables(*args):
+    def write_embedding_table(*args, **kwargs):
         raise RuntimeError("shape mismatch")
 
-    monkeypatch.setattr(mnn_target, "write_tables", write_tables)
+    monkeypatch.setattr(embeddings, "write_embedding_table", write_embedding_table)
     result = CliRunner().invoke(main, ["--path", str(tiny_decoder("llama3")), "--dst_path", str(tmp_path / "out")])
     assert result.exit_code == 1 and "internal error: RuntimeError: shape mismatch" in result.output
 

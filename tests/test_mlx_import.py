@@ -357,16 +357,19 @@ _MLX_TABLES = ("language_model.model.embed_tokens", "language_model.model.embed_
 
 def _written_token_table(mlx_path: Path, out: Path, options: ExportOptions):
     """The token table as the export writes it (its plan entry, file and config keys), without the graph."""
+    from llmexport.planning.digests import FileDigests
     from llmexport.planning.schemes import Schemes
     from llmexport.source.checkpoint import Checkpoint
     from llmexport.source.loading import open_architecture
-    from llmexport.targets.mnn_target import write_tables
+    from llmexport.targets.mnn_target import table_config
+    from llmexport.targets.token_table_writer import TokenTableWriter
 
     arch = open_architecture(Checkpoint.open(mlx_path))
     schemes = Schemes(arch, options.validate())
     files: dict = {}
     out.mkdir()
-    name = write_tables(arch, out, schemes, {}, files)
+    writer = TokenTableWriter(schemes, out, FileDigests())
+    name = table_config(writer, writer.result(), {}, files)
     return arch, schemes, out / name, files
 
 

@@ -48,10 +48,18 @@ _HELD_EXPORT = textwrap.dedent("""
 """)
 
 
+def _default_termination_signals() -> None:
+    """In the child: SIGINT, SIGHUP and SIGTERM as a terminal's foreground job has them, whatever the suite
+    inherited (under ``nohup`` or ``&`` in a script, SIGHUP and SIGINT arrive ignored, and the child would
+    rightly keep ignoring them)."""
+    for signum in (signal.SIGINT, signal.SIGHUP, signal.SIGTERM):
+        signal.signal(signum, signal.SIG_DFL)
+
+
 def _start_export(model: Path, dst: Path, marker: Path) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-c", _HELD_EXPORT, str(marker), "--path", str(model), "--dst_path",
                              str(dst), "--quant_bit", "4", "--hqq", "--quiet"], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+                            stderr=subprocess.PIPE, text=True, preexec_fn=_default_termination_signals)
 
 
 def _wait_until_held(proc: subprocess.Popen, dst: Path, marker: Path, timeout: float = 300) -> None:

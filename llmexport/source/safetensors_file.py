@@ -8,10 +8,12 @@ from __future__ import annotations
 
 import os
 import struct
+from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator
 
+import numpy as np
 import torch
 
 from llmexport.errors import InputError
@@ -179,3 +181,28 @@ class LazyTensor:
     def take(self, ids: torch.Tensor) -> torch.Tensor:
         """Rows at ``ids`` (an embedding lookup), in order."""
         return rows_at(self.rows, ids)
+
+
+class WholeLazy(LazyTensor, ABC):
+    """An importer's HF tensor that is decoded whole (``read``, fp32): rows and row chunks are
+    slices of it (GPTQ packs along the input axis, AWQ mixes output columns within a word, GGUF
+    permutes q/k rows)."""
+
+    shape: torch.Size
+    dtype = torch.float32
+
+    @property
+    def row_bytes(self) -> int:
+        return max(1, int(np.prod(self.shape[1:], dtype=np.int64)) * 4)
+
+    @abstractmethod
+    def read(self) -> torch.Tensor: ...
+
+    def rows(self, start: int, stop: int) -> torch.Tensor:
+        return self.read()[start:stop]
+
+    def row_chunks(self, max_bytes: int = 64 << 20) -> Iterator[torch.Tensor]:
+        value = self.read()
+        step = max(1, max_bytes // self.row_bytes)
+        for start in range(0, self.shape[0], step):
+            yield value[start:start + step]

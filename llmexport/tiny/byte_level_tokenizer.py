@@ -35,18 +35,12 @@ from tokenizers import AddedToken, Regex, Tokenizer, decoders, normalizers, pre_
 from tokenizers.models import BPE
 from tokenizers.trainers import BpeTrainer
 
+from llmexport.source.importers.gguf.tokenizer import LLAMA3_PATTERN, QWEN_PATTERN
 from llmexport.tiny.tokenizer import TRAINING_CORPUS
 
 __all__ = ["STYLES", "EXTRA_CORPUS", "TokenizerStyle", "build_byte_level_tokenizer", "write_checkpoint_tokenizer",
            "write_generation_config",
            "LLAMA3_PATTERN", "QWEN_PATTERN"]
-
-# The split regexes of the real tokenizers (tiktoken's cl100k-style pattern; Qwen2 keeps one
-# digit per piece, Llama-3 up to three).
-LLAMA3_PATTERN = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
-                  r"|\s*[\r\n]+|\s+(?!\S)|\s+")
-QWEN_PATTERN = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
-                r"|\s*[\r\n]+|\s+(?!\S)|\s+")
 
 LLAMA3_CHAT_TEMPLATE = (
     "{{ bos_token }}"

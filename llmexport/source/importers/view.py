@@ -3,15 +3,12 @@ quantizer's keys, its tensors under HF names, dequantized (the importer's ``Weig
 
 from __future__ import annotations
 
-from abc import ABC, abstractmethod
-from typing import Any, Iterator
+from typing import Any
 
-import numpy as np
 import torch
 
 from llmexport.errors import InputError
 from llmexport.source.checkpoint import Checkpoint, build_from_config
-from llmexport.source.safetensors_file import LazyTensor
 from llmexport.spec import WeightStore
 
 
@@ -50,28 +47,3 @@ class ImportedCheckpoint(Checkpoint):
         if missing:
             raise InputError(f"{self.path}: the checkpoint lacks {len(missing)} tensor(s) the HF model needs, "
                              f"e.g. {missing[0]!r}")
-
-
-class WholeLazy(LazyTensor, ABC):
-    """An importer's HF tensor that is decoded whole (``read``, fp32): rows and row chunks are
-    slices of it (GPTQ packs along the input axis, AWQ mixes output columns within a word, GGUF
-    permutes q/k rows)."""
-
-    shape: torch.Size
-    dtype = torch.float32
-
-    @property
-    def row_bytes(self) -> int:
-        return max(1, int(np.prod(self.shape[1:], dtype=np.int64)) * 4)
-
-    @abstractmethod
-    def read(self) -> torch.Tensor: ...
-
-    def rows(self, start: int, stop: int) -> torch.Tensor:
-        return self.read()[start:stop]
-
-    def row_chunks(self, max_bytes: int = 64 << 20) -> Iterator[torch.Tensor]:
-        value = self.read()
-        step = max(1, max_bytes // self.row_bytes)
-        for start in range(0, self.shape[0], step):
-            yield value[start:start + step]

@@ -22,7 +22,13 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from llmexport.errors import InputError
-from llmexport.tiny.byte_level_tokenizer import LLAMA3_PATTERN, QWEN_PATTERN
+
+# The split regexes of the real tokenizers (tiktoken's cl100k-style pattern; Qwen2 keeps one
+# digit per piece, Llama-3 up to three).
+LLAMA3_PATTERN = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+                  r"|\s*[\r\n]+|\s+(?!\S)|\s+")
+QWEN_PATTERN = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+                r"|\s*[\r\n]+|\s+(?!\S)|\s+")
 
 SPACE = "\u2581"
 QWEN35_PATTERN = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*"

@@ -16,7 +16,7 @@ from llmexport.source.importers.gguf.blocks import KEPT, prequantized
 from llmexport.source.importers.gguf.config import ARCHITECTURES
 from llmexport.source.importers.gguf.file import GgufFile, GgufTensor
 from llmexport.source.importers.gguf.names import NOT_TENSORS, hf_name, permuted_heads, unpermute_order
-from llmexport.source.importers.view import WholeLazy
+from llmexport.source.safetensors_file import WholeLazy
 from llmexport.spec import Prequantized, QuantInfo
 
 #: the float types, which the export quantizes by its options

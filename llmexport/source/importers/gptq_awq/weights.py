@@ -12,7 +12,7 @@ import torch
 from llmexport.errors import InputError
 from llmexport.source.importers.gptq_awq.format import PackedFormat
 from llmexport.source.importers.mlx.format import stored_format
-from llmexport.source.importers.view import WholeLazy
+from llmexport.source.safetensors_file import WholeLazy
 from llmexport.spec import LazyRows, Prequantized, QuantInfo, WeightStore
 
 #: the tensors of one packed linear ``P``: ``P.<leaf>``, besides its optional ``P.bias``
