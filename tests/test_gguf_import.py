@@ -225,6 +225,9 @@ def test_hostile_files_are_one_line_errors(ggufs, tmp_path):
     cases["pre.gguf"] = "tokenizer.ggml.pre 'bogus' is not supported"
     rewritten(f32, tmp_path / "extra.gguf", extra={"blk.0.weird.weight": np.zeros((4, 4), np.float32)})
     cases["extra.gguf"] = "tensor 'blk.0.weird.weight' has no HF counterpart"
+    moe, _ = ggufs("qwen3_moe", "f32")
+    rewritten(moe, tmp_path / "experts.gguf", metadata={"qwen3moe.expert_count": 4})
+    cases["experts.gguf"] = "tensor 'blk.0.ffn_down_exps.weight' has shape [8, 64, 32], expected [4 experts, out, in]"
     for name, message in cases.items():
         with pytest.raises(InputError) as err:
             _opened(tmp_path / name)
