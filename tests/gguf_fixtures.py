@@ -27,14 +27,14 @@ from typing import Callable, Iterator
 import numpy as np
 import pytest
 
-from llmexport.tiny.decoders import build_tiny_decoder
+from llmexport.tiny.decoders import build_decoder_checkpoint, build_tiny_decoder, variant_config
 
 from real_vocab import SDIST_FILE, cache_dir, sdist_path
 from real_vocab import _locked as locked
 
 CONVERT_DIR = "llama_cpp_python-0.3.36/vendor/llama.cpp/"
 #: the pre-tokenizer name each tiny family's tokenizer stands for
-PRE = {"llama": "llama-bpe", "qwen2": "qwen2", "qwen3": "qwen2"}
+PRE = {"llama": "llama-bpe", "mistral": "llama-bpe", "qwen2": "qwen2", "qwen3": "qwen2", "qwen3_moe": "qwen2"}
 #: types gguf-py quantizes in Python, with llama.cpp's file type of each (``llama_ftype``)
 PY_FILE_TYPES = {"Q4_0": 2, "Q4_1": 3, "Q5_0": 8, "Q5_1": 9}
 PY_TYPES = tuple(PY_FILE_TYPES)
@@ -250,7 +250,23 @@ def gguf_file(name: str, build: Callable[[Path], Path], family: str, qtype: str)
 
 
 #: family -> the tiny decoder variant converted (qwen2 without sliding layers: GGUF keeps none)
-VARIANTS = {"llama": "llama3", "qwen2": "qwen2-tied", "qwen3": "qwen3"}
+VARIANTS = {"llama": "llama3", "mistral": "mistral-full", "qwen2": "qwen2-tied", "qwen3": "qwen3",
+            "qwen3_moe": "qwen3-moe"}
+#: variants made here only: (tiny decoder variant, config overrides). Mistral without a sliding window
+#: (Mistral 7B v0.2/v0.3's config): convert_hf_to_gguf.py writes Mistral as arch ``llama`` and keeps no
+#: ``sliding_window``, so only a full-attention Mistral is the model its file describes
+OWN_VARIANTS = {"mistral-full": ("mistral", {"sliding_window": None})}
+#: family -> (model_type, HF class) its GGUF file reads back as, where that is not the family's own
+READS_AS = {"mistral": ("llama", "LlamaForCausalLM")}
+
+
+def build_variant(out: Path, variant: str) -> Path:
+    """The tiny checkpoint ``variant`` (a tiny decoder variant or one of ``OWN_VARIANTS``) in ``out``."""
+    if variant not in OWN_VARIANTS:
+        return build_tiny_decoder(out, variant, seed=0)
+    base, overrides = OWN_VARIANTS[variant]
+    family, config = variant_config(base)
+    return build_decoder_checkpoint(out, family, {**config, **overrides}, seed=0)
 
 
 def gguf_views(tmp_path_factory) -> Iterator[Callable[[str, str], tuple[Path, Path]]]:
@@ -261,7 +277,7 @@ def gguf_views(tmp_path_factory) -> Iterator[Callable[[str, str], tuple[Path, Pa
 
     def get(family: str, qtype: str):
         variant = VARIANTS[family]
-        path = gguf_file(f"tiny-{variant}-s0", lambda out: build_tiny_decoder(out, variant, seed=0), family, qtype)
+        path = gguf_file(f"tiny-{variant}-s0", lambda out: build_variant(out, variant), family, qtype)
         return path, path.parent / f"tiny-{variant}-s0" / "hf"
 
     def trained(qtype: str):

@@ -8,12 +8,13 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import shutil
 
 import numpy as np
 import pytest
 import torch
-from gguf_fixtures import OUR_MIX, VARIANTS, gguf_views, rewritten
+from gguf_fixtures import OUR_MIX, READS_AS, VARIANTS, gguf_views, rewritten
 from tokenizers import Tokenizer
 
 from llmexport.api import plan
@@ -32,7 +33,8 @@ def ggufs(tmp_path_factory):
 
 CONFIG_KEYS = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
                "head_dim", "vocab_size", "tie_word_embeddings", "rope_parameters", "rms_norm_eps",
-               "max_position_embeddings", "model_type", "architectures")
+               "max_position_embeddings", "model_type", "architectures", "num_experts", "num_experts_per_tok",
+               "moe_intermediate_size", "norm_topk_prob", "decoder_sparse_step", "mlp_only_layers")
 
 
 def _opened(path) -> Checkpoint:
@@ -43,19 +45,46 @@ def _opened(path) -> Checkpoint:
 def test_f32_file_is_the_checkpoint_it_was_converted_from(ggufs, family):
     path, hf = ggufs(family, "f32")
     ours, source = _opened(path), Checkpoint.open(hf)
-    assert {k: ours.config.get(k) for k in CONFIG_KEYS} == {k: source.config.get(k) for k in CONFIG_KEYS}
+    expected = {k: source.config.get(k) for k in CONFIG_KEYS}
+    if "num_local_experts" in source.config:  # transformers 5 saves num_experts under its attribute_map name
+        expected["num_experts"] = source.config["num_local_experts"]
+    if family in READS_AS:  # Mistral is written as arch llama (test_mistral_file_computes_the_mistral_checkpoint)
+        expected["model_type"], hf_class = READS_AS[family]
+        expected["architectures"] = [hf_class]
+    assert {k: ours.config.get(k) for k in CONFIG_KEYS} == expected
     if "attention_bias" in ours.config:  # Qwen2's class always has q/k/v biases: its key is not read
         assert ours.config["attention_bias"] == source.config["attention_bias"]
     assert set(ours.weights.names()) == set(source.weights.names())
     for name in source.weights.names():
         assert torch.equal(ours.weights.tensor(name), source.weights.tensor(name).float()), name
-    if family == "llama":  # llama.cpp permuted q/k rows: reading them as stored would be wrong
+    if family in ("llama", "mistral"):  # llama.cpp permuted q/k rows: reading them as stored would be wrong
         from gguf import GGUFReader
 
         raw = {t.name: np.array(t.data) for t in GGUFReader(path).tensors}
         q = source.weights.tensor("model.layers.0.self_attn.q_proj.weight").float().numpy()
         assert not np.array_equal(raw["blk.0.attn_q.weight"], q)
-        assert ours.config["rope_parameters"]["rope_type"] == "llama3"  # from the rope_freqs tensor
+        rope = "llama3" if family == "llama" else "default"  # llama3: from the rope_freqs tensor
+        assert ours.config["rope_parameters"]["rope_type"] == rope
+
+
+def test_mistral_file_computes_the_mistral_checkpoint(ggufs):
+    """convert_hf_to_gguf.py writes a MistralForCausalLM as arch ``llama`` (no sliding window kept):
+    for a Mistral without one, the Llama read back gives the Mistral checkpoint's logits."""
+    from transformers import LlamaConfig, LlamaForCausalLM, MistralForCausalLM
+
+    path, hf = ggufs("mistral", "f32")
+    ours = _opened(path)
+    model = LlamaForCausalLM(LlamaConfig.from_dict(ours.config)).eval()
+    missing, unexpected = model.load_state_dict({n: ours.weights.tensor(n) for n in ours.weights.names()}, strict=False)
+    assert not unexpected and not [n for n in missing if not n.endswith("inv_freq")], (missing, unexpected)
+    reference = MistralForCausalLM.from_pretrained(hf, dtype=torch.float32).eval()
+    assert reference.config.sliding_window is None
+    ids = torch.randint(0, ours.config["vocab_size"], (1, 24), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        got, want = model(ids).logits, reference(ids).logits
+        assert torch.allclose(got, want, atol=1e-5, rtol=0), float((got - want).abs().max())
+        model.model.norm.weight[0] += 1.0  # not vacuous: one changed gamma shows
+        assert float((model(ids).logits - want).abs().max()) > 1e-2
 
 
 @pytest.mark.parametrize("family", sorted(VARIANTS))
@@ -78,18 +107,39 @@ def test_tokenizer_template_and_stop_ids_are_the_checkpoints(ggufs, family):
     assert set(eos if isinstance(eos, list) else [eos]) <= set(stops)
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2"])
+#: config values transformers' GGUF loader does not read from the file (passed to from_pretrained)
+LOADER_MISSES = {"qwen3_moe": ("moe_intermediate_size",)}
+_EXPERT = re.compile(r"(.*\.mlp\.experts)\.(\d+)\.(gate|up|down)_proj\.weight")
+
+
+def _loader_tensor(state: dict[str, torch.Tensor], name: str, width: int) -> torch.Tensor:
+    """``name`` in transformers' state dict: an expert's rows of its stacked ``gate_up_proj`` /
+    ``down_proj`` (Qwen3MoeExperts: gate before up)."""
+    match = _EXPERT.fullmatch(name)
+    if match is None:
+        return state[name]
+    prefix, e, part = match.group(1), int(match.group(2)), match.group(3)
+    if part == "down":
+        return state[f"{prefix}.down_proj"][e]
+    rows = slice(0, width) if part == "gate" else slice(width, 2 * width)
+    return state[f"{prefix}.gate_up_proj"][e, rows]
+
+
+@pytest.mark.parametrize("family", ["llama", "mistral", "qwen2", "qwen3_moe"])
 def test_transformers_gguf_loader_reads_the_same_weights(ggufs, family):
     """transformers' own GGUF loader (``from_pretrained(..., gguf_file=...)``) dequantizes with
-    gguf-py and undoes llama.cpp's permutation: its model carries exactly our weights."""
+    gguf-py, undoes llama.cpp's permutation and stacks the experts: its model carries exactly our weights."""
     from transformers import AutoModelForCausalLM
 
     path, _ = ggufs(family, "q8_0")
     ours = _opened(path)
-    model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
+    missed = {key: ours.config[key] for key in LOADER_MISSES.get(family, ())}
+    model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32, **missed)
+    assert model.config.model_type == ours.config["model_type"]
     state = model.state_dict()
     for name in ours.weights.names():
-        assert torch.equal(state[name], ours.weights.tensor(name)), name
+        loaded = _loader_tensor(state, name, ours.config.get("moe_intermediate_size") or 0)
+        assert torch.equal(loaded, ours.weights.tensor(name)), name
     assert len(ours.weights.names()) >= len([n for n in state if not n.endswith("inv_freq")]) - 1  # tied lm_head
 
 
@@ -112,6 +162,28 @@ def test_plan_keeps_the_integers_and_says_why_not(ggufs):
     asked = plan(q8, ExportOptions(requantize=True)).prequantized
     assert asked is not None and {e.reason for e in asked.requantized} == {"requantize requested"}
     assert {e.stored for e in asked.requantized} == {"Q8_0"}
+
+
+def test_stacked_experts_keep_each_experts_blocks(ggufs):
+    """Qwen3-MoE's ``ffn_{gate,up,down}_exps`` ([experts, out, in], Q8_0) become one kept record per
+    expert, each holding its own rows' blocks: expert e's scales are the ``d`` of the file's slice e."""
+    from gguf import GGUFReader
+
+    path, _ = ggufs("qwen3_moe", "q8_0")
+    planned = plan(path, ExportOptions())
+    experts = [linear for linear in planned.linears if ".mlp.experts." in linear.name]
+    assert len(experts) == 4 * 8 * 3 and planned.prequantized is not None
+    assert all(linear.method is QuantMethod.STORED and linear.bits == 8 for linear in experts)
+    stored = [linear for linear in planned.linears if linear.method is QuantMethod.STORED]
+    assert planned.prequantized.transcoded == len(stored) >= len(experts)
+    raw = {t.name: np.array(t.data) for t in GGUFReader(path).tensors}
+    weights = _opened(path).weights
+    for e in (0, 5):
+        blocks = raw["blk.2.ffn_up_exps.weight"][e].reshape(32, -1, 34)  # moe width 32, Q8_0 blocks of 34 bytes
+        stored = weights.prequantized(f"model.layers.2.mlp.experts.{e}.up_proj.weight")
+        assert np.array_equal(stored.scales.numpy(), blocks[..., :2].copy().view(np.float16)[..., 0].astype(np.float32))
+    assert not torch.equal(weights.tensor("model.layers.2.mlp.experts.0.up_proj.weight"),
+                           weights.tensor("model.layers.2.mlp.experts.5.up_proj.weight"))
 
 
 def test_llama3_rope_is_read_from_the_rope_freqs_tensor():
@@ -153,6 +225,9 @@ def test_hostile_files_are_one_line_errors(ggufs, tmp_path):
     cases["pre.gguf"] = "tokenizer.ggml.pre 'bogus' is not supported"
     rewritten(f32, tmp_path / "extra.gguf", extra={"blk.0.weird.weight": np.zeros((4, 4), np.float32)})
     cases["extra.gguf"] = "tensor 'blk.0.weird.weight' has no HF counterpart"
+    moe, _ = ggufs("qwen3_moe", "f32")
+    rewritten(moe, tmp_path / "experts.gguf", metadata={"qwen3moe.expert_count": 4})
+    cases["experts.gguf"] = "tensor 'blk.0.ffn_down_exps.weight' has shape [8, 64, 32], expected [4 experts, out, in]"
     for name, message in cases.items():
         with pytest.raises(InputError) as err:
             _opened(tmp_path / name)

@@ -29,8 +29,11 @@ def ggufs(tmp_path_factory):
 
 #: case -> (family, GGUF type): symmetric 8-bit blocks of Qwen3 (q/k norms, head_dim from key_length) by
 #: convert_hf_to_gguf.py; the trained Llama (llama.cpp's q/k permutation, llama3 RoPE from rope_freqs)
-#: as a Q4_K_M-like mix by our packers: Q4_K kept as asymmetric records, Q6_K re-quantized
-CASES = {"qwen3-q8_0": ("qwen3", "q8_0"), "trained-llama-mix": ("trained", OUR_MIX)}
+#: as a Q4_K_M-like mix by our packers: Q4_K kept as asymmetric records, Q6_K re-quantized; a Mistral
+#: (written by convert_hf_to_gguf.py as arch llama, q/k permuted) and a Qwen3-MoE (stacked experts
+#: split into per-expert records) by convert_hf_to_gguf.py
+CASES = {"qwen3-q8_0": ("qwen3", "q8_0"), "trained-llama-mix": ("trained", OUR_MIX),
+         "mistral-q8_0": ("mistral", "q8_0"), "qwen3-moe-q8_0": ("qwen3_moe", "q8_0")}
 
 
 @pytest.fixture(scope="session")
@@ -73,9 +76,12 @@ def test_gguf_export_keeps_the_integers_and_verifies(exported, case):
     report = result.verification
     assert result.verify_error is None and report is not None and report.passed, result.verify_error
     pre = result.plan.prequantized
-    assert pre is not None and pre.transcoded == len(result.plan.linears) - len(pre.requantized) > 0
+    # routers (ffn_gate_inp) are F32 in llama.cpp's files: quantized from float, by the options
+    assert pre is not None and {e.name.rsplit(".", 1)[-1] for e in pre.quantized_from_float} <= {"gate"}
+    assert pre.transcoded == len(result.plan.linears) - len(pre.requantized) - len(pre.quantized_from_float) > 0
     assert {e.stored for e in pre.requantized} <= {"Q6_K"}
-    assert report.prequantized["linears_exact"] == pre.transcoded
+    # the routers are stored in float (MNN's MoE op): their F32 values read back exactly too
+    assert report.prequantized["linears_exact"] == pre.transcoded + len(pre.quantized_from_float)
     assert set(report.prequantized["linears_changed"]) == {e.name for e in pre.requantized}
     for name, table in pre.tables.items():  # an untied table kept as stored reads back exactly
         assert report.prequantized["tables"][name]["exact"] == table.kept
@@ -83,8 +89,10 @@ def test_gguf_export_keeps_the_integers_and_verifies(exported, case):
     assert report.exact_kernels is not None and report.exact_kernels.max_abs_err < 1e-3
     assert report.conversation is not None and len(report.conversation.turns) == report.conversation.planned_turns
     # not vacuous: the records hold llama.cpp's rounding, not the checkpoint's floats
-    source = Checkpoint.open(hf).weights.tensor("model.layers.1.mlp.up_proj.weight").float()
-    rec = linear_records(result.dst)["model.layers.1.mlp.up_proj"]
+    records = linear_records(result.dst)
+    probe = next(n for n in ("model.layers.1.mlp.up_proj", "model.layers.1.mlp.experts.0.up_proj") if n in records)
+    source = Checkpoint.open(hf).weights.tensor(f"{probe}.weight").float()
+    rec = records[probe]
     decoded, _ = read_linear(result.dst / "llm.mnn.weight", rec["external"], rec["quanParameter"], rec["oc"], rec["ic"])
     assert 0 < float((decoded - source).abs().max()) < 0.1
     manifest = json.loads((result.dst / "manifest.json").read_text())

@@ -28,12 +28,17 @@ class GgufArchitecture:
     qkv_bias_key: str | None = None  # the config key saying q/k/v have biases (None: the class always has them)
     fixed: tuple[tuple[str, Any], ...] = ()  # config entries llama.cpp does not write, as HF's converter had them
     permuted: bool = False  # convert_hf_to_gguf.py permuted q/k rows for RoPE (llmexport.source.importers.gguf.names)
+    moe: bool = False  # routed experts: ``expert_count``, ``expert_used_count``, ``expert_feed_forward_length``
 
 
 ARCHITECTURES: dict[str, GgufArchitecture] = {
     "llama": GgufArchitecture("llama", "LlamaForCausalLM", "attention_bias", (("mlp_bias", False),), permuted=True),
     "qwen2": GgufArchitecture("qwen2", "Qwen2ForCausalLM"),
     "qwen3": GgufArchitecture("qwen3", "Qwen3ForCausalLM", "attention_bias"),
+    # llama.cpp's qwen3moe graph renormalises the top-k weights and routes every layer
+    # (src/models/qwen3moe.cpp; transformers' GGUF loader sets norm_topk_prob for the same reason)
+    "qwen3moe": GgufArchitecture("qwen3_moe", "Qwen3MoeForCausalLM", "attention_bias", (
+        ("norm_topk_prob", True), ("decoder_sparse_step", 1), ("mlp_only_layers", ())), moe=True),
 }
 
 
@@ -99,6 +104,10 @@ def hf_config(meta: Metadata, tensors: dict[str, tuple[int, ...]], rope_freqs: n
         "pad_token_id": meta.get("tokenizer.ggml.padding_token_id"),
         "dtype": "float32",
     }
+    if spec.moe:
+        config.update(num_experts=meta.require(key("expert_count"), int),
+                      num_experts_per_tok=meta.require(key("expert_used_count"), int),
+                      moe_intermediate_size=meta.require(key("expert_feed_forward_length"), int))
     if spec.qkv_bias_key is not None:
         config[spec.qkv_bias_key] = "blk.0.attn_q.bias" in tensors
     config.update(spec.fixed)

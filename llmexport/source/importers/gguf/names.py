@@ -1,5 +1,6 @@
 """llama.cpp's tensor names (gguf-py's ``TENSOR_NAMES``) and the HF names they came from, for the
-decoders read here; which of them ``convert_hf_to_gguf.py`` permuted for RoPE.
+decoders read here (a stacked expert tensor: one HF tensor per expert); which of them
+``convert_hf_to_gguf.py`` permuted for RoPE.
 
 llama.cpp's ``LlamaModel.permute`` reorders the rows of ``q_proj`` / ``k_proj`` (weights and biases)
 from HF's rotate-half layout (per head: the first half, then the second half of each rotated pair)
@@ -31,6 +32,14 @@ TENSORS: dict[str, str] = {
     "blk.{i}.ffn_gate.weight": "model.layers.{i}.mlp.gate_proj.weight",
     "blk.{i}.ffn_up.weight": "model.layers.{i}.mlp.up_proj.weight",
     "blk.{i}.ffn_down.weight": "model.layers.{i}.mlp.down_proj.weight",
+    "blk.{i}.ffn_gate_inp.weight": "model.layers.{i}.mlp.gate.weight",
+}
+#: a layer's experts stacked in one 3-D tensor ``[experts, out, in]`` -> expert ``{e}``'s HF name
+#: (``Qwen2MoeModel.modify_tensors`` stacks the per-expert tensors, expert e at index e)
+EXPERTS: dict[str, str] = {
+    "blk.{i}.ffn_gate_exps.weight": "model.layers.{i}.mlp.experts.{e}.gate_proj.weight",
+    "blk.{i}.ffn_up_exps.weight": "model.layers.{i}.mlp.experts.{e}.up_proj.weight",
+    "blk.{i}.ffn_down_exps.weight": "model.layers.{i}.mlp.experts.{e}.down_proj.weight",
 }
 #: tensors that are no HF tensor: llama-3's RoPE factors (read into the config instead)
 NOT_TENSORS = ("rope_freqs.weight",)
@@ -40,12 +49,22 @@ PERMUTED = {"attn_q": "num_attention_heads", "attn_k": "num_key_value_heads"}
 _BLOCK = re.compile(r"blk\.(\d+)\.")
 
 
-def hf_name(gguf_name: str) -> str | None:
-    """The HF name of a GGUF tensor, None for one this table does not know."""
+def _lookup(table: dict[str, str], gguf_name: str) -> str | None:
     match = _BLOCK.match(gguf_name)
     key = _BLOCK.sub("blk.{i}.", gguf_name, count=1) if match else gguf_name
-    hf = TENSORS.get(key)
+    hf = table.get(key)
     return None if hf is None else hf.replace("{i}", match.group(1) if match else "")
+
+
+def hf_name(gguf_name: str) -> str | None:
+    """The HF name of a GGUF tensor, None for one this table does not know."""
+    return _lookup(TENSORS, gguf_name)
+
+
+def expert_names(gguf_name: str, experts: int) -> list[str] | None:
+    """The HF names of the experts a stacked GGUF tensor holds, in order; None if it holds none."""
+    hf = _lookup(EXPERTS, gguf_name)
+    return None if hf is None else [hf.replace("{e}", str(e)) for e in range(experts)]
 
 
 def permuted_heads(gguf_name: str) -> str | None:

@@ -1,6 +1,7 @@
 """A GGUF file's tensors under HF names (the ``PrequantizedStore`` interface): dequantized on read
 (gguf-py's ``gguf.quants.dequantize``, llama.cpp's numpy reference), q/k rows put back in HF's order,
-and the blocks of the types an MNN record holds (``blocks.KEPT``) handed over as their integers."""
+stacked experts split into HF's per-expert tensors, and the blocks of the types an MNN record holds
+(``blocks.KEPT``) handed over as their integers."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from llmexport.errors import InputError
 from llmexport.source.importers.gguf.blocks import KEPT, prequantized
 from llmexport.source.importers.gguf.config import ARCHITECTURES
 from llmexport.source.importers.gguf.file import GgufFile, GgufTensor
-from llmexport.source.importers.gguf.names import NOT_TENSORS, hf_name, permuted_heads, unpermute_order
+from llmexport.source.importers.gguf.names import NOT_TENSORS, expert_names, hf_name, permuted_heads, unpermute_order
 from llmexport.source.safetensors_file import WholeLazy
 from llmexport.spec import Prequantized, QuantInfo
 
@@ -112,6 +113,10 @@ class GgufWeights:
         for name, tensor in file.tensors.items():
             if name in NOT_TENSORS:
                 continue
+            experts = expert_names(name, int(config["num_experts"])) if config.get("num_experts") else None
+            if experts is not None:
+                self._add_experts(tensor, experts)
+                continue
             hf = hf_name(name)
             if hf is None:
                 raise InputError(f"{file.path}: tensor {name!r} has no HF counterpart in a "
@@ -119,6 +124,15 @@ class GgufWeights:
             heads = permuted_heads(name) if arch.permuted else None
             order = None if heads is None else torch.tensor(unpermute_order(tensor.shape[0], int(config[heads])))
             self._entries[hf] = _Entry(tensor, order)
+
+    def _add_experts(self, tensor: GgufTensor, names: list[str]) -> None:
+        """A stacked ``[experts, out, in]`` tensor as one entry per expert (its rows' blocks kept)."""
+        if len(tensor.shape) != 3 or tensor.shape[0] != len(names):
+            raise InputError(f"{self.path}: tensor {tensor.name!r} has shape {list(tensor.shape)}, "
+                             f"expected [{len(names)} experts, out, in]")
+        for e, hf in enumerate(names):
+            self._entries[hf] = _Entry(GgufTensor(f"{tensor.name}[{e}]", tensor.kind, tensor.shape[1:],
+                                                  tensor.data[e]), None)
 
     # --- the WeightStore interface -----------------------------------------------------------
     def names(self) -> list[str]:
