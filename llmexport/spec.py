@@ -226,11 +226,20 @@ class Prequantized:
         return Prequantized(self.levels[key], self.scales[key], self.biases[key], self.bits, self.group)
 
     def dequantize(self) -> torch.Tensor:
-        """fp32 ``scales * q + biases``: exactly MLX's affine map evaluated in fp32."""
+        """``scales * q + biases`` rounded once to fp32 (evaluated in fp64, a few million values at
+        a time). Where the fp32 product of a level and a scale is exact (an 8-bit level times an
+        fp16 or bf16 scale: MLX, GPTQ, most GGUF types) this is exactly the map evaluated in fp32;
+        where it is not (GGUF's Q6_K: an fp16 times an int8 scale times a level), the one rounding
+        gives the exact value the record holds."""
         *lead, cols = self.levels.shape
-        grouped = self.levels.reshape(*lead, cols // self.group, self.group).float()
-        values = grouped * self.scales.float().unsqueeze(-1) + self.biases.float().unsqueeze(-1)
-        return values.reshape(*lead, cols)
+        levels = self.levels.reshape(-1, cols // self.group, self.group)
+        scales, biases = (t.reshape(-1, cols // self.group, 1) for t in (self.scales, self.biases))
+        out = torch.empty(levels.shape, dtype=torch.float32)
+        step = max(1, (1 << 22) // max(cols, 1))
+        for start in range(0, levels.shape[0], step):
+            rows = slice(start, start + step)
+            out[rows] = (levels[rows].double() * scales[rows].double() + biases[rows].double()).float()
+        return out.reshape(*lead, cols)
 
     @staticmethod
     def cat(parts: list["Prequantized"]) -> "Prequantized":

@@ -20,7 +20,7 @@ from llmexport.source.importers.gguf.blocks import KEPT, prequantized
 
 #: byte offsets of each type's fp16 fields in a block (the rest is levels and packed scales)
 F16_FIELDS = {"Q8_0": (0,), "Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q5_1": (0, 2), "Q4_K": (0, 2),
-              "Q5_K": (0, 2)}
+              "Q5_K": (0, 2), "Q6_K": (208,)}
 
 
 def random_blocks(kind: str, rows: int, blocks: int, seed: int) -> np.ndarray:
@@ -45,7 +45,7 @@ def _reference(kind: str, raw: np.ndarray) -> np.ndarray:
 def test_kept_blocks_decode_exactly_as_gguf_dequantizes(kind, seed, rows, blocks):
     raw = random_blocks(kind, rows, blocks, seed)
     pq = prequantized(KEPT[kind], raw)
-    assert pq.bits == KEPT[kind].bits and pq.group == 32
+    assert pq.bits == KEPT[kind].bits and pq.group == KEPT[kind].group
     assert pq.levels.shape == (rows, blocks * KEPT[kind].block_values) and int(pq.levels.max()) < 1 << pq.bits
     assert np.array_equal(pq.dequantize().numpy(), _reference(kind, raw))
     assert pq.symmetric == KEPT[kind].sym  # a symmetric type is MNN's scales-only record
@@ -63,13 +63,15 @@ def test_kept_record_reads_back_as_gguf_dequantizes(tmp_path, kind):
         raw = quantize(weights, qtype)
     except NotImplementedError:  # K-quants: no Python quantizer in gguf-py
         raw = random_blocks(kind, rows, cols // 256, 1)
-        d = raw.reshape(rows, -1, KEPT[kind].block_bytes)
-        d[..., 2:4] = d[..., 0:2]  # dmin = d: zero = 8 * d * sc - d * m is exact in fp32
+        if not KEPT[kind].sym:
+            d = raw.reshape(rows, -1, KEPT[kind].block_bytes)
+            d[..., 2:4] = d[..., 0:2]  # dmin = d: zero = 8 * d * sc - d * m is exact in fp32
     pq = prequantized(KEPT[kind], raw)
     info = KEPT[kind].info
     path = tmp_path / "w.bin"
     with open(path, "wb") as f:
-        record = WeightFileWriter(f, 0).write_linear(pq, None, QuantScheme(info.bits, 32, info.sym, QuantMethod.STORED))
+        record = WeightFileWriter(f, 0).write_linear(pq, None, QuantScheme(info.bits, info.group, info.sym,
+                                                                            QuantMethod.STORED))
     decoded, _ = read_linear(path, record.external(), record.quan_parameter(), rows, cols)
     assert torch.equal(decoded, torch.from_numpy(_reference(kind, raw)))
     changed = raw.copy()

@@ -240,17 +240,17 @@ def test_hostile_files_are_one_line_errors(ggufs, tmp_path):
         resolve_source(two)
 
 
-def test_k_quant_mix_keeps_q4_k_and_says_why_not_q6_k(ggufs):
+def test_k_quant_mix_keeps_q4_k_and_q6_k(ggufs):
     """A ``Q4_K_M``-like mix (our packers, tests/gguf_fixtures.py) of the trained tiny Llama: Q4_K
-    linears keep their integers (4-bit asymmetric records), Q6_K ones are re-quantized with the reason."""
+    linears keep their integers as 4-bit asymmetric records of block 32, Q6_K ones as 8-bit
+    symmetric records of block 16 (scale ``d * sc``); the planned records hold the file's values."""
     path, _ = ggufs.trained(OUR_MIX)
     planned = plan(path, ExportOptions())
     pre = planned.prequantized
-    assert pre is not None and pre.transcoded > 0 and not pre.quantized_from_float
-    q6 = {e.name: e for e in pre.requantized}
-    assert q6 and {e.stored for e in q6.values()} == {"Q6_K"}
-    assert all("16-value blocks" in e.reason for e in q6.values())
-    assert {"model.layers.0.self_attn.v_proj", "model.layers.0.mlp.down_proj"} <= set(q6)
-    kept = [linear for linear in planned.linears if linear.method is QuantMethod.STORED]
-    assert len(kept) == pre.transcoded == len(planned.linears) - len(q6)
-    assert all(linear.bits == 4 and linear.block == 32 and not linear.sym for linear in kept)
+    assert pre is not None and not pre.requantized and not pre.quantized_from_float
+    kept = {linear.name: linear for linear in planned.linears if linear.method is QuantMethod.STORED}
+    assert len(kept) == pre.transcoded == len(planned.linears)
+    last = max(int(n.split(".")[2]) for n in kept if n.startswith("model.layers."))
+    q6 = {f"model.layers.{i}.{m}" for i in (0, last) for m in ("self_attn.v_proj", "mlp.down_proj")}
+    assert {n for n, k in kept.items() if (k.bits, k.block, k.sym) == (8, 16, True)} == q6
+    assert all((k.bits, k.block, k.sym) == (4, 32, False) for n, k in kept.items() if n not in q6)

@@ -16,7 +16,7 @@ from llmexport.api import export
 from llmexport.mnn.readback import linear_records
 from llmexport.mnn.weight_reader import read_levels, read_linear
 from llmexport.options import ExportOptions
-from llmexport.quant.scheme import QuantMethod, QuantScheme
+from llmexport.quant.scheme import QuantMethod
 from llmexport.source.checkpoint import Checkpoint
 from llmexport.source.hub import resolve_source
 from llmexport.source.loading import open_architecture
@@ -29,7 +29,8 @@ def ggufs(tmp_path_factory):
 
 #: case -> (family, GGUF type): symmetric 8-bit blocks of Qwen3 (q/k norms, head_dim from key_length) by
 #: convert_hf_to_gguf.py; the trained Llama (llama.cpp's q/k permutation, llama3 RoPE from rope_freqs)
-#: as a Q4_K_M-like mix by our packers: Q4_K kept as asymmetric records, Q6_K re-quantized; a Mistral
+#: as a Q4_K_M-like mix by our packers: Q4_K kept as asymmetric records, Q6_K as symmetric 8-bit records of
+#: block 16; a Mistral
 #: (written by convert_hf_to_gguf.py as arch llama, q/k permuted) and a Qwen3-MoE (stacked experts
 #: split into per-expert records) by convert_hf_to_gguf.py
 CASES = {"qwen3-q8_0": ("qwen3", "q8_0"), "trained-llama-mix": ("trained", OUR_MIX),
@@ -79,7 +80,7 @@ def test_gguf_export_keeps_the_integers_and_verifies(exported, case):
     # routers (ffn_gate_inp) are F32 in llama.cpp's files: quantized from float, by the options
     assert pre is not None and {e.name.rsplit(".", 1)[-1] for e in pre.quantized_from_float} <= {"gate"}
     assert pre.transcoded == len(result.plan.linears) - len(pre.requantized) - len(pre.quantized_from_float) > 0
-    assert {e.stored for e in pre.requantized} <= {"Q6_K"}
+    assert not pre.requantized
     # the routers are stored in float (MNN's MoE op): their F32 values read back exactly too
     assert report.prequantized["linears_exact"] == pre.transcoded + len(pre.quantized_from_float)
     assert set(report.prequantized["linears_changed"]) == {e.name for e in pre.requantized}
@@ -116,18 +117,17 @@ def llama_cpp_greedy(path, prompt: list[int], steps: int) -> list[int]:
 @pytest.mark.slow
 @pytest.mark.skipif(not has_llama_cpp(), reason="llama-cpp-python (llama.cpp's quantizer, runtime) is not installed")
 def test_llama_cpp_q4_k_m_file_exports_and_gives_llama_cpps_greedy_answer(ggufs, tmp_path):
-    """llama.cpp's own ``Q4_K_M`` file (``llama_model_quantize``) of the trained tiny Llama: Q4_K kept,
-    Q6_K re-quantized, --verify passes, and MNN's greedy answer is llama.cpp's."""
+    """llama.cpp's own ``Q4_K_M`` file (``llama_model_quantize``) of the trained tiny Llama: Q4_K and
+    Q6_K (the tied token_embd / lm_head, some attn_v and ffn_down) keep their integers, --verify
+    passes, and MNN's greedy answer is llama.cpp's."""
     from transformers import AutoTokenizer
 
     from llmexport.mnn.runtime import run_runtime
 
     path, _ = ggufs.trained("Q4_K_M")
-    # the Q6_K tensors (the tied token_embd / lm_head, some attn_v and ffn_down) are re-quantized:
-    # at 8 bits, block 32, so that the answer is llama.cpp's model, not a 4-bit copy of it
-    result = export(path, tmp_path / "out", ExportOptions(verify=True, quant=QuantScheme(bits=8, block=32)))
+    result = export(path, tmp_path / "out", ExportOptions(verify=True))
     report, pre = result.verification, result.plan.prequantized
-    assert report is not None and report.passed and pre is not None and pre.transcoded > 0
+    assert report is not None and report.passed and pre is not None and pre.transcoded > 0 and not pre.requantized
     assert report.prequantized["linears_exact"] == pre.transcoded
     assert _check_records(path, result.dst, result) == pre.transcoded
     tokenizer = AutoTokenizer.from_pretrained(resolve_source(path).folder)

@@ -20,6 +20,10 @@ LINEAR_BITS = (2, 3, 4, 8)
 RECORD_BITS = LINEAR_BITS + (FP16_BITS,)
 #: blocks along the input width (0: one block per output row)
 BLOCKS = (0, 32, 64, 128, 256)
+#: blocks a record keeping a source's own integers may carry: BLOCKS and llama.cpp's 16-value
+#: Q6_K blocks (MNN derives a record's block from its scale count; tests/test_gguf_mnn.py runs
+#: such records in the runtime's x86 and ARM kernels)
+KEPT_BLOCKS = (16,) + BLOCKS[1:]
 #: widths of a token table read from its own file (16: bf16)
 TABLE_BITS = (16, 8, 4)
 #: the quantized ones among them

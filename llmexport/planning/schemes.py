@@ -41,7 +41,7 @@ from dataclasses import dataclass, replace
 from typing import Any, Callable, Iterable, cast
 
 from llmexport.errors import UsageError
-from llmexport.mnn.limits import BLOCKS, FP16_BITS, LINEAR_BITS, QUANTIZED_TABLE_BITS
+from llmexport.mnn.limits import BLOCKS, FP16_BITS, KEPT_BLOCKS, LINEAR_BITS, QUANTIZED_TABLE_BITS
 from llmexport.mnn.token_table import JoinedColumns, token_table
 from llmexport.models.base import Architecture
 from llmexport.options import ExportOptions
@@ -166,7 +166,7 @@ class Schemes:
         if infos[0] is None:  # float in the checkpoint: kept as fp16
             return Choice(QuantScheme(FP16_BITS), store.label(weight))
         info = infos[0]
-        block = info.group if info.group in BLOCKS else 0  # else one group per row (_unfit)
+        block = info.group if info.group in KEPT_BLOCKS else 0  # else one group per row (_unfit)
         return Choice(QuantScheme(info.bits, block, info.sym, QuantMethod.STORED), str(info))
 
     def _requested(self, spec: LinearSpec) -> str | None:
@@ -190,8 +190,8 @@ class Schemes:
             return None
         if info.bits not in LINEAR_BITS:
             return f"{info.bits}-bit: MNN linears take {', '.join(map(str, LINEAR_BITS))} bits"
-        if info.group not in BLOCKS and info.group != spec.in_features:  # a whole row is block 0
-            return f"group {info.group}: MNN blocks are {', '.join(map(str, BLOCKS[1:]))}"
+        if info.group not in KEPT_BLOCKS and info.group != spec.in_features:  # a whole row is block 0
+            return f"group {info.group}: kept MNN blocks are {', '.join(map(str, KEPT_BLOCKS))}"
         if spec.role is LinearRole.LM_HEAD and self.arch.tied_embedding and info.bits not in QUANTIZED_TABLE_BITS:
             return f"{info.bits}-bit tied lm_head: the runtime reads it as the token embedding, at 4 or 8 bits only"
         return None

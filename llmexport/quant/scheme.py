@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from enum import Enum
 
-from llmexport.mnn.limits import BLOCKS, FP16_BITS, RECORD_BITS
+from llmexport.mnn.limits import BLOCKS, FP16_BITS, KEPT_BLOCKS, RECORD_BITS
 
 # Blocks narrower than a requested one are only accepted in steps of 8 elements, so that a
 # block is whole bytes at every bit width (3-bit blocks of 8 values are exactly 3 bytes).
@@ -54,9 +54,10 @@ class QuantScheme:
             raise ValueError(
                 f"quantization bits must be one of {list(RECORD_BITS)} (16 = fp16), got {self.bits}"
             )
-        if self.block not in BLOCKS:
+        blocks = (0, *KEPT_BLOCKS) if self.method is QuantMethod.STORED else BLOCKS  # a source's own blocks
+        if self.block not in blocks:
             raise ValueError(
-                f"quantization block must be one of {list(BLOCKS)} "
+                f"quantization block must be one of {list(blocks)} "
                 f"(0 = one block per output channel), got {self.block}"
             )
         if not isinstance(self.method, QuantMethod):

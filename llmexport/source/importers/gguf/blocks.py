@@ -13,15 +13,26 @@ reference these decoders are tested against, block by block):
   ``m``, 128 bytes of nibbles: byte i of run r (32 bytes) holds value ``64 r + i`` low and
   ``64 r + 32 + i`` high; per 32-value sub-block ``w = (d * sc) * q - (dmin * m)``.
 * ``Q5_K`` (176 / 256): as Q4_K with 32 bytes of fifth bits (bit s of byte i: value ``32 s + i``).
+* ``Q6_K`` (210 / 256): 128 bytes of low nibbles, 64 bytes of high bit pairs, 16 int8 scales
+  ``sc``, fp16 ``d``; per 16-value block ``w = (d * sc) * (q - 32)``. In each half of 128 values,
+  value ``32 j + l`` (j < 4, l < 32) has its low nibble in byte ``l + 32 (j % 2)`` of the half's 64
+  (low nibble for j < 2, high for j >= 2) and its high pair at bits ``2 j`` of byte ``l`` of the
+  half's 32.
 
-Each becomes levels (unsigned ``q``), one scale and one bias per 32 values: ``w = scale * q + bias``.
+Each becomes levels (unsigned ``q``), one scale and one bias per 32 values (16 for ``Q6_K``):
+``w = scale * q + bias``.
 ``d * sc`` and ``dmin * m`` (an fp16 times a 6-bit integer) are exact in fp32, and so is every
 product with a level, so ``Prequantized.dequantize`` rounds where gguf-py does, once, at the
 subtraction (Q4_1, Q5_1, Q4_K, Q5_K) or never (the others): the values are bit-identical.
-5-bit types are held by 8-bit records (MNN linears have no 5-bit width): the levels are shifted
-so the symmetric ones stay symmetric (``Q5_0``: level ``q + 112``, bias ``-128 d``).
-``Q6_K`` (16-value blocks), ``Q2_K``/``Q3_K`` (16-value blocks) and the ``IQ*`` codebooks have no
-MNN record: they are dequantized (``gguf.quants``) and quantized afresh.
+5- and 6-bit types are held by 8-bit records (MNN linears have no 5- or 6-bit width): the levels
+are shifted so the symmetric ones stay symmetric (``Q5_0``: level ``q + 112``, bias ``-128 d``;
+``Q6_K``: level ``q + 96``, scale ``d * sc``, exact in fp32, bias ``-128 d sc``), and ``Q6_K``'s
+records have blocks of 16 (MNN derives a record's block from its scale count). The record stores
+``q - 32`` and the runtime multiplies it by the scale: ``d * sc * (q - 32)`` has at most 24
+significant bits, so it is gguf-py's value exactly (``Prequantized.dequantize`` rounds once).
+``Q2_K``/``Q3_K`` (2- and 3-bit levels under per-16 scales that are themselves quantized) are
+not mapped yet, and the ``IQ*`` codebooks have no MNN record: they are dequantized
+(``gguf.quants``) and quantized afresh.
 """
 
 from __future__ import annotations
@@ -47,10 +58,11 @@ class KeptType:
     bits: int
     sym: bool
     decode: Callable[[np.ndarray], tuple[np.ndarray, np.ndarray, np.ndarray]]
+    group: int = GROUP  # values per scale
 
     @property
     def info(self) -> QuantInfo:
-        return QuantInfo(self.bits, GROUP, self.sym)
+        return QuantInfo(self.bits, self.group, self.sym)
 
 
 def _f16(raw: np.ndarray) -> np.ndarray:
@@ -145,6 +157,18 @@ def _q5_k(raw: np.ndarray):
     return q.reshape(raw.shape[0], -1), scale, bias
 
 
+def _q6_k(raw: np.ndarray):
+    b = _blocks(raw, 210)
+    lead = b.shape[:2]
+    low = b[..., :128].reshape(*lead, 2, 2, 32)  # [half, byte run of 32, l]
+    nibbles = np.stack([low & np.uint8(15), low >> np.uint8(4)], axis=-3)  # [half, low/high, run, l]
+    high = b[..., 128:192].reshape(*lead, 2, 1, 32) >> (np.arange(4, dtype=np.uint8) * 2).reshape(4, 1)
+    q = nibbles.reshape(*lead, 2, 4, 32) | ((high & np.uint8(3)) << np.uint8(4))  # value 32 j + l of each half
+    scale = _f16(b[..., 208:210])[..., None] * b[..., 192:208].view(np.int8).astype(np.float32)
+    scale = scale.reshape(raw.shape[0], -1)
+    return (q + np.uint8(96)).reshape(raw.shape[0], -1), scale, -128.0 * scale  # d sc (q + 96) - 128 d sc
+
+
 #: GGUF type name -> how its blocks are kept
 KEPT: dict[str, KeptType] = {
     "Q8_0": KeptType(34, 32, 8, True, _q8_0),
@@ -154,6 +178,7 @@ KEPT: dict[str, KeptType] = {
     "Q5_1": KeptType(24, 32, 8, False, _q5_1),
     "Q4_K": KeptType(144, 256, 4, False, _q4_k),
     "Q5_K": KeptType(176, 256, 8, False, _q5_k),
+    "Q6_K": KeptType(210, 256, 8, True, _q6_k, 16),
 }
 
 
@@ -166,4 +191,4 @@ def prequantized(kind: KeptType, raw: np.ndarray) -> Prequantized:
         return torch.from_numpy(np.array(value, dtype=dtype).reshape(rows, -1))
 
     return Prequantized(tensor(levels, np.uint8), tensor(scales, np.float32), tensor(biases, np.float32),
-                        kind.bits, GROUP)
+                        kind.bits, kind.group)

@@ -24,9 +24,8 @@ from llmexport.spec import Prequantized, QuantInfo
 FLOAT_TYPES = ("F32", "F16", "BF16")
 #: why the other quantized types are dequantized and quantized afresh
 _NO_RECORD = {
-    "Q6_K": "16-value blocks (MNN blocks are 32 to 256 values) of 6-bit levels",
-    "Q2_K": "16-value blocks (MNN blocks are 32 to 256 values)",
-    "Q3_K": "16-value blocks (MNN blocks are 32 to 256 values)",
+    "Q2_K": "2-bit levels under quantized per-16 scales and mins, not mapped to a record yet",
+    "Q3_K": "3-bit levels under quantized per-16 scales, not mapped to a record yet",
 }
 
 
