@@ -40,7 +40,7 @@ def export(path: str | os.PathLike, dst: str | os.PathLike, options: ExportOptio
 
     options = (options or ExportOptions()).validate()
     resolve_destination(dst, None)  # a destination refused for itself is refused before any download
-    source = resolve_source(path, options.revision, options.quiet)
+    source = resolve_source(path, options.revision, options.quiet, options.gguf_file)
     target = resolve_destination(dst, source.folder)
     with StagedExport(target) as staging:
         result = run_export(source.folder, staging.path, options, source.manifest())
@@ -56,13 +56,15 @@ def plan(path: str | os.PathLike, options: ExportOptions | None = None) -> Expor
     from llmexport.source.hub import planning_folder
 
     options = (options or ExportOptions()).validate()
-    with planning_folder(path, options.revision, options.quiet) as folder:
+    with planning_folder(path, options.revision, options.quiet, options.gguf_file) as folder:
         return dry_run(folder, options)
 
 
-def verify(dst: str | os.PathLike, path: str | os.PathLike, revision: str | None = None, **kwargs: Any) -> VerifyReport:
+def verify(dst: str | os.PathLike, path: str | os.PathLike, revision: str | None = None,
+           gguf_file: str | None = None, **kwargs: Any) -> VerifyReport:
     """Run an exported folder in MNN's runtime beside the HF checkpoint it came from; the report is
     also written to ``dst/verify.json`` (``path`` may be a hub repo id, at ``revision``;
+    ``gguf_file``: the GGUF file of a folder or repo holding several;
     ``trust_remote_code=True`` is needed for families whose reference is the checkpoint's own code;
     ``verify_arm=True`` also runs the runtime side on MNN's ARM kernels, ``VerifyReport.arm``)."""
     from llmexport.mnn.arm.machine import arm_machine
@@ -71,4 +73,4 @@ def verify(dst: str | os.PathLike, path: str | os.PathLike, revision: str | None
 
     if kwargs.pop("verify_arm", False):
         kwargs["arm"] = arm_machine()
-    return verify_export(Path(dst), resolve_source(path, revision).folder, **kwargs)
+    return verify_export(Path(dst), resolve_source(path, revision, gguf_file=gguf_file).folder, **kwargs)

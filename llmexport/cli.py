@@ -71,6 +71,7 @@ class ExportCommand:
     verify_windows: int = 16
     lora_path: str | None = None
     revision: str | None = None
+    gguf_file: str | None = None
     target_bpw: float | None = None
     verify_arm: bool = False
     precision: str | None = None
@@ -151,6 +152,9 @@ class ExportCommand:
                    "before quantization; --verify compares with HF carrying the same merge (docs/lora.md).")
 @click.option("--revision", default=None, metavar="REV",
               help="With a hub repo id: the branch, tag or commit to export (default: main).")
+@click.option("--gguf_file", default=None, metavar="NAME",
+              help="The .gguf file to export from a folder or hub repo holding several (a split model: its first "
+                   "part, NAME-00001-of-0000N.gguf); of a hub repo only that file is downloaded.")
 @click.option("--target_bpw", type=float, default=None, metavar="BITS",
               help="A size budget instead of a recipe: each text linear's scheme (from --quant_bit/--quant_block up "
                    "to a smaller block or 8 bits) chosen by sensitivity per byte until the linears' records average "
@@ -287,7 +291,8 @@ def export_options(command: ExportCommand) -> ExportOptions:
                             verify_text=None if command.verify_text is None else VerifyText(
                                 Path(command.verify_text), command.verify_windows),
                             lora=None if command.lora_path is None else Path(command.lora_path),
-                            revision=command.revision, target_bpw=command.target_bpw,
+                            revision=command.revision, gguf_file=command.gguf_file,
+                            target_bpw=command.target_bpw,
                             verify_arm=command.verify_arm,
                             precision=None if command.precision is None else Precision(command.precision))
     quant_config = command.quant_config

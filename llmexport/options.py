@@ -143,6 +143,10 @@ class ExportOptions:
     ``revision`` (``--revision``): the branch, tag or commit of a hub repo id given as the path
     (llmexport.source.hub); manifest.json records it, with the commit it resolved to, under ``source``.
 
+    ``gguf_file`` (``--gguf_file``): the GGUF file to export from a folder or hub repo holding
+    several (docs/gguf-import.md); of a repo only that file is fetched. manifest.json records it
+    under ``source`` for a hub repo.
+
     ``target_bpw`` (``--target_bpw``) chooses each text linear's scheme, from ``quant`` upwards, by
     sensitivity per byte until the linears' records average that many bits per weight
     (llmexport.quant.budget, llmexport.calibration.size_budget). manifest.json records it only when set.
@@ -171,6 +175,7 @@ class ExportOptions:
     verify_text: VerifyText | None = None
     lora: Path | None = None
     revision: str | None = None
+    gguf_file: str | None = None
     target_bpw: float | None = None
     verify_arm: bool = False
     precision: Precision | None = None
@@ -248,6 +253,7 @@ class ExportOptions:
 
         fields = {k: v for k, v in asdict(self).items() if k not in self.PRESENTATION}
         del fields["revision"]  # the manifest's "source" holds it beside the commit it resolved to
+        del fields["gguf_file"]  # so does it, of a hub repo; the export's bytes are the file's
         if not self.approximate_ignore_merges:  # manifests written before the flag existed stay the same
             del fields["approximate_ignore_merges"]
         if self.lora is None:  # manifests of exports without an adapter stay the same

@@ -79,12 +79,13 @@ runpy.run_path(script, run_name='__main__')
 """
 
 
-def convert(checkpoint: Path, pre: str, outtype: str, out: Path) -> Path:
-    """``convert_hf_to_gguf.py checkpoint --outtype outtype`` into ``out``."""
+def convert(checkpoint: Path, pre: str, outtype: str, out: Path, *extra: str) -> Path:
+    """``convert_hf_to_gguf.py checkpoint --outtype outtype [extra]`` into ``out`` (split into
+    ``<out stem>-0000i-of-0000n.gguf`` beside it by ``--split-max-tensors``)."""
     cmd = [sys.executable, "-c", _RUN, str(converter()), pre, str(checkpoint), "--outtype", outtype,
-           "--outfile", str(out)]
+           "--outfile", str(out), *extra]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
-    if proc.returncode != 0 or not out.exists():
+    if proc.returncode != 0 or not (out.exists() or any(out.parent.glob(f"{out.stem}-00001-of-*.gguf"))):
         raise RuntimeError(f"convert_hf_to_gguf.py failed (rc={proc.returncode}):\n{proc.stderr[-3000:]}")
     return out
 
@@ -260,6 +261,29 @@ OWN_VARIANTS = {"mistral-full": ("mistral", {"sliding_window": None})}
 READS_AS = {"mistral": ("llama", "LlamaForCausalLM")}
 
 
+def tiny_gguf(family: str, qtype: str) -> Path:
+    """The cached GGUF file of ``family``'s tiny checkpoint (``VARIANTS``), of type ``qtype``."""
+    variant = VARIANTS[family]
+    return gguf_file(f"tiny-{variant}-s0", lambda out: build_variant(out, variant), family, qtype)
+
+
+def split_gguf(family: str, qtype: str, max_tensors: int) -> Path:
+    """The tiny ``family`` checkpoint as convert_hf_to_gguf.py writes it with ``--split-max-tensors``:
+    the first of its parts (``model-00001-of-0000n.gguf``), cached with the others beside it."""
+    name = f"tiny-{VARIANTS[family]}-s0"
+    tiny_gguf(family, "f32")  # the checkpoint, built and converted once
+    parts = folder() / f"{name}-{qtype}-split{max_tensors}-{SDIST_FILE.removesuffix('.tar.gz')}"
+    with _locked(folder() / name):
+        if not parts.exists():
+            staging = parts.with_name(parts.name + ".part")
+            shutil.rmtree(staging, ignore_errors=True)
+            staging.mkdir()
+            convert(folder() / name / "hf", PRE[family], qtype, staging / "model.gguf",
+                    "--split-max-tensors", str(max_tensors))
+            staging.replace(parts)
+    return next(parts.glob("model-00001-of-*.gguf"))
+
+
 def build_variant(out: Path, variant: str) -> Path:
     """The tiny checkpoint ``variant`` (a tiny decoder variant or one of ``OWN_VARIANTS``) in ``out``."""
     if variant not in OWN_VARIANTS:
@@ -276,9 +300,8 @@ def gguf_views(tmp_path_factory) -> Iterator[Callable[[str, str], tuple[Path, Pa
     mp.setenv("LLMEXPORT_GGUF_CACHE", str(tmp_path_factory.mktemp("gguf-views")))
 
     def get(family: str, qtype: str):
-        variant = VARIANTS[family]
-        path = gguf_file(f"tiny-{variant}-s0", lambda out: build_variant(out, variant), family, qtype)
-        return path, path.parent / f"tiny-{variant}-s0" / "hf"
+        path = tiny_gguf(family, qtype)
+        return path, path.parent / f"tiny-{VARIANTS[family]}-s0" / "hf"
 
     def trained(qtype: str):
         """The trained tiny Llama (hidden 256: whole K-quant super-blocks) as a GGUF file of ``qtype``."""

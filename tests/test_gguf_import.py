@@ -236,7 +236,7 @@ def test_hostile_files_are_one_line_errors(ggufs, tmp_path):
     two.mkdir()
     for i in range(2):
         shutil.copy(q8, two / f"m{i}.gguf")
-    with pytest.raises(InputError, match="holds 2 GGUF files"):
+    with pytest.raises(InputError, match="holds 2 GGUF models.*name one with --gguf_file"):
         resolve_source(two)
 
 

@@ -16,6 +16,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from gguf_fixtures import split_gguf, tiny_gguf
 from hub_server import HubServer, Repo
 
 from llmexport.errors import InputError, UsageError
@@ -42,7 +43,7 @@ try:
             print(json.dumps({"folder": str(folder), "sha256": {p.relative_to(folder).as_posix():
                               hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(folder.rglob("*"))}}))
         sys.exit(0)
-    source = resolve_source(sys.argv[1], sys.argv[2] or None, quiet=True)
+    source = resolve_source(sys.argv[1], sys.argv[2] or None, quiet=True, gguf_file=sys.argv[5] or None)
 except LlmExportError as exc:
     print(exc, file=sys.stderr)
     sys.exit(exc.exit_code)
@@ -59,9 +60,9 @@ def _clean_env(hub_url: str, home: Path, **extra: str) -> dict[str, str]:
     return env
 
 
-def _resolve(env: dict[str, str], path: str, revision: str = "", chunk: int = 0, mode: str = "export"
-             ) -> tuple[int, dict, str]:
-    proc = subprocess.run([sys.executable, "-c", _RESOLVE, path, revision, str(chunk or ""), mode], env=env,
+def _resolve(env: dict[str, str], path: str, revision: str = "", chunk: int = 0, mode: str = "export",
+             gguf_file: str = "") -> tuple[int, dict, str]:
+    proc = subprocess.run([sys.executable, "-c", _RESOLVE, path, revision, str(chunk or ""), mode, gguf_file], env=env,
                           capture_output=True, text=True, timeout=120)
     return proc.returncode, json.loads(proc.stdout) if proc.returncode == 0 else {}, proc.stderr.strip()
 
@@ -289,6 +290,37 @@ def test_hub_export_matches_the_folder_export(tiny, tmp_path):
     local_manifest = json.loads((tmp_path / "local" / "manifest.json").read_text())
     assert manifest.pop("source") == {"repo_id": "org/tiny", "revision": "main", "commit": Repo.commit}
     assert manifest == local_manifest and "source" not in local_manifest
+
+
+def test_a_repo_of_gguf_files_fetches_only_the_file_named(tmp_path):
+    """A repo of quantizations (bartowski's, unsloth's layout): without --gguf_file an error lists
+    them; with it only that file (every part of a split model) is fetched, and the manifest names it."""
+    first = split_gguf("llama", "q8_0", 12)
+    files = {"tiny-Q8_0.gguf": tiny_gguf("llama", "q8_0").read_bytes(), "tiny-Q4_1.gguf":
+             tiny_gguf("llama", "Q4_1").read_bytes(), "README.md": b"# GGUF\n",
+             **{f"split/{p.name}": p.read_bytes() for p in sorted(first.parent.glob("model-*.gguf"))}}
+    env = _clean_env("", tmp_path / "hf", LLMEXPORT_GGUF_CACHE=str(tmp_path / "views"))
+    with HubServer({"org/tiny-GGUF": Repo(files)}) as hub:
+        env["HF_ENDPOINT"] = hub.url
+        rc, _, err = _resolve(env, "org/tiny-GGUF")
+        assert rc == InputError.exit_code and err == (
+            "--path org/tiny-GGUF: a repo of GGUF files (split/model-00001-of-00004.gguf, tiny-Q4_1.gguf, "
+            "tiny-Q8_0.gguf); "
+            "name the one to export with --gguf_file")
+        hub.requests.clear()
+        rc, out, err = _resolve(env, "org/tiny-GGUF", gguf_file="tiny-Q4_1.gguf")
+        assert rc == 0, err
+        assert sorted(hub.downloaded()) == ["tiny-Q4_1.gguf"]
+        assert out["manifest"] == {"repo_id": "org/tiny-GGUF", "revision": "main", "commit": Repo.commit,
+                                   "gguf_file": "tiny-Q4_1.gguf"}
+        assert "config.json" in out["files"] and Path(out["folder"]).parent == tmp_path / "views"
+        hub.requests.clear()
+        rc, out, err = _resolve(env, "org/tiny-GGUF", gguf_file="split/model-00001-of-00004.gguf")
+        assert rc == 0, err
+        assert sorted(hub.downloaded()) == [f"split/model-0000{i}-of-00004.gguf" for i in range(1, 5)]
+        rc, _, err = _resolve(env, "org/tiny-GGUF", gguf_file="tiny-Q6_K.gguf")
+        assert rc == InputError.exit_code and err.startswith(
+            f"--path org/tiny-GGUF (commit {Repo.commit}): no GGUF file tiny-Q6_K.gguf (its GGUF files: ")
 
 
 def test_revision_flag_reaches_the_options_not_the_options_manifest():

@@ -30,7 +30,7 @@ from typing import Any, Iterator
 
 from llmexport.errors import InputError, UsageError
 from llmexport.progress import bars_wanted
-from llmexport.source.importers.gguf import gguf_file_of, materialize
+from llmexport.source.importers.gguf import SPLIT_NAME, gguf_file_of, materialize, named_file, part_name
 from llmexport.source.input_files import CONFIG_LIMIT, INDEX_LIMIT, SAFETENSORS_HEADER_LIMIT, read_json
 
 log = logging.getLogger(__name__)
@@ -67,37 +67,48 @@ class ModelSource:
     repo_id: str | None = None
     revision: str | None = None
     commit: str | None = None
+    gguf_file: str | None = None  # the repo's GGUF file exported (``--gguf_file``)
 
     def manifest(self) -> dict[str, Any] | None:
         """manifest.json's ``source`` (hub repos only; a local folder's manifest stays as it was)."""
         if self.repo_id is None:
             return None
-        return {"repo_id": self.repo_id, "revision": self.revision or "main", "commit": self.commit}
+        source = {"repo_id": self.repo_id, "revision": self.revision or "main", "commit": self.commit}
+        return source if self.gguf_file is None else {**source, "gguf_file": self.gguf_file}
 
 
-def resolve_source(path: str | os.PathLike, revision: str | None = None, quiet: bool = False) -> ModelSource:
+def resolve_source(path: str | os.PathLike, revision: str | None = None, quiet: bool = False,
+                   gguf_file: str | None = None) -> ModelSource:
     """The checkpoint ``path`` names: an existing folder as it is, else a hub repo id downloaded
-    (or, offline, found) in huggingface_hub's cache."""
+    (or, offline, found) in huggingface_hub's cache. ``gguf_file`` (``--gguf_file``): the GGUF file
+    of a folder or repo to export (of a repo, only that file, or the parts of a split one, is fetched)."""
     text = os.fspath(path)
-    local = _local(text, revision)
+    local = _local(text, revision, gguf_file)
     if local is not None:
         return local
     with _library_output(quiet), _hub_errors(text, revision):
+        if gguf_file is not None:
+            return _fetch_gguf(text, revision, gguf_file)
         snapshot = _small_files(text, revision)
         return _fetch_weights(snapshot)
 
 
 @contextmanager
-def planning_folder(path: str | os.PathLike, revision: str | None = None, quiet: bool = False) -> Iterator[Path]:
+def planning_folder(path: str | os.PathLike, revision: str | None = None, quiet: bool = False,
+                    gguf_file: str | None = None) -> Iterator[Path]:
     """The folder ``--dry-run`` plans from, without downloading weights: a local folder as it is; a
     hub repo's snapshot when its weights are cached; else a temporary folder holding the repo's
     small files and, in place of each weight file, its header (two Range requests) followed by a
     hole up to the file's size. The plan reads headers and sizes only (shapes, dtypes, the
-    tiling check); the hole costs no disk where the file system keeps sparse files."""
+    tiling check); the hole costs no disk where the file system keeps sparse files. A repo's GGUF
+    file is fetched whole: its tensor table and metadata are what the plan reads."""
     text = os.fspath(path)
-    local = _local(text, revision)
+    local = _local(text, revision, gguf_file)
     if local is not None:
         yield local.folder
+        return
+    if gguf_file is not None:
+        yield resolve_source(text, revision, quiet, gguf_file).folder
         return
     with _library_output(quiet), _hub_errors(text, revision):
         snapshot = _small_files(text, revision)
@@ -111,7 +122,7 @@ def planning_folder(path: str | os.PathLike, revision: str | None = None, quiet:
         yield Path(tmp)
 
 
-def _local(path: str, revision: str | None) -> ModelSource | None:
+def _local(path: str, revision: str | None, gguf_file: str | None = None) -> ModelSource | None:
     """``path`` as a local folder, or None when it names a hub repo (a missing path of another
     shape, or --revision with a folder, is an error)."""
     if not os.path.lexists(path) and is_repo_id(path):
@@ -120,8 +131,24 @@ def _local(path: str, revision: str | None) -> ModelSource | None:
         raise UsageError(f"--revision {revision}: applies to a hub repo id; --path {path} is a local path")
     if not os.path.lexists(path):
         raise InputError(f"{path}: model path does not exist (nor is it a hub repo id such as org/name)")
-    gguf = gguf_file_of(Path(path))  # a GGUF file: exported from its HF view (llmexport.source.importers.gguf)
+    # a GGUF file: exported from its HF view (llmexport.source.importers.gguf)
+    gguf = gguf_file_of(Path(path), gguf_file)
     return ModelSource(Path(path) if gguf is None else materialize(gguf))
+
+
+def _fetch_gguf(repo_id: str, revision: str | None, name: str) -> ModelSource:
+    """``--gguf_file name`` of a hub repo: that file (every part of a split model) fetched, nothing
+    else (a repo of GGUF files holds a dozen quantizations of one model)."""
+    from huggingface_hub import snapshot_download
+
+    match = SPLIT_NAME.match(Path(name).name)
+    wanted = [glob.escape(name)] if match is None else [
+        glob.escape(str(Path(name).with_name(part_name(match["stem"], no, int(match["count"])))))
+        for no in range(1, int(match["count"]) + 1)]
+    folder = Path(snapshot_download(repo_id, revision=revision, allow_patterns=wanted))
+    file = named_file(folder, name, f"--path {repo_id} (commit {folder.name})")
+    log.info("%s: commit %s; %s", repo_id, folder.name, name)
+    return ModelSource(materialize(file), repo_id, revision, folder.name, name)
 
 
 @dataclass(frozen=True)
@@ -144,6 +171,10 @@ def _small_files(repo_id: str, revision: str | None) -> _Snapshot:
 
     folder = Path(snapshot_download(repo_id, revision=revision, allow_patterns=list(READ_FILES)))
     if not (folder / "config.json").exists():
+        ggufs = _listed(repo_id, folder, ".gguf")
+        if ggufs:
+            raise InputError(f"--path {repo_id}: a repo of GGUF files ({', '.join(ggufs[:3])}"
+                             f"{', ...' if len(ggufs) > 3 else ''}); name the one to export with --gguf_file")
         raise InputError(f"--path {repo_id}: the repo has no config.json at commit {folder.name} (expected a "
                          "transformers checkpoint)")
     shards = _indexed_shards(folder)
@@ -251,13 +282,7 @@ def _top_level_safetensors(repo_id: str, commit: str, folder: Path) -> list[str]
     file list huggingface_hub cached with the snapshot; an error naming the pickles when there are none."""
     from fnmatch import fnmatch
 
-    from huggingface_hub import get_cached_repo_tree
-    from huggingface_hub.errors import CachedRepoTreeNotFoundError
-
-    try:
-        files = [f.path for f in get_cached_repo_tree(repo_id, revision=commit)]
-    except CachedRepoTreeNotFoundError:  # a snapshot cached without its list (older huggingface_hub): what it holds
-        files = [p.name for p in folder.iterdir()]
+    files = _repo_files(repo_id, folder)
     names = sorted(f for f in files if "/" not in f and f.endswith(".safetensors"))
     if names:
         return names
@@ -266,6 +291,23 @@ def _top_level_safetensors(repo_id: str, commit: str, folder: Path) -> list[str]
         raise InputError(f"--path {repo_id}: the repo has only pickle weights ({', '.join(pickles[:3])}); llmexport "
                          "reads *.safetensors and never unpickles (convert them to safetensors first)")
     raise InputError(f"--path {repo_id}: the repo (commit {commit}) has no *.safetensors weight files")
+
+
+def _repo_files(repo_id: str, folder: Path) -> list[str]:
+    """The repo's files at the snapshot's commit, from the list huggingface_hub cached with it."""
+    from huggingface_hub import get_cached_repo_tree
+    from huggingface_hub.errors import CachedRepoTreeNotFoundError
+
+    try:
+        return [f.path for f in get_cached_repo_tree(repo_id, revision=folder.name)]
+    except CachedRepoTreeNotFoundError:  # a snapshot cached without its list (older huggingface_hub): what it holds
+        return [p.name for p in folder.iterdir()]
+
+
+def _listed(repo_id: str, folder: Path, suffix: str) -> list[str]:
+    """The repo's files ending in ``suffix`` (the first part only of a split GGUF model)."""
+    return sorted(f for f in _repo_files(repo_id, folder) if f.lower().endswith(suffix) and not (
+        (m := SPLIT_NAME.match(Path(f).name)) is not None and int(m["no"]) != 1))
 
 
 def _not_no_match(record: logging.LogRecord) -> bool:

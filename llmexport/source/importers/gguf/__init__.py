@@ -1,7 +1,8 @@
 """GGUF files (llama.cpp's format), read so that their integers reach MNN unchanged wherever an MNN
 record holds them exactly.
 
-``--path model.gguf`` (or a folder holding one ``.gguf`` and no config.json) is opened as the HF
+``--path model.gguf`` (or a folder or hub repo and ``--gguf_file``; a folder holding one ``.gguf`` and
+no config.json needs no flag; a split model is named by its first part) is opened as the HF
 checkpoint it was converted from: the config, tokenizer, chat template and stop ids from the
 file's metadata (``folder``, ``config``, ``tokenizer``), the tensors under HF names with llama.cpp's
 q/k row permutation undone (``names``, ``weights``). Blocks of ``Q8_0``, ``Q4_0``, ``Q4_1``, ``Q4_K``
@@ -10,7 +11,9 @@ linears do is decided in llmexport.planning.schemes, as for MLX and GPTQ); every
 dequantized with gguf-py's reference and quantized by the options, the reason in the plan.
 """
 
-from llmexport.source.importers.gguf.folder import GGUF_LINK, gguf_file_of, materialize
+from llmexport.source.importers.gguf.file import SPLIT_NAME, part_name
+from llmexport.source.importers.gguf.folder import GGUF_LINK, gguf_file_of, materialize, named_file
 from llmexport.source.importers.gguf.weights import GgufLazy, GgufWeights, open_weights
 
-__all__ = ["GGUF_LINK", "GgufLazy", "GgufWeights", "gguf_file_of", "materialize", "open_weights"]
+__all__ = ["GGUF_LINK", "SPLIT_NAME", "GgufLazy", "GgufWeights", "gguf_file_of", "materialize", "named_file",
+           "open_weights", "part_name"]
