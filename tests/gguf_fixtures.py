@@ -39,7 +39,7 @@ PRE = {"llama": "llama-bpe", "mistral": "llama-bpe", "qwen2": "qwen2", "qwen3": 
 PY_FILE_TYPES = {"Q4_0": 2, "Q4_1": 3, "Q5_0": 8, "Q5_1": 9}
 PY_TYPES = tuple(PY_FILE_TYPES)
 #: llama.cpp's file types (``llama_ftype``) the C quantizer makes
-K_FTYPES = {"Q4_K_M": 15, "Q5_K_M": 17, "Q6_K": 18, "Q4_0": 2, "Q4_1": 3, "IQ4_NL": 25}
+K_FTYPES = {"Q4_K_M": 15, "Q5_K_M": 17, "Q6_K": 18, "Q4_0": 2, "Q4_1": 3, "IQ4_NL": 25, "Q3_K_M": 12, "Q2_K": 10}
 
 
 @contextmanager

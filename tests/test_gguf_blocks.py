@@ -20,7 +20,7 @@ from llmexport.source.importers.gguf.blocks import KEPT, prequantized
 
 #: byte offsets of each type's fp16 fields in a block (the rest is levels and packed scales)
 F16_FIELDS = {"Q8_0": (0,), "Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q5_1": (0, 2), "Q4_K": (0, 2),
-              "Q5_K": (0, 2), "Q6_K": (208,)}
+              "Q5_K": (0, 2), "Q6_K": (208,), "Q2_K": (80, 82), "Q3_K": (108,)}
 
 
 def random_blocks(kind: str, rows: int, blocks: int, seed: int) -> np.ndarray:
@@ -64,8 +64,9 @@ def test_kept_record_reads_back_as_gguf_dequantizes(tmp_path, kind):
     except NotImplementedError:  # K-quants: no Python quantizer in gguf-py
         raw = random_blocks(kind, rows, cols // 256, 1)
         if not KEPT[kind].sym:
+            at, min_at = F16_FIELDS[kind]
             d = raw.reshape(rows, -1, KEPT[kind].block_bytes)
-            d[..., 2:4] = d[..., 0:2]  # dmin = d: zero = 8 * d * sc - d * m is exact in fp32
+            d[..., min_at:min_at + 2] = d[..., at:at + 2]  # dmin = d: zero = 2^(bits-1) d sc - d m is exact
     pq = prequantized(KEPT[kind], raw)
     info = KEPT[kind].info
     path = tmp_path / "w.bin"

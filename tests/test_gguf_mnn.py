@@ -116,15 +116,16 @@ def llama_cpp_greedy(path, prompt: list[int], steps: int) -> list[int]:
 
 @pytest.mark.slow
 @pytest.mark.skipif(not has_llama_cpp(), reason="llama-cpp-python (llama.cpp's quantizer, runtime) is not installed")
-def test_llama_cpp_q4_k_m_file_exports_and_gives_llama_cpps_greedy_answer(ggufs, tmp_path):
-    """llama.cpp's own ``Q4_K_M`` file (``llama_model_quantize``) of the trained tiny Llama: Q4_K and
-    Q6_K (the tied token_embd / lm_head, some attn_v and ffn_down) keep their integers, --verify
-    passes, and MNN's greedy answer is llama.cpp's."""
+@pytest.mark.parametrize("ftype", ["Q4_K_M", "Q3_K_M", "Q2_K"])
+def test_llama_cpp_k_quant_file_exports_and_gives_llama_cpps_greedy_answer(ggufs, tmp_path, ftype):
+    """llama.cpp's own K-quant files (``llama_model_quantize``) of the trained tiny Llama: every
+    linear keeps its integers (Q4_K, Q6_K for the tied token_embd / lm_head and some attn_v and
+    ffn_down, Q3_K, Q2_K), --verify passes, and MNN's greedy answer is llama.cpp's."""
     from transformers import AutoTokenizer
 
     from llmexport.mnn.runtime import run_runtime
 
-    path, _ = ggufs.trained("Q4_K_M")
+    path, _ = ggufs.trained(ftype)
     result = export(path, tmp_path / "out", ExportOptions(verify=True))
     report, pre = result.verification, result.plan.prequantized
     assert report is not None and report.passed and pre is not None and pre.transcoded > 0 and not pre.requantized

@@ -30,8 +30,14 @@ are shifted so the symmetric ones stay symmetric (``Q5_0``: level ``q + 112``, b
 records have blocks of 16 (MNN derives a record's block from its scale count). The record stores
 ``q - 32`` and the runtime multiplies it by the scale: ``d * sc * (q - 32)`` has at most 24
 significant bits, so it is gguf-py's value exactly (``Prequantized.dequantize`` rounds once).
-``Q2_K``/``Q3_K`` (2- and 3-bit levels under per-16 scales that are themselves quantized) are
-not mapped yet, and the ``IQ*`` codebooks have no MNN record: they are dequantized
+``Q2_K`` and ``Q3_K`` keep their 2- and 3-bit levels in 2- and 3-bit records of block 16:
+* ``Q2_K`` (84 / 256): 16 bytes of packed 4-bit scale ``sc`` (low) and min ``m`` (high) per 16
+  values, 64 bytes of 2-bit levels, fp16 ``d``, ``dmin``; ``w = (d sc) q - (dmin m)``, value
+  ``32 j + l`` of each half of 128 at bits ``2 j`` of byte ``l`` of the half's 32: asymmetric.
+* ``Q3_K`` (110 / 256): 32 bytes of high bits, 64 bytes of low 2-bit pairs (laid out as Q2_K's),
+  12 bytes of sixteen 6-bit scales, fp16 ``d``; ``w = d (sc - 32) (q - 4)`` with the high bit of
+  value ``128 h + 32 j + l`` at bit ``4 h + j`` of byte ``l``: symmetric, level ``q``, bias ``-4 d (sc - 32)``.
+The ``IQ*`` codebooks have no MNN record: they are dequantized
 (``gguf.quants``) and quantized afresh.
 """
 
@@ -169,6 +175,35 @@ def _q6_k(raw: np.ndarray):
     return (q + np.uint8(96)).reshape(raw.shape[0], -1), scale, -128.0 * scale  # d sc (q + 96) - 128 d sc
 
 
+def _q2_k(raw: np.ndarray):
+    b = _blocks(raw, 84)
+    lead = b.shape[:2]
+    q = (b[..., 16:80].reshape(*lead, 2, 1, 32) >> (np.arange(4, dtype=np.uint8) * 2).reshape(4, 1)) & np.uint8(3)
+    packed = b[..., 0:16]
+    scale = _f16(b[..., 80:82])[..., None] * (packed & np.uint8(15))
+    bias = -(_f16(b[..., 82:84])[..., None] * (packed >> np.uint8(4)))
+    return q.reshape(raw.shape[0], -1), scale.reshape(raw.shape[0], -1), bias.reshape(raw.shape[0], -1)
+
+
+def _q3_k_scales(s: np.ndarray) -> np.ndarray:
+    """Q3_K's sixteen 6-bit scales from its 12 bytes ``[..., 12]``: low nibbles from bytes 0-7,
+    high pairs from bytes 8-11 (``dequantize_row_q3_K``'s ``kmask`` shuffle)."""
+    low, high = s[..., 0:8], s[..., 8:12]
+    pairs = [(high >> np.uint8(2 * k)) & np.uint8(3) for k in range(4)]
+    return np.concatenate([(low[..., 0:4] & 15) | (pairs[0] << 4), (low[..., 4:8] & 15) | (pairs[1] << 4),
+                           (low[..., 0:4] >> 4) | (pairs[2] << 4), (low[..., 4:8] >> 4) | (pairs[3] << 4)], axis=-1)
+
+
+def _q3_k(raw: np.ndarray):
+    b = _blocks(raw, 110)
+    lead = b.shape[:2]
+    low = (b[..., 32:96].reshape(*lead, 2, 1, 32) >> (np.arange(4, dtype=np.uint8) * 2).reshape(4, 1)) & np.uint8(3)
+    high = (b[..., 0:32].reshape(*lead, 1, 1, 32) >> np.arange(8, dtype=np.uint8).reshape(2, 4, 1)) & np.uint8(1)
+    scale = _f16(b[..., 108:110])[..., None] * (_q3_k_scales(b[..., 96:108]).astype(np.float32) - 32)
+    scale = scale.reshape(raw.shape[0], -1)
+    return (low | high << np.uint8(2)).reshape(raw.shape[0], -1), scale, -4.0 * scale  # d (sc - 32) (q - 4)
+
+
 #: GGUF type name -> how its blocks are kept
 KEPT: dict[str, KeptType] = {
     "Q8_0": KeptType(34, 32, 8, True, _q8_0),
@@ -179,6 +214,8 @@ KEPT: dict[str, KeptType] = {
     "Q4_K": KeptType(144, 256, 4, False, _q4_k),
     "Q5_K": KeptType(176, 256, 8, False, _q5_k),
     "Q6_K": KeptType(210, 256, 8, True, _q6_k, 16),
+    "Q2_K": KeptType(84, 256, 2, False, _q2_k, 16),
+    "Q3_K": KeptType(110, 256, 3, True, _q3_k, 16),
 }
 
 

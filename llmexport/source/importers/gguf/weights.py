@@ -22,11 +22,6 @@ from llmexport.spec import Prequantized, QuantInfo
 
 #: the float types, which the export quantizes by its options
 FLOAT_TYPES = ("F32", "F16", "BF16")
-#: why the other quantized types are dequantized and quantized afresh
-_NO_RECORD = {
-    "Q2_K": "2-bit levels under quantized per-16 scales and mins, not mapped to a record yet",
-    "Q3_K": "3-bit levels under quantized per-16 scales, not mapped to a record yet",
-}
 
 
 def unkept_reason(kind: str) -> str:
@@ -35,7 +30,7 @@ def unkept_reason(kind: str) -> str:
         return f"{kind} in the GGUF file: quantized by the export's options"
     if kind.startswith("IQ") or kind in ("TQ1_0", "TQ2_0", "MXFP4", "NVFP4"):
         return f"{kind}: codebook/non-affine levels, which no MNN record holds; dequantized and quantized afresh"
-    return f"{kind}: {_NO_RECORD.get(kind, 'no MNN record holds its blocks')}; dequantized and quantized afresh"
+    return f"{kind}: no MNN record holds its blocks; dequantized and quantized afresh"
 
 
 @dataclass(frozen=True)
