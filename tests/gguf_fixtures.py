@@ -34,7 +34,8 @@ from real_vocab import _locked as locked
 
 CONVERT_DIR = "llama_cpp_python-0.3.36/vendor/llama.cpp/"
 #: the pre-tokenizer name each tiny family's tokenizer stands for
-PRE = {"llama": "llama-bpe", "mistral": "llama-bpe", "qwen2": "qwen2", "qwen3": "qwen2", "qwen3_moe": "qwen2"}
+PRE = {"llama": "llama-bpe", "mistral": "llama-bpe", "qwen2": "qwen2", "qwen3": "qwen2", "qwen3_moe": "qwen2",
+       "phi3": "default", "lfm2": "qwen2"}  # phi3: SentencePiece (no pre); tiny LFM2 splits as Qwen
 #: types gguf-py quantizes in Python, with llama.cpp's file type of each (``llama_ftype``)
 PY_FILE_TYPES = {"Q4_0": 2, "Q4_1": 3, "Q5_0": 8, "Q5_1": 9}
 PY_TYPES = tuple(PY_FILE_TYPES)
@@ -251,7 +252,7 @@ def gguf_file(name: str, build: Callable[[Path], Path], family: str, qtype: str)
 
 #: family -> the tiny decoder variant converted (qwen2 without sliding layers: GGUF keeps none)
 VARIANTS = {"llama": "llama3", "mistral": "mistral-full", "qwen2": "qwen2-tied", "qwen3": "qwen3",
-            "qwen3_moe": "qwen3-moe"}
+            "qwen3_moe": "qwen3-moe", "phi3": "phi4-mini", "lfm2": "lfm2-dense"}
 #: variants made here only: (tiny decoder variant, config overrides). Mistral without a sliding window
 #: (Mistral 7B v0.2/v0.3's config): convert_hf_to_gguf.py writes Mistral as arch ``llama`` and keeps no
 #: ``sliding_window``, so only a full-attention Mistral is the model its file describes
@@ -260,8 +261,59 @@ OWN_VARIANTS = {"mistral-full": ("mistral", {"sliding_window": None})}
 READS_AS = {"mistral": ("llama", "LlamaForCausalLM")}
 
 
+def spm_model(folder: Path) -> Path:
+    """``tokenizer.model`` beside a tiny SentencePiece-style ``tokenizer.json`` (llmexport.tiny.tokenizer):
+    Phi-3's converter reads the vocabulary from it only. Its pieces in id order, typed as SentencePiece
+    types them (unknown, control, byte, normal); a learned piece scored minus the rank of the merge that
+    makes it, the order in which SentencePiece BPE applies merges (what the rebuild's ``spm_merges`` reads)."""
+    import json
+
+    from sentencepiece import sentencepiece_model_pb2 as spm
+
+    tokenizer = json.loads((folder / "tokenizer.json").read_text())
+    vocab, merges = tokenizer["model"]["vocab"], tokenizer["model"]["merges"]
+    rank = {}
+    for i, (a, b) in enumerate(merges):
+        rank.setdefault(a + b, i)
+    special = {t["content"] for t in tokenizer["added_tokens"]}
+    proto = spm.ModelProto()
+    proto.trainer_spec.model_type = spm.TrainerSpec.BPE
+    proto.trainer_spec.byte_fallback = True
+    for piece, _ in sorted(vocab.items(), key=lambda item: item[1]):
+        kind = (spm.ModelProto.SentencePiece.UNKNOWN if piece == "<unk>" else spm.ModelProto.SentencePiece.CONTROL
+                if piece in special else spm.ModelProto.SentencePiece.BYTE if piece.startswith("<0x")
+                else spm.ModelProto.SentencePiece.NORMAL)
+        proto.pieces.add(piece=piece, score=-float(rank.get(piece, 0)) if kind == 1 else 0.0, type=kind)
+    out = folder / "tokenizer.model"
+    out.write_bytes(proto.SerializeToString())
+    return out
+
+
+def build_phi3(out: Path) -> Path:
+    """The tiny Phi-4-mini-like Phi-3 (partial rotary, longrope, tied) with its ``tokenizer.model``."""
+    from llmexport.tiny.phi3 import build_tiny_phi3
+
+    build_tiny_phi3(out, "phi4-mini", seed=0)
+    spm_model(out)
+    return out
+
+
+def build_lfm2(out: Path) -> Path:
+    """The tiny dense LFM2 (conv, attention, conv, attention; its MLP width adjusted by the config)."""
+    from llmexport.tiny.lfm2 import build_tiny_lfm2
+
+    return build_tiny_lfm2(out, "dense", seed=0)
+
+
+#: variants built by their own families' builders
+FAMILY_BUILDERS: dict[str, Callable[[Path], Path]] = {"phi4-mini": build_phi3, "lfm2-dense": build_lfm2}
+
+
 def build_variant(out: Path, variant: str) -> Path:
-    """The tiny checkpoint ``variant`` (a tiny decoder variant or one of ``OWN_VARIANTS``) in ``out``."""
+    """The tiny checkpoint ``variant`` (a tiny decoder variant, one of ``OWN_VARIANTS`` or of
+    ``FAMILY_BUILDERS``) in ``out``."""
+    if variant in FAMILY_BUILDERS:
+        return FAMILY_BUILDERS[variant](out)
     if variant not in OWN_VARIANTS:
         return build_tiny_decoder(out, variant, seed=0)
     base, overrides = OWN_VARIANTS[variant]

@@ -19,6 +19,7 @@ from typing import Any
 from llmexport.errors import InputError
 from llmexport.source.importers.gguf.config import Metadata, hf_config
 from llmexport.source.importers.gguf.file import GgufFile
+from llmexport.source.importers.gguf.names import NOT_TENSORS
 from llmexport.source.importers.gguf.tokenizer import stop_ids, tokenizer_config, tokenizer_json
 
 #: the link to the GGUF file inside a materialized folder
@@ -46,9 +47,9 @@ def gguf_file_of(path: Path) -> Path | None:
 
 def read_config(file: GgufFile) -> dict[str, Any]:
     """The HF config of an opened GGUF file."""
-    rope = file.tensors.get("rope_freqs.weight")
     shapes = {name: t.shape for name, t in file.tensors.items()}
-    return hf_config(Metadata(file.metadata, str(file.path)), shapes, None if rope is None else rope.data)
+    extras = {name: file.tensors[name].data for name in NOT_TENSORS if name in file.tensors}
+    return hf_config(Metadata(file.metadata, str(file.path)), shapes, extras)
 
 
 def materialize(path: Path) -> Path:
