@@ -251,6 +251,12 @@ def test_hostile_files_are_one_line_errors(ggufs, tmp_path):
     moe, _ = ggufs("qwen3_moe", "f32")
     rewritten(moe, tmp_path / "experts.gguf", metadata={"qwen3moe.expert_count": 4})
     cases["experts.gguf"] = "tensor 'blk.0.ffn_down_exps.weight' has shape [8, 64, 32], expected [4 experts, out, in]"
+    phi3, _ = ggufs("phi3", "f32")  # longrope factors that do not fit the rotated dims
+    rewritten(phi3, tmp_path / "longrope.gguf", metadata={"phi3.rope.dimension_count": 8})
+    cases["longrope.gguf"] = "tensor 'rope_factors_long.weight' must hold 4 factors"
+    lfm2, _ = ggufs("lfm2", "f32")  # no attention layer left
+    rewritten(lfm2, tmp_path / "kinds.gguf", metadata={"lfm2.attention.head_count_kv": [0, 0, 0, 0]})
+    cases["kinds.gguf"] = "metadata key 'lfm2.attention.head_count_kv' is [0, 0, 0, 0], expected one kv head count"
     for name, message in cases.items():
         with pytest.raises(InputError) as err:
             _opened(tmp_path / name)
