@@ -33,9 +33,10 @@ from real_vocab import SDIST_FILE, cache_dir, sdist_path
 from real_vocab import _locked as locked
 
 CONVERT_DIR = "llama_cpp_python-0.3.36/vendor/llama.cpp/"
-#: the pre-tokenizer name each tiny family's tokenizer stands for
+#: the pre-tokenizer name each tiny family's tokenizer stands for (Phi-3's is SentencePiece: no pre-tokenizer;
+#: the tiny LFM2 tokenizers split text as Qwen's do)
 PRE = {"llama": "llama-bpe", "mistral": "llama-bpe", "qwen2": "qwen2", "qwen3": "qwen2", "qwen3_moe": "qwen2",
-       "phi3": "default", "lfm2": "qwen2"}  # phi3: SentencePiece (no pre); tiny LFM2 splits as Qwen
+       "phi3": "default", "lfm2": "qwen2", "lfm2_moe": "qwen2"}
 #: types gguf-py quantizes in Python, with llama.cpp's file type of each (``llama_ftype``)
 PY_FILE_TYPES = {"Q4_0": 2, "Q4_1": 3, "Q5_0": 8, "Q5_1": 9}
 PY_TYPES = tuple(PY_FILE_TYPES)
@@ -252,7 +253,7 @@ def gguf_file(name: str, build: Callable[[Path], Path], family: str, qtype: str)
 
 #: family -> the tiny decoder variant converted (qwen2 without sliding layers: GGUF keeps none)
 VARIANTS = {"llama": "llama3", "mistral": "mistral-full", "qwen2": "qwen2-tied", "qwen3": "qwen3",
-            "qwen3_moe": "qwen3-moe", "phi3": "phi4-mini", "lfm2": "lfm2-dense"}
+            "qwen3_moe": "qwen3-moe", "phi3": "phi4-mini", "lfm2": "lfm2-dense", "lfm2_moe": "lfm2-moe"}
 #: variants made here only: (tiny decoder variant, config overrides). Mistral without a sliding window
 #: (Mistral 7B v0.2/v0.3's config): convert_hf_to_gguf.py writes Mistral as arch ``llama`` and keeps no
 #: ``sliding_window``, so only a full-attention Mistral is the model its file describes
@@ -298,15 +299,21 @@ def build_phi3(out: Path) -> Path:
     return out
 
 
-def build_lfm2(out: Path) -> Path:
-    """The tiny dense LFM2 (conv, attention, conv, attention; its MLP width adjusted by the config)."""
-    from llmexport.tiny.lfm2 import build_tiny_lfm2
+def build_lfm2(variant: str) -> Callable[[Path], Path]:
+    """The tiny LFM2 ``variant`` (llmexport.tiny.lfm2): ``dense`` (conv, attention, conv, attention; its
+    MLP width adjusted by the config), ``moe`` (one dense layer, then sigmoid-routed experts with a
+    selection bias, renormalised: LFM2-8B-A1B's router, which llama.cpp's graph assumes)."""
+    def build(out: Path) -> Path:
+        from llmexport.tiny.lfm2 import build_tiny_lfm2
 
-    return build_tiny_lfm2(out, "dense", seed=0)
+        return build_tiny_lfm2(out, variant, seed=0)
+
+    return build
 
 
 #: variants built by their own families' builders
-FAMILY_BUILDERS: dict[str, Callable[[Path], Path]] = {"phi4-mini": build_phi3, "lfm2-dense": build_lfm2}
+FAMILY_BUILDERS: dict[str, Callable[[Path], Path]] = {"phi4-mini": build_phi3, "lfm2-dense": build_lfm2("dense"),
+                                                      "lfm2-moe": build_lfm2("moe")}
 
 
 def build_variant(out: Path, variant: str) -> Path:

@@ -45,7 +45,7 @@ def _opened(path) -> Checkpoint:
 #: families whose file keeps their config in other terms (Phi3Config has no head_dim; LFM2's MLP width
 #: comes back adjusted, its layer kinds from the kv head counts): their families' parsed arguments
 #: are compared instead of config keys (and their logits, test_file_computes_the_checkpoint)
-OWN_TERMS = ("phi3", "lfm2")
+OWN_TERMS = ("phi3", "lfm2", "lfm2_moe")
 
 
 @pytest.mark.parametrize("family", sorted(VARIANTS))
@@ -79,25 +79,29 @@ def test_f32_file_is_the_checkpoint_it_was_converted_from(ggufs, family):
 
 
 #: family -> the tensor the guard changes (a final norm's gamma; LFM2's: its first conv kernel)
-GUARDED = {"mistral": "model.norm.weight", "phi3": "model.norm.weight", "lfm2": "model.layers.0.conv.conv.weight"}
+GUARDED = {"mistral": "model.norm.weight", "phi3": "model.norm.weight", "lfm2": "model.layers.0.conv.conv.weight",
+           "lfm2_moe": "model.layers.2.conv.conv.weight"}
 
 
 @pytest.mark.parametrize("family", sorted(GUARDED))
-def test_file_computes_the_checkpoint(ggufs, family):
+def test_file_computes_the_checkpoint(ggufs, family, tmp_path):
     """The HF model of the config read back, carrying the file's tensors, gives the checkpoint's logits:
     convert_hf_to_gguf.py writes a MistralForCausalLM as arch ``llama`` (no sliding window kept: for a
     Mistral without one the Llama read back is the model); Phi-3's fused qkv / gate_up, partial rotary
-    and longrope factors; LFM2's layer kinds, squeezed conv kernels and adjusted MLP width."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+    and longrope factors; LFM2's layer kinds, squeezed conv kernels and adjusted MLP width; LFM2-MoE's
+    stacked experts, router and selection bias."""
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM
 
     path, hf = ggufs(family, "f32")
     ours = _opened(path)
-    config = dict(ours.config)
-    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(config.pop("model_type"), **config)).eval()
+    # the read-back checkpoint as a folder: transformers stacks per-expert tensors as its classes want them
+    (tmp_path / "config.json").write_text(json.dumps(ours.config))
+    save_file({n: ours.weights.tensor(n).contiguous() for n in ours.weights.names()}, tmp_path / "model.safetensors")
+    model, info = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32, output_loading_info=True)
     assert type(model).__name__ == ours.config["architectures"][0]
-    missing, unexpected = model.load_state_dict({n: ours.weights.tensor(n) for n in ours.weights.names()}, strict=False)
-    assert not unexpected and not [n for n in missing if not n.endswith("inv_freq")
-                                   and n not in model._tied_weights_keys], (missing, unexpected)
+    assert not any(info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys")), info
+    model.eval()
     reference = AutoModelForCausalLM.from_pretrained(hf, dtype=torch.float32).eval()
     assert getattr(reference.config, "sliding_window", None) is None
     ids = torch.randint(0, ours.config["vocab_size"], (1, 24), generator=torch.Generator().manual_seed(0))

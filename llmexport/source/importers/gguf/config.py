@@ -19,6 +19,7 @@ Two architectures need more than the common keys (``GgufArchitecture.adapt``):
   ``attention.head_count_kv``, one entry per layer, 0 for a short-conv layer; the conv kernel
   length as ``shortconv.l_cache``; the MLP width after LFM2's ``block_auto_adjust_ff_dim``
   arithmetic (so the read-back config has the width and no adjustment); ``norm_eps`` as the rms epsilon.
+  ``lfm2moe`` (``LFM2MoeModel``) adds the leading dense layers and the router (``_lfm2_moe``).
 """
 
 from __future__ import annotations
@@ -42,11 +43,13 @@ class GgufArchitecture:
     fixed: tuple[tuple[str, Any], ...] = ()  # config entries llama.cpp does not write, as HF's converter had them
     permuted: bool = False  # convert_hf_to_gguf.py permuted q/k rows for RoPE (llmexport.source.importers.gguf.names)
     moe: bool = False  # routed experts: ``expert_count``, ``expert_used_count``, ``expert_feed_forward_length``
-    #: the architecture's own keys: (metadata, config so far, non-HF tensors by name) -> config changed in place
-    adapt: Callable[[Metadata, dict[str, Any], dict[str, np.ndarray]], None] | None = None
+    #: the architecture's own keys: (metadata, config so far, tensor shapes, non-HF tensors' values) -> the
+    #: config changed in place
+    adapt: Callable[[Metadata, dict[str, Any], dict[str, tuple[int, ...]], dict[str, np.ndarray]], None] | None = None
 
 
-def _phi3(meta: Metadata, config: dict[str, Any], extras: dict[str, np.ndarray]) -> None:
+def _phi3(meta: Metadata, config: dict[str, Any], tensors: dict[str, tuple[int, ...]],
+          extras: dict[str, np.ndarray]) -> None:
     """Phi-3's partial rotary, longrope and sliding window (module docstring)."""
     head_dim, theta = config["head_dim"], config["rope_parameters"]["rope_theta"]
     rotary = meta.get("phi3.rope.dimension_count", head_dim)
@@ -85,17 +88,41 @@ def _longrope(meta: Metadata, config: dict[str, Any], long: np.ndarray | None, s
     return rope
 
 
-def _lfm2(meta: Metadata, config: dict[str, Any], extras: dict[str, np.ndarray]) -> None:
+def _lfm2(meta: Metadata, config: dict[str, Any], tensors: dict[str, tuple[int, ...]],
+          extras: dict[str, np.ndarray]) -> None:
     """LFM2's layer kinds, conv kernel length and norm epsilon (module docstring)."""
-    kv = meta.require("lfm2.attention.head_count_kv", list)
+    arch = meta.architecture
+    kv = meta.require(f"{arch}.attention.head_count_kv", list)
     attending = sorted({n for n in kv if n})
     if len(kv) != config["num_hidden_layers"] or len(attending) != 1 or not all(isinstance(n, int) for n in kv):
-        raise InputError(f"{meta.where}: metadata key 'lfm2.attention.head_count_kv' is {kv!r}, expected one "
+        raise InputError(f"{meta.where}: metadata key '{arch}.attention.head_count_kv' is {kv!r}, expected one "
                          f"kv head count per layer ({config['num_hidden_layers']}), 0 for the short-conv layers")
     config.update(num_key_value_heads=attending[0], layer_types=["full_attention" if n else "conv" for n in kv],
-                  conv_L_cache=meta.require("lfm2.shortconv.l_cache", int), conv_bias=False,
+                  conv_L_cache=meta.require(f"{arch}.shortconv.l_cache", int), conv_bias=False,
                   norm_eps=config.pop("rms_norm_eps"), block_auto_adjust_ff_dim=False)
     del config["hidden_act"]
+
+
+#: ``llama_expert_gating_func_type``'s sigmoid (llama.cpp's LFM2-MoE graph reads the gating from the file)
+_SIGMOID = 2
+
+
+def _lfm2_moe(meta: Metadata, config: dict[str, Any], tensors: dict[str, tuple[int, ...]],
+              extras: dict[str, np.ndarray]) -> None:
+    """LFM2-MoE (``LFM2MoeModel.set_gguf_parameters``): LFM2's keys, the leading dense layers, the
+    sigmoid router with its selection bias when ``exp_probs_b`` is there. The converter writes neither
+    ``norm_topk_prob`` nor ``routed_scaling_factor``: llama.cpp's graph (src/models/lfm2.cpp,
+    ``build_moe_ffn(..., norm_w=true, expert_weights_scale)``) renormalises and scales by
+    ``expert_weights_scale`` (1 when absent), which is the model read back."""
+    _lfm2(meta, config, tensors, extras)
+    gating = meta.get("lfm2moe.expert_gating_func", _SIGMOID)
+    if gating != _SIGMOID:
+        raise InputError(f"{meta.where}: metadata key 'lfm2moe.expert_gating_func' is {gating!r}, "
+                         f"expected {_SIGMOID} (sigmoid, LFM2-MoE's router)")
+    dense = meta.require("lfm2moe.leading_dense_block_count", int)
+    config.update(num_dense_layers=dense, norm_topk_prob=True,
+                  routed_scaling_factor=_f32(meta.get("lfm2moe.expert_weights_scale", 1.0)) or 1.0,
+                  use_expert_bias=any(name.endswith(".exp_probs_b.bias") for name in tensors))
 
 
 ARCHITECTURES: dict[str, GgufArchitecture] = {
@@ -109,6 +136,7 @@ ARCHITECTURES: dict[str, GgufArchitecture] = {
     # the converter writes no key for biases: Phi3's linears have none
     "phi3": GgufArchitecture("phi3", "Phi3ForCausalLM", None, adapt=_phi3),
     "lfm2": GgufArchitecture("lfm2", "Lfm2ForCausalLM", None, adapt=_lfm2),
+    "lfm2moe": GgufArchitecture("lfm2_moe", "Lfm2MoeForCausalLM", None, moe=True, adapt=_lfm2_moe),
 }
 
 
@@ -184,7 +212,7 @@ def hf_config(meta: Metadata, tensors: dict[str, tuple[int, ...]], extras: dict[
         config[spec.qkv_bias_key] = "blk.0.attn_q.bias" in tensors
     config.update(spec.fixed)
     if spec.adapt is not None:
-        spec.adapt(meta, config, extras)
+        spec.adapt(meta, config, tensors, extras)
     return config
 
 

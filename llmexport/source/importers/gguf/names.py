@@ -35,6 +35,21 @@ TENSORS: dict[str, str] = {
     "blk.{i}.ffn_down.weight": "model.layers.{i}.mlp.down_proj.weight",
     "blk.{i}.ffn_gate_inp.weight": "model.layers.{i}.mlp.gate.weight",
 }
+#: LFM2's names, dense and MoE (LFM2-MoE's router and selection bias: ``ffn_gate_inp``, ``exp_probs_b``)
+_LFM2: dict[str, str] = {
+    "token_embd_norm.weight": "model.embedding_norm.weight",
+    "blk.{i}.attn_norm.weight": "model.layers.{i}.operator_norm.weight",
+    "blk.{i}.ffn_norm.weight": "model.layers.{i}.ffn_norm.weight",
+    "blk.{i}.attn_output.weight": "model.layers.{i}.self_attn.out_proj.weight",
+    "blk.{i}.attn_q_norm.weight": "model.layers.{i}.self_attn.q_layernorm.weight",
+    "blk.{i}.attn_k_norm.weight": "model.layers.{i}.self_attn.k_layernorm.weight",
+    "blk.{i}.shortconv.conv.weight": "model.layers.{i}.conv.conv.weight",
+    "blk.{i}.shortconv.in_proj.weight": "model.layers.{i}.conv.in_proj.weight",
+    "blk.{i}.shortconv.out_proj.weight": "model.layers.{i}.conv.out_proj.weight",
+    "blk.{i}.ffn_gate.weight": "model.layers.{i}.feed_forward.w1.weight",
+    "blk.{i}.ffn_up.weight": "model.layers.{i}.feed_forward.w3.weight",
+    "blk.{i}.ffn_down.weight": "model.layers.{i}.feed_forward.w2.weight",
+}
 #: an architecture's own names, before ``TENSORS``: Phi-3 keeps HF's fused ``qkv_proj`` (q, k, v rows)
 #: and ``gate_up_proj`` (gate rows, then up) as ``attn_qkv`` / ``ffn_up`` (gguf-py's tensor_mapping;
 #: ``Phi3MiniModel`` has no ``modify_tensors``); LFM2 names its final norm ``token_embd_norm``
@@ -44,19 +59,11 @@ ARCH_TENSORS: dict[str, dict[str, str]] = {
         "blk.{i}.attn_qkv.weight": "model.layers.{i}.self_attn.qkv_proj.weight",
         "blk.{i}.ffn_up.weight": "model.layers.{i}.mlp.gate_up_proj.weight",
     },
-    "lfm2": {
-        "token_embd_norm.weight": "model.embedding_norm.weight",
-        "blk.{i}.attn_norm.weight": "model.layers.{i}.operator_norm.weight",
-        "blk.{i}.ffn_norm.weight": "model.layers.{i}.ffn_norm.weight",
-        "blk.{i}.attn_output.weight": "model.layers.{i}.self_attn.out_proj.weight",
-        "blk.{i}.attn_q_norm.weight": "model.layers.{i}.self_attn.q_layernorm.weight",
-        "blk.{i}.attn_k_norm.weight": "model.layers.{i}.self_attn.k_layernorm.weight",
-        "blk.{i}.shortconv.conv.weight": "model.layers.{i}.conv.conv.weight",
-        "blk.{i}.shortconv.in_proj.weight": "model.layers.{i}.conv.in_proj.weight",
-        "blk.{i}.shortconv.out_proj.weight": "model.layers.{i}.conv.out_proj.weight",
-        "blk.{i}.ffn_gate.weight": "model.layers.{i}.feed_forward.w1.weight",
-        "blk.{i}.ffn_up.weight": "model.layers.{i}.feed_forward.w3.weight",
-        "blk.{i}.ffn_down.weight": "model.layers.{i}.feed_forward.w2.weight",
+    "lfm2": _LFM2,
+    "lfm2moe": {
+        **_LFM2,
+        "blk.{i}.ffn_gate_inp.weight": "model.layers.{i}.feed_forward.gate.weight",
+        "blk.{i}.exp_probs_b.bias": "model.layers.{i}.feed_forward.expert_bias",
     },
 }
 #: tensors ``modify_tensors`` squeezed, -> the axis it removed: LFM2's depthwise conv kernel, HF's
@@ -69,6 +76,14 @@ EXPERTS: dict[str, str] = {
     "blk.{i}.ffn_gate_exps.weight": "model.layers.{i}.mlp.experts.{e}.gate_proj.weight",
     "blk.{i}.ffn_up_exps.weight": "model.layers.{i}.mlp.experts.{e}.up_proj.weight",
     "blk.{i}.ffn_down_exps.weight": "model.layers.{i}.mlp.experts.{e}.down_proj.weight",
+}
+#: an architecture's own stacked experts (``LFM2MoeModel.modify_tensors`` stacks w1, w2, w3 the same way)
+ARCH_EXPERTS: dict[str, dict[str, str]] = {
+    "lfm2moe": {
+        "blk.{i}.ffn_gate_exps.weight": "model.layers.{i}.feed_forward.experts.{e}.w1.weight",
+        "blk.{i}.ffn_up_exps.weight": "model.layers.{i}.feed_forward.experts.{e}.w3.weight",
+        "blk.{i}.ffn_down_exps.weight": "model.layers.{i}.feed_forward.experts.{e}.w2.weight",
+    },
 }
 #: tensors that are no HF tensor: llama-3's RoPE factors, Phi-3's longrope factors (read into the config)
 NOT_TENSORS = ("rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight")
@@ -90,9 +105,9 @@ def hf_name(gguf_name: str, arch: str = "") -> str | None:
     return _lookup(ARCH_TENSORS.get(arch, {}), gguf_name) or _lookup(TENSORS, gguf_name)
 
 
-def expert_names(gguf_name: str, experts: int) -> list[str] | None:
+def expert_names(gguf_name: str, experts: int, arch: str = "") -> list[str] | None:
     """The HF names of the experts a stacked GGUF tensor holds, in order; None if it holds none."""
-    hf = _lookup(EXPERTS, gguf_name)
+    hf = _lookup(ARCH_EXPERTS.get(arch, EXPERTS), gguf_name)
     return None if hf is None else [hf.replace("{e}", str(e)) for e in range(experts)]
 
 

@@ -128,7 +128,7 @@ class GgufWeights:
         for name, tensor in file.tensors.items():
             if name in NOT_TENSORS:
                 continue
-            experts = expert_names(name, int(config["num_experts"])) if config.get("num_experts") else None
+            experts = expert_names(name, int(config["num_experts"]), arch_name) if config.get("num_experts") else None
             if experts is not None:
                 self._add_experts(tensor, experts)
                 continue
