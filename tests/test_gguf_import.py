@@ -225,6 +225,28 @@ def test_llama3_rope_is_read_from_the_rope_freqs_tensor():
         llama3_parameters(np.linspace(1, 3, 8, dtype=np.float32) ** math.pi, 5e5, 16, "f")
 
 
+def test_phi3_rope_is_read_from_the_file(ggufs):
+    """Phi-3's RoPE from the file's keys and factor tensors: longrope with the converter's own attention
+    factor adds none (transformers derives the same), another one is kept; a file without factor
+    tensors (Phi-3-mini-4k) is default RoPE, still partial when ``rope.dimension_count`` says so."""
+    from llmexport.source.importers.gguf.config import Metadata, hf_config
+    from llmexport.source.importers.gguf.file import GgufFile
+    from llmexport.source.importers.gguf.folder import read_config
+
+    path, hf = ggufs("phi3", "f32")
+    file = GgufFile(path)
+    assert read_config(file)["rope_parameters"] == Checkpoint.open(hf).config["rope_parameters"]
+    shapes = {name: t.shape for name, t in file.tensors.items()}
+    extras = {name: file.tensors[name].data for name in ("rope_factors_long.weight", "rope_factors_short.weight")}
+    scaled = hf_config(Metadata({**file.metadata, "phi3.rope.scaling.attn_factor": 1.5}, "f"), shapes, extras)
+    assert scaled["rope_parameters"]["attention_factor"] == 1.5
+    plain = hf_config(Metadata(file.metadata, "f"), shapes, {})
+    assert plain["rope_parameters"] == {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.75}
+    assert plain["sliding_window"] is None
+    windowed = hf_config(Metadata({**file.metadata, "phi3.attention.sliding_window": 2047}, "f"), shapes, {})
+    assert windowed["sliding_window"] == 2047
+
+
 def _patched_type(src, dst) -> None:
     """``src`` with the first tensor's type id set to 99 (no GGML type)."""
     from gguf import GGUFReader

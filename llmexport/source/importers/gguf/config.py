@@ -75,7 +75,7 @@ def _longrope(meta: Metadata, config: dict[str, Any], long: np.ndarray | None, s
         if factors is None or np.asarray(factors).reshape(-1).shape[0] != pairs:
             raise InputError(f"{meta.where}: tensor 'rope_factors_{name}.weight' must hold {pairs} factors "
                              f"(rope.dimension_count / 2) beside rope_factors_{'short' if name == 'long' else 'long'}")
-        lists[name] = [_f32(x) for x in np.asarray(factors, dtype=np.float32).reshape(-1)]
+        lists[name] = [_f32(float(x)) for x in np.asarray(factors, dtype=np.float32).reshape(-1)]
     original = meta.require("phi3.rope.scaling.original_context_length", int)
     rope = {"rope_type": "longrope", "rope_theta": config["rope_parameters"]["rope_theta"],
             "short_factor": lists["short"], "long_factor": lists["long"], "original_max_position_embeddings": original}
