@@ -63,7 +63,7 @@ def _phi3(meta: Metadata, config: dict[str, Any], tensors: dict[str, tuple[int, 
     if rotary != head_dim or long is not None:
         rope["partial_rotary_factor"] = rotary / head_dim
     config["rope_parameters"] = rope
-    window = meta.get("phi3.attention.sliding_window", 0)
+    window = meta.require("phi3.attention.sliding_window", int) if "phi3.attention.sliding_window" in meta.fields else 0
     config["sliding_window"] = window or None
 
 
@@ -81,7 +81,8 @@ def _longrope(meta: Metadata, config: dict[str, Any], long: np.ndarray | None, s
             "short_factor": lists["short"], "long_factor": lists["long"], "original_max_position_embeddings": original}
     scale = config["max_position_embeddings"] / original
     default = math.sqrt(1 + math.log(scale) / math.log(original)) if scale > 1 else 1.0
-    stored = meta.get("phi3.rope.scaling.attn_factor", default)
+    key = "phi3.rope.scaling.attn_factor"
+    stored = meta.require(key, (int, float)) if key in meta.fields else default
     if not math.isclose(float(np.float32(default)), float(stored), rel_tol=1e-6):  # not the converter's own value
         rope["attention_factor"] = _f32(stored)
     config["original_max_position_embeddings"] = original
