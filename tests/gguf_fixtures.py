@@ -290,19 +290,24 @@ def spm_model(folder: Path) -> Path:
     return out
 
 
-def build_phi3(out: Path) -> Path:
-    """The tiny Phi-4-mini-like Phi-3 (partial rotary, longrope, tied) with its ``tokenizer.model``."""
-    from llmexport.tiny.phi3 import build_tiny_phi3
+def build_phi3(variant: str) -> Callable[[Path], Path]:
+    """The tiny Phi-3 ``variant`` (llmexport.tiny.phi3: ``phi4-mini`` with partial rotary, longrope and
+    a tied head; ``phi3.5`` with full rotary and an untied head) with its ``tokenizer.model``."""
+    def build(out: Path) -> Path:
+        from llmexport.tiny.phi3 import build_tiny_phi3
 
-    build_tiny_phi3(out, "phi4-mini", seed=0)
-    spm_model(out)
-    return out
+        build_tiny_phi3(out, variant, seed=0)
+        spm_model(out)
+        return out
+
+    return build
 
 
 def build_lfm2(variant: str) -> Callable[[Path], Path]:
     """The tiny LFM2 ``variant`` (llmexport.tiny.lfm2): ``dense`` (conv, attention, conv, attention; its
-    MLP width adjusted by the config), ``moe`` (one dense layer, then sigmoid-routed experts with a
-    selection bias, renormalised: LFM2-8B-A1B's router, which llama.cpp's graph assumes)."""
+    MLP width adjusted by the config), ``dense-idxs`` (attention first, conv kernel 4, untied), ``moe``
+    (one dense layer, then sigmoid-routed experts with a selection bias, renormalised: LFM2-8B-A1B's
+    router, which llama.cpp's graph assumes)."""
     def build(out: Path) -> Path:
         from llmexport.tiny.lfm2 import build_tiny_lfm2
 
@@ -312,8 +317,9 @@ def build_lfm2(variant: str) -> Callable[[Path], Path]:
 
 
 #: variants built by their own families' builders
-FAMILY_BUILDERS: dict[str, Callable[[Path], Path]] = {"phi4-mini": build_phi3, "lfm2-dense": build_lfm2("dense"),
-                                                      "lfm2-moe": build_lfm2("moe")}
+FAMILY_BUILDERS: dict[str, Callable[[Path], Path]] = {
+    "phi4-mini": build_phi3("phi4-mini"), "phi3.5": build_phi3("phi3.5"), "lfm2-dense": build_lfm2("dense"),
+    "lfm2-dense-idxs": build_lfm2("dense-idxs"), "lfm2-moe": build_lfm2("moe")}
 
 
 def build_variant(out: Path, variant: str) -> Path:
@@ -329,13 +335,14 @@ def build_variant(out: Path, variant: str) -> Path:
 
 
 def gguf_views(tmp_path_factory) -> Iterator[Callable[[str, str], tuple[Path, Path]]]:
-    """The body of the test modules' session fixture ``ggufs``: (family, type) -> (the cached GGUF
-    file, the HF checkpoint it was converted from); the files' HF views in a session folder."""
+    """The body of the test modules' session fixture ``ggufs``: (family, type[, variant]) -> (the cached
+    GGUF file, the HF checkpoint it was converted from; ``variant`` default ``VARIANTS[family]``); the
+    files' HF views in a session folder."""
     mp = pytest.MonkeyPatch()
     mp.setenv("LLMEXPORT_GGUF_CACHE", str(tmp_path_factory.mktemp("gguf-views")))
 
-    def get(family: str, qtype: str):
-        variant = VARIANTS[family]
+    def get(family: str, qtype: str, variant: str | None = None):
+        variant = variant or VARIANTS[family]
         path = gguf_file(f"tiny-{variant}-s0", lambda out: build_variant(out, variant), family, qtype)
         return path, path.parent / f"tiny-{variant}-s0" / "hf"
 

@@ -78,23 +78,29 @@ def test_f32_file_is_the_checkpoint_it_was_converted_from(ggufs, family):
         assert ours.config["rope_parameters"]["rope_type"] == rope
 
 
-#: family -> the tensor the guard changes (a final norm's gamma; LFM2's: its first conv kernel)
-GUARDED = {"mistral": "model.norm.weight", "phi3": "model.norm.weight", "lfm2": "model.layers.0.conv.conv.weight",
-           "lfm2_moe": "model.layers.2.conv.conv.weight"}
+#: (family, tiny variant or None for VARIANTS') -> the tensor the guard changes (a final norm's gamma;
+#: LFM2's: a conv kernel)
+GUARDED = {("mistral", None): "model.norm.weight", ("phi3", None): "model.norm.weight",
+           ("phi3", "phi3.5"): "model.norm.weight", ("lfm2", None): "model.layers.0.conv.conv.weight",
+           ("lfm2", "lfm2-dense-idxs"): "model.layers.1.conv.conv.weight",
+           ("lfm2_moe", None): "model.layers.2.conv.conv.weight"}
 
 
-@pytest.mark.parametrize("family", sorted(GUARDED))
-def test_file_computes_the_checkpoint(ggufs, family, tmp_path):
+@pytest.mark.parametrize(("family", "variant"), list(GUARDED), ids=lambda v: str(v or "-"))
+def test_file_computes_the_checkpoint(ggufs, family, variant, tmp_path):
     """The HF model of the config read back, carrying the file's tensors, gives the checkpoint's logits:
     convert_hf_to_gguf.py writes a MistralForCausalLM as arch ``llama`` (no sliding window kept: for a
     Mistral without one the Llama read back is the model); Phi-3's fused qkv / gate_up, partial rotary
-    and longrope factors; LFM2's layer kinds, squeezed conv kernels and adjusted MLP width; LFM2-MoE's
-    stacked experts, router and selection bias."""
+    and longrope factors (Phi-3.5-like: full rotary, untied); LFM2's layer kinds, squeezed conv kernels
+    and adjusted MLP width (and attention first, conv kernel 4, untied); LFM2-MoE's stacked experts,
+    router and selection bias."""
     from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM
 
-    path, hf = ggufs(family, "f32")
+    path, hf = ggufs(family, "f32", variant)
     ours = _opened(path)
+    if variant is not None:  # the other variants' arguments are compared in test_f32_file_is_the_checkpoint...
+        assert open_architecture(ours).args == open_architecture(Checkpoint.open(hf)).args
     # the read-back checkpoint as a folder: transformers stacks per-expert tensors as its classes want them
     (tmp_path / "config.json").write_text(json.dumps(ours.config))
     save_file({n: ours.weights.tensor(n).contiguous() for n in ours.weights.names()}, tmp_path / "model.safetensors")
@@ -108,7 +114,7 @@ def test_file_computes_the_checkpoint(ggufs, family, tmp_path):
     with torch.no_grad():
         got, want = model(ids).logits, reference(ids).logits
         assert torch.allclose(got, want, atol=1e-5, rtol=0), float((got - want).abs().max())
-        model.get_parameter(GUARDED[family]).view(-1)[0] += 1.0  # not vacuous: one changed value shows
+        model.get_parameter(GUARDED[family, variant]).view(-1)[0] += 1.0  # not vacuous: one changed value shows
         assert float((model(ids).logits - want).abs().max()) > 1e-2
 
 
