@@ -33,8 +33,10 @@ from real_vocab import SDIST_FILE, cache_dir, sdist_path
 from real_vocab import _locked as locked
 
 CONVERT_DIR = "llama_cpp_python-0.3.36/vendor/llama.cpp/"
-#: the pre-tokenizer name each tiny family's tokenizer stands for
-PRE = {"llama": "llama-bpe", "mistral": "llama-bpe", "qwen2": "qwen2", "qwen3": "qwen2", "qwen3_moe": "qwen2"}
+#: the pre-tokenizer name each tiny family's tokenizer stands for (Phi-3's is SentencePiece: no pre-tokenizer;
+#: the tiny LFM2 tokenizers split text as Qwen's do)
+PRE = {"llama": "llama-bpe", "mistral": "llama-bpe", "qwen2": "qwen2", "qwen3": "qwen2", "qwen3_moe": "qwen2",
+       "phi3": "default", "lfm2": "qwen2", "lfm2_moe": "qwen2"}
 #: types gguf-py quantizes in Python, with llama.cpp's file type of each (``llama_ftype``)
 PY_FILE_TYPES = {"Q4_0": 2, "Q4_1": 3, "Q5_0": 8, "Q5_1": 9}
 PY_TYPES = tuple(PY_FILE_TYPES)
@@ -252,7 +254,7 @@ def gguf_file(name: str, build: Callable[[Path], Path], family: str, qtype: str)
 
 #: family -> the tiny decoder variant converted (qwen2 without sliding layers: GGUF keeps none)
 VARIANTS = {"llama": "llama3", "mistral": "mistral-full", "qwen2": "qwen2-tied", "qwen3": "qwen3",
-            "qwen3_moe": "qwen3-moe"}
+            "qwen3_moe": "qwen3-moe", "phi3": "phi4-mini", "lfm2": "lfm2-dense", "lfm2_moe": "lfm2-moe"}
 #: variants made here only: (tiny decoder variant, config overrides). Mistral without a sliding window
 #: (Mistral 7B v0.2/v0.3's config): convert_hf_to_gguf.py writes Mistral as arch ``llama`` and keeps no
 #: ``sliding_window``, so only a full-attention Mistral is the model its file describes
@@ -261,9 +263,9 @@ OWN_VARIANTS = {"mistral-full": ("mistral", {"sliding_window": None})}
 READS_AS = {"mistral": ("llama", "LlamaForCausalLM")}
 
 
-def tiny_gguf(family: str, qtype: str) -> Path:
-    """The cached GGUF file of ``family``'s tiny checkpoint (``VARIANTS``), of type ``qtype``."""
-    variant = VARIANTS[family]
+def tiny_gguf(family: str, qtype: str, variant: str | None = None) -> Path:
+    """The cached GGUF file of ``family``'s tiny checkpoint (``variant``, default ``VARIANTS``), of type ``qtype``."""
+    variant = variant or VARIANTS[family]
     return gguf_file(f"tiny-{variant}-s0", lambda out: build_variant(out, variant), family, qtype)
 
 
@@ -284,8 +286,71 @@ def split_gguf(family: str, qtype: str, max_tensors: int) -> Path:
     return next(parts.glob("model-00001-of-*.gguf"))
 
 
+def spm_model(folder: Path) -> Path:
+    """``tokenizer.model`` beside a tiny SentencePiece-style ``tokenizer.json`` (llmexport.tiny.tokenizer):
+    Phi-3's converter reads the vocabulary from it only. Its pieces in id order, typed as SentencePiece
+    types them (unknown, control, byte, normal); a learned piece scored minus the rank of the merge that
+    makes it, the order in which SentencePiece BPE applies merges (what the rebuild's ``spm_merges`` reads)."""
+    import json
+
+    from sentencepiece import sentencepiece_model_pb2 as spm
+
+    tokenizer = json.loads((folder / "tokenizer.json").read_text())
+    vocab, merges = tokenizer["model"]["vocab"], tokenizer["model"]["merges"]
+    rank = {}
+    for i, (a, b) in enumerate(merges):
+        rank.setdefault(a + b, i)
+    special = {t["content"] for t in tokenizer["added_tokens"]}
+    proto = spm.ModelProto()
+    proto.trainer_spec.model_type = spm.TrainerSpec.BPE
+    proto.trainer_spec.byte_fallback = True
+    for piece, _ in sorted(vocab.items(), key=lambda item: item[1]):
+        kind = (spm.ModelProto.SentencePiece.UNKNOWN if piece == "<unk>" else spm.ModelProto.SentencePiece.CONTROL
+                if piece in special else spm.ModelProto.SentencePiece.BYTE if piece.startswith("<0x")
+                else spm.ModelProto.SentencePiece.NORMAL)
+        proto.pieces.add(piece=piece, score=-float(rank.get(piece, 0)) if kind == 1 else 0.0, type=kind)
+    out = folder / "tokenizer.model"
+    out.write_bytes(proto.SerializeToString())
+    return out
+
+
+def build_phi3(variant: str) -> Callable[[Path], Path]:
+    """The tiny Phi-3 ``variant`` (llmexport.tiny.phi3: ``phi4-mini`` with partial rotary, longrope and
+    a tied head; ``phi3.5`` with full rotary and an untied head) with its ``tokenizer.model``."""
+    def build(out: Path) -> Path:
+        from llmexport.tiny.phi3 import build_tiny_phi3
+
+        build_tiny_phi3(out, variant, seed=0)
+        spm_model(out)
+        return out
+
+    return build
+
+
+def build_lfm2(variant: str) -> Callable[[Path], Path]:
+    """The tiny LFM2 ``variant`` (llmexport.tiny.lfm2): ``dense`` (conv, attention, conv, attention; its
+    MLP width adjusted by the config), ``dense-idxs`` (attention first, conv kernel 4, untied), ``moe``
+    (one dense layer, then sigmoid-routed experts with a selection bias, renormalised: LFM2-8B-A1B's
+    router, which llama.cpp's graph assumes)."""
+    def build(out: Path) -> Path:
+        from llmexport.tiny.lfm2 import build_tiny_lfm2
+
+        return build_tiny_lfm2(out, variant, seed=0)
+
+    return build
+
+
+#: variants built by their own families' builders
+FAMILY_BUILDERS: dict[str, Callable[[Path], Path]] = {
+    "phi4-mini": build_phi3("phi4-mini"), "phi3.5": build_phi3("phi3.5"), "lfm2-dense": build_lfm2("dense"),
+    "lfm2-dense-idxs": build_lfm2("dense-idxs"), "lfm2-moe": build_lfm2("moe")}
+
+
 def build_variant(out: Path, variant: str) -> Path:
-    """The tiny checkpoint ``variant`` (a tiny decoder variant or one of ``OWN_VARIANTS``) in ``out``."""
+    """The tiny checkpoint ``variant`` (a tiny decoder variant, one of ``OWN_VARIANTS`` or of
+    ``FAMILY_BUILDERS``) in ``out``."""
+    if variant in FAMILY_BUILDERS:
+        return FAMILY_BUILDERS[variant](out)
     if variant not in OWN_VARIANTS:
         return build_tiny_decoder(out, variant, seed=0)
     base, overrides = OWN_VARIANTS[variant]
@@ -294,14 +359,16 @@ def build_variant(out: Path, variant: str) -> Path:
 
 
 def gguf_views(tmp_path_factory) -> Iterator[Callable[[str, str], tuple[Path, Path]]]:
-    """The body of the test modules' session fixture ``ggufs``: (family, type) -> (the cached GGUF
-    file, the HF checkpoint it was converted from); the files' HF views in a session folder."""
+    """The body of the test modules' session fixture ``ggufs``: (family, type[, variant]) -> (the cached
+    GGUF file, the HF checkpoint it was converted from; ``variant`` default ``VARIANTS[family]``); the
+    files' HF views in a session folder."""
     mp = pytest.MonkeyPatch()
     mp.setenv("LLMEXPORT_GGUF_CACHE", str(tmp_path_factory.mktemp("gguf-views")))
 
-    def get(family: str, qtype: str):
-        path = tiny_gguf(family, qtype)
-        return path, path.parent / f"tiny-{VARIANTS[family]}-s0" / "hf"
+    def get(family: str, qtype: str, variant: str | None = None):
+        variant = variant or VARIANTS[family]
+        path = tiny_gguf(family, qtype, variant)
+        return path, path.parent / f"tiny-{variant}-s0" / "hf"
 
     def trained(qtype: str):
         """The trained tiny Llama (hidden 256: whole K-quant super-blocks) as a GGUF file of ``qtype``."""

@@ -24,6 +24,7 @@ from llmexport.quant.scheme import QuantMethod
 from llmexport.source.checkpoint import Checkpoint
 from llmexport.source.hub import resolve_source
 from llmexport.source.importers.gguf.config import _llama3_factors, llama3_parameters
+from llmexport.source.loading import open_architecture
 from llmexport.tiny.tokenizer import TRAINING_CORPUS
 
 
@@ -41,22 +42,32 @@ def _opened(path) -> Checkpoint:
     return Checkpoint.open(resolve_source(path).folder)
 
 
+#: families whose file keeps their config in other terms (Phi3Config has no head_dim; LFM2's MLP width
+#: comes back adjusted, its layer kinds from the kv head counts): their families' parsed arguments
+#: are compared instead of config keys (and their logits, test_file_computes_the_checkpoint)
+OWN_TERMS = ("phi3", "lfm2", "lfm2_moe")
+
+
 @pytest.mark.parametrize("family", sorted(VARIANTS))
 def test_f32_file_is_the_checkpoint_it_was_converted_from(ggufs, family):
     path, hf = ggufs(family, "f32")
     ours, source = _opened(path), Checkpoint.open(hf)
+    assert set(ours.weights.names()) == set(source.weights.names())
+    for name in source.weights.names():
+        assert torch.equal(ours.weights.tensor(name), source.weights.tensor(name).float()), name
+    if family in OWN_TERMS:
+        assert open_architecture(ours).args == open_architecture(source).args
+        assert ours.config["rope_parameters"] == source.config["rope_parameters"]
+        return
     expected = {k: source.config.get(k) for k in CONFIG_KEYS}
     if "num_local_experts" in source.config:  # transformers 5 saves num_experts under its attribute_map name
         expected["num_experts"] = source.config["num_local_experts"]
-    if family in READS_AS:  # Mistral is written as arch llama (test_mistral_file_computes_the_mistral_checkpoint)
+    if family in READS_AS:  # Mistral is written as arch llama (test_file_computes_the_checkpoint)
         expected["model_type"], hf_class = READS_AS[family]
         expected["architectures"] = [hf_class]
     assert {k: ours.config.get(k) for k in CONFIG_KEYS} == expected
     if "attention_bias" in ours.config:  # Qwen2's class always has q/k/v biases: its key is not read
         assert ours.config["attention_bias"] == source.config["attention_bias"]
-    assert set(ours.weights.names()) == set(source.weights.names())
-    for name in source.weights.names():
-        assert torch.equal(ours.weights.tensor(name), source.weights.tensor(name).float()), name
     if family in ("llama", "mistral"):  # llama.cpp permuted q/k rows: reading them as stored would be wrong
         from gguf import GGUFReader
 
@@ -67,23 +78,43 @@ def test_f32_file_is_the_checkpoint_it_was_converted_from(ggufs, family):
         assert ours.config["rope_parameters"]["rope_type"] == rope
 
 
-def test_mistral_file_computes_the_mistral_checkpoint(ggufs):
-    """convert_hf_to_gguf.py writes a MistralForCausalLM as arch ``llama`` (no sliding window kept):
-    for a Mistral without one, the Llama read back gives the Mistral checkpoint's logits."""
-    from transformers import LlamaConfig, LlamaForCausalLM, MistralForCausalLM
+#: (family, tiny variant or None for VARIANTS') -> the tensor the guard changes (a final norm's gamma;
+#: LFM2's: a conv kernel)
+GUARDED = {("mistral", None): "model.norm.weight", ("phi3", None): "model.norm.weight",
+           ("phi3", "phi3.5"): "model.norm.weight", ("lfm2", None): "model.layers.0.conv.conv.weight",
+           ("lfm2", "lfm2-dense-idxs"): "model.layers.1.conv.conv.weight",
+           ("lfm2_moe", None): "model.layers.2.conv.conv.weight"}
 
-    path, hf = ggufs("mistral", "f32")
+
+@pytest.mark.parametrize(("family", "variant"), list(GUARDED), ids=lambda v: str(v or "-"))
+def test_file_computes_the_checkpoint(ggufs, family, variant, tmp_path):
+    """The HF model of the config read back, carrying the file's tensors, gives the checkpoint's logits:
+    convert_hf_to_gguf.py writes a MistralForCausalLM as arch ``llama`` (no sliding window kept: for a
+    Mistral without one the Llama read back is the model); Phi-3's fused qkv / gate_up, partial rotary
+    and longrope factors (Phi-3.5-like: full rotary, untied); LFM2's layer kinds, squeezed conv kernels
+    and adjusted MLP width (and attention first, conv kernel 4, untied); LFM2-MoE's stacked experts,
+    router and selection bias."""
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM
+
+    path, hf = ggufs(family, "f32", variant)
     ours = _opened(path)
-    model = LlamaForCausalLM(LlamaConfig.from_dict(ours.config)).eval()
-    missing, unexpected = model.load_state_dict({n: ours.weights.tensor(n) for n in ours.weights.names()}, strict=False)
-    assert not unexpected and not [n for n in missing if not n.endswith("inv_freq")], (missing, unexpected)
-    reference = MistralForCausalLM.from_pretrained(hf, dtype=torch.float32).eval()
-    assert reference.config.sliding_window is None
+    if variant is not None:  # the other variants' arguments are compared in test_f32_file_is_the_checkpoint...
+        assert open_architecture(ours).args == open_architecture(Checkpoint.open(hf)).args
+    # the read-back checkpoint as a folder: transformers stacks per-expert tensors as its classes want them
+    (tmp_path / "config.json").write_text(json.dumps(ours.config))
+    save_file({n: ours.weights.tensor(n).contiguous() for n in ours.weights.names()}, tmp_path / "model.safetensors")
+    model, info = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32, output_loading_info=True)
+    assert type(model).__name__ == ours.config["architectures"][0]
+    assert not any(info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys")), info
+    model.eval()
+    reference = AutoModelForCausalLM.from_pretrained(hf, dtype=torch.float32).eval()
+    assert getattr(reference.config, "sliding_window", None) is None
     ids = torch.randint(0, ours.config["vocab_size"], (1, 24), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         got, want = model(ids).logits, reference(ids).logits
         assert torch.allclose(got, want, atol=1e-5, rtol=0), float((got - want).abs().max())
-        model.model.norm.weight[0] += 1.0  # not vacuous: one changed gamma shows
+        model.get_parameter(GUARDED[family, variant]).view(-1)[0] += 1.0  # not vacuous: one changed value shows
         assert float((model(ids).logits - want).abs().max()) > 1e-2
 
 
@@ -104,7 +135,9 @@ def test_tokenizer_template_and_stop_ids_are_the_checkpoints(ggufs, family):
     assert json.loads((folder / "tokenizer_config.json").read_text())["chat_template"] == template
     eos = json.loads((hf / "generation_config.json").read_text())["eos_token_id"]
     stops = json.loads((folder / "generation_config.json").read_text())["eos_token_id"]
-    assert set(eos if isinstance(eos, list) else [eos]) <= set(stops)
+    # Phi-3's generation_config also stops on <|assistant|>, which llama.cpp's end-of-generation set leaves out
+    unkept = {theirs.token_to_id("<|assistant|>")} if family == "phi3" else set()
+    assert set(eos if isinstance(eos, list) else [eos]) - unkept <= set(stops)
 
 
 #: config values transformers' GGUF loader does not read from the file (passed to from_pretrained)
@@ -125,7 +158,7 @@ def _loader_tensor(state: dict[str, torch.Tensor], name: str, width: int) -> tor
     return state[f"{prefix}.gate_up_proj"][e, rows]
 
 
-@pytest.mark.parametrize("family", ["llama", "mistral", "qwen2", "qwen3_moe"])
+@pytest.mark.parametrize("family", ["llama", "mistral", "qwen2", "qwen3_moe", "phi3", "lfm2"])
 def test_transformers_gguf_loader_reads_the_same_weights(ggufs, family):
     """transformers' own GGUF loader (``from_pretrained(..., gguf_file=...)``) dequantizes with
     gguf-py, undoes llama.cpp's permutation and stacks the experts: its model carries exactly our weights."""
@@ -198,6 +231,28 @@ def test_llama3_rope_is_read_from_the_rope_freqs_tensor():
         llama3_parameters(np.linspace(1, 3, 8, dtype=np.float32) ** math.pi, 5e5, 16, "f")
 
 
+def test_phi3_rope_is_read_from_the_file(ggufs):
+    """Phi-3's RoPE from the file's keys and factor tensors: longrope with the converter's own attention
+    factor adds none (transformers derives the same), another one is kept; a file without factor
+    tensors (Phi-3-mini-4k) is default RoPE, still partial when ``rope.dimension_count`` says so."""
+    from llmexport.source.importers.gguf.config import Metadata, hf_config
+    from llmexport.source.importers.gguf.file import GgufFile
+    from llmexport.source.importers.gguf.folder import read_config
+
+    path, hf = ggufs("phi3", "f32")
+    file = GgufFile(path)
+    assert read_config(file)["rope_parameters"] == Checkpoint.open(hf).config["rope_parameters"]
+    shapes = {name: t.shape for name, t in file.tensors.items()}
+    extras = {name: file.tensors[name].data for name in ("rope_factors_long.weight", "rope_factors_short.weight")}
+    scaled = hf_config(Metadata({**file.metadata, "phi3.rope.scaling.attn_factor": 1.5}, "f"), shapes, extras)
+    assert scaled["rope_parameters"]["attention_factor"] == 1.5
+    plain = hf_config(Metadata(file.metadata, "f"), shapes, {})
+    assert plain["rope_parameters"] == {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.75}
+    assert plain["sliding_window"] is None
+    windowed = hf_config(Metadata({**file.metadata, "phi3.attention.sliding_window": 2047}, "f"), shapes, {})
+    assert windowed["sliding_window"] == 2047
+
+
 def _patched_type(src, dst) -> None:
     """``src`` with the first tensor's type id set to 99 (no GGML type)."""
     from gguf import GGUFReader
@@ -228,6 +283,12 @@ def test_hostile_files_are_one_line_errors(ggufs, tmp_path):
     moe, _ = ggufs("qwen3_moe", "f32")
     rewritten(moe, tmp_path / "experts.gguf", metadata={"qwen3moe.expert_count": 4})
     cases["experts.gguf"] = "tensor 'blk.0.ffn_down_exps.weight' has shape [8, 64, 32], expected [4 experts, out, in]"
+    phi3, _ = ggufs("phi3", "f32")  # longrope factors that do not fit the rotated dims
+    rewritten(phi3, tmp_path / "longrope.gguf", metadata={"phi3.rope.dimension_count": 8})
+    cases["longrope.gguf"] = "tensor 'rope_factors_long.weight' must hold 4 factors"
+    lfm2, _ = ggufs("lfm2", "f32")  # no attention layer left
+    rewritten(lfm2, tmp_path / "kinds.gguf", metadata={"lfm2.attention.head_count_kv": [0, 0, 0, 0]})
+    cases["kinds.gguf"] = "metadata key 'lfm2.attention.head_count_kv' is [0, 0, 0, 0], expected one kv head count"
     for name, message in cases.items():
         with pytest.raises(InputError) as err:
             _opened(tmp_path / name)

@@ -32,9 +32,13 @@ def ggufs(tmp_path_factory):
 #: as a Q4_K_M-like mix by our packers: Q4_K kept as asymmetric records, Q6_K as symmetric 8-bit records of
 #: block 16; a Mistral
 #: (written by convert_hf_to_gguf.py as arch llama, q/k permuted) and a Qwen3-MoE (stacked experts
-#: split into per-expert records) by convert_hf_to_gguf.py
+#: split into per-expert records), a Phi-3 (fused qkv / gate_up kept as one record each, partial rotary
+#: and longrope read from the file), an LFM2 (short-conv layers: the F32 conv kernels as stored, in/out
+#: projections kept) and an LFM2-MoE (its stacked experts split, the sigmoid router's F32 selection
+#: bias), all by convert_hf_to_gguf.py
 CASES = {"qwen3-q8_0": ("qwen3", "q8_0"), "trained-llama-mix": ("trained", OUR_MIX),
-         "mistral-q8_0": ("mistral", "q8_0"), "qwen3-moe-q8_0": ("qwen3_moe", "q8_0")}
+         "mistral-q8_0": ("mistral", "q8_0"), "qwen3-moe-q8_0": ("qwen3_moe", "q8_0"),
+         "phi3-q8_0": ("phi3", "q8_0"), "lfm2-q8_0": ("lfm2", "q8_0"), "lfm2-moe-q8_0": ("lfm2_moe", "q8_0")}
 
 
 @pytest.fixture(scope="session")
@@ -91,7 +95,9 @@ def test_gguf_export_keeps_the_integers_and_verifies(exported, case):
     assert report.conversation is not None and len(report.conversation.turns) == report.conversation.planned_turns
     # not vacuous: the records hold llama.cpp's rounding, not the checkpoint's floats
     records = linear_records(result.dst)
-    probe = next(n for n in ("model.layers.1.mlp.up_proj", "model.layers.1.mlp.experts.0.up_proj") if n in records)
+    probe = next(n for n in ("model.layers.1.mlp.up_proj", "model.layers.1.mlp.experts.0.up_proj",
+                             "model.layers.1.mlp.gate_up_proj", "model.layers.1.feed_forward.w3",
+                             "model.layers.1.feed_forward.experts.0.w3") if n in records)
     source = Checkpoint.open(hf).weights.tensor(f"{probe}.weight").float()
     rec = records[probe]
     decoded, _ = read_linear(result.dst / "llm.mnn.weight", rec["external"], rec["quanParameter"], rec["oc"], rec["ic"])

@@ -6,13 +6,27 @@ What the file does not keep is HF's default (``hidden_act`` silu, no MLP bias). 
 scaling is kept by llama.cpp only as the ``rope_freqs`` tensor (one factor per rotated pair,
 ``LlamaModel.generate_extra_tensors``): ``llama3_parameters`` finds the llama3 ``rope_parameters``
 that give exactly those factors (transformers' GGUF loader drops them and writes ``default``).
+
+Two architectures need more than the common keys (``GgufArchitecture.adapt``):
+
+* ``phi3`` (``Phi3MiniModel`` in the converter's ``conversion/phi.py``): partial rotary is kept as
+  ``rope.dimension_count`` (``int(partial_rotary_factor * hidden) // heads``), longrope as the
+  ``rope_factors_long`` / ``rope_factors_short`` tensors (fp32 copies of HF's lists) with
+  ``rope.scaling.original_context_length`` and ``rope.scaling.attn_factor`` (computed by the
+  converter from the two lengths, as transformers' ``_compute_longrope_parameters`` does by
+  default), the sliding window as ``attention.sliding_window`` (0 for none).
+* ``lfm2`` (``LFM2Model``, ``conversion/lfm2.py``): which layers attend is kept only as
+  ``attention.head_count_kv``, one entry per layer, 0 for a short-conv layer; the conv kernel
+  length as ``shortconv.l_cache``; the MLP width after LFM2's ``block_auto_adjust_ff_dim``
+  arithmetic (so the read-back config has the width and no adjustment); ``norm_eps`` as the rms epsilon.
+  ``lfm2moe`` (``LFM2MoeModel``) adds the leading dense layers and the router (``_lfm2_moe``).
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
@@ -29,6 +43,87 @@ class GgufArchitecture:
     fixed: tuple[tuple[str, Any], ...] = ()  # config entries llama.cpp does not write, as HF's converter had them
     permuted: bool = False  # convert_hf_to_gguf.py permuted q/k rows for RoPE (llmexport.source.importers.gguf.names)
     moe: bool = False  # routed experts: ``expert_count``, ``expert_used_count``, ``expert_feed_forward_length``
+    #: the architecture's own keys: (metadata, config so far, tensor shapes, non-HF tensors' values) -> the
+    #: config changed in place
+    adapt: Callable[[Metadata, dict[str, Any], dict[str, tuple[int, ...]], dict[str, np.ndarray]], None] | None = None
+
+
+def _phi3(meta: Metadata, config: dict[str, Any], tensors: dict[str, tuple[int, ...]],
+          extras: dict[str, np.ndarray]) -> None:
+    """Phi-3's partial rotary, longrope and sliding window (module docstring)."""
+    head_dim, theta = config["head_dim"], config["rope_parameters"]["rope_theta"]
+    rotary = meta.get("phi3.rope.dimension_count", head_dim)
+    if not isinstance(rotary, int) or not 0 < rotary <= head_dim or rotary % 2:
+        raise InputError(f"{meta.where}: metadata key 'phi3.rope.dimension_count' is {rotary!r}, expected an even "
+                         f"number of rotated dims up to head_dim {head_dim}")
+    long, short = extras.get("rope_factors_long.weight"), extras.get("rope_factors_short.weight")
+    rope: dict[str, Any] = {"rope_type": "default", "rope_theta": theta}
+    if long is not None or short is not None:
+        rope = _longrope(meta, config, long, short, rotary // 2)
+    if rotary != head_dim or long is not None:
+        rope["partial_rotary_factor"] = rotary / head_dim
+    config["rope_parameters"] = rope
+    window = meta.require("phi3.attention.sliding_window", int) if "phi3.attention.sliding_window" in meta.fields else 0
+    config["sliding_window"] = window or None
+
+
+def _longrope(meta: Metadata, config: dict[str, Any], long: np.ndarray | None, short: np.ndarray | None,
+              pairs: int) -> dict[str, Any]:
+    """HF's longrope ``rope_parameters`` from llama.cpp's factor tensors (``Phi3MiniModel.generate_extra_tensors``)."""
+    lists = {}
+    for name, factors in (("long", long), ("short", short)):
+        if factors is None or np.asarray(factors).reshape(-1).shape[0] != pairs:
+            raise InputError(f"{meta.where}: tensor 'rope_factors_{name}.weight' must hold {pairs} factors "
+                             f"(rope.dimension_count / 2) beside rope_factors_{'short' if name == 'long' else 'long'}")
+        lists[name] = [_f32(float(x)) for x in np.asarray(factors, dtype=np.float32).reshape(-1)]
+    original = meta.require("phi3.rope.scaling.original_context_length", int)
+    rope = {"rope_type": "longrope", "rope_theta": config["rope_parameters"]["rope_theta"],
+            "short_factor": lists["short"], "long_factor": lists["long"], "original_max_position_embeddings": original}
+    scale = config["max_position_embeddings"] / original
+    default = math.sqrt(1 + math.log(scale) / math.log(original)) if scale > 1 else 1.0
+    key = "phi3.rope.scaling.attn_factor"
+    stored = meta.require(key, (int, float)) if key in meta.fields else default
+    if not math.isclose(float(np.float32(default)), float(stored), rel_tol=1e-6):  # not the converter's own value
+        rope["attention_factor"] = _f32(stored)
+    config["original_max_position_embeddings"] = original
+    return rope
+
+
+def _lfm2(meta: Metadata, config: dict[str, Any], tensors: dict[str, tuple[int, ...]],
+          extras: dict[str, np.ndarray]) -> None:
+    """LFM2's layer kinds, conv kernel length and norm epsilon (module docstring)."""
+    arch = meta.architecture
+    kv = meta.require(f"{arch}.attention.head_count_kv", list)
+    attending = sorted({n for n in kv if n})
+    if len(kv) != config["num_hidden_layers"] or len(attending) != 1 or not all(isinstance(n, int) for n in kv):
+        raise InputError(f"{meta.where}: metadata key '{arch}.attention.head_count_kv' is {kv!r}, expected one "
+                         f"kv head count per layer ({config['num_hidden_layers']}), 0 for the short-conv layers")
+    config.update(num_key_value_heads=attending[0], layer_types=["full_attention" if n else "conv" for n in kv],
+                  conv_L_cache=meta.require(f"{arch}.shortconv.l_cache", int), conv_bias=False,
+                  norm_eps=config.pop("rms_norm_eps"), block_auto_adjust_ff_dim=False)
+    del config["hidden_act"]
+
+
+#: ``llama_expert_gating_func_type``'s sigmoid (llama.cpp's LFM2-MoE graph reads the gating from the file)
+_SIGMOID = 2
+
+
+def _lfm2_moe(meta: Metadata, config: dict[str, Any], tensors: dict[str, tuple[int, ...]],
+              extras: dict[str, np.ndarray]) -> None:
+    """LFM2-MoE (``LFM2MoeModel.set_gguf_parameters``): LFM2's keys, the leading dense layers, the
+    sigmoid router with its selection bias when ``exp_probs_b`` is there. The converter writes neither
+    ``norm_topk_prob`` nor ``routed_scaling_factor``: llama.cpp's graph (src/models/lfm2.cpp,
+    ``build_moe_ffn(..., norm_w=true, expert_weights_scale)``) renormalises and scales by
+    ``expert_weights_scale`` (1 when absent), which is the model read back."""
+    _lfm2(meta, config, tensors, extras)
+    gating = meta.get("lfm2moe.expert_gating_func", _SIGMOID)
+    if gating != _SIGMOID:
+        raise InputError(f"{meta.where}: metadata key 'lfm2moe.expert_gating_func' is {gating!r}, "
+                         f"expected {_SIGMOID} (sigmoid, LFM2-MoE's router)")
+    dense = meta.require("lfm2moe.leading_dense_block_count", int)
+    config.update(num_dense_layers=dense, norm_topk_prob=True,
+                  routed_scaling_factor=_f32(meta.get("lfm2moe.expert_weights_scale", 1.0)) or 1.0,
+                  use_expert_bias=any(name.endswith(".exp_probs_b.bias") for name in tensors))
 
 
 ARCHITECTURES: dict[str, GgufArchitecture] = {
@@ -39,6 +134,10 @@ ARCHITECTURES: dict[str, GgufArchitecture] = {
     # (src/models/qwen3moe.cpp; transformers' GGUF loader sets norm_topk_prob for the same reason)
     "qwen3moe": GgufArchitecture("qwen3_moe", "Qwen3MoeForCausalLM", "attention_bias", (
         ("norm_topk_prob", True), ("decoder_sparse_step", 1), ("mlp_only_layers", ())), moe=True),
+    # the converter writes no key for biases: Phi3's linears have none
+    "phi3": GgufArchitecture("phi3", "Phi3ForCausalLM", None, adapt=_phi3),
+    "lfm2": GgufArchitecture("lfm2", "Lfm2ForCausalLM", None, adapt=_lfm2),
+    "lfm2moe": GgufArchitecture("lfm2_moe", "Lfm2MoeForCausalLM", None, moe=True, adapt=_lfm2_moe),
 }
 
 
@@ -69,9 +168,10 @@ class Metadata:
         return arch
 
 
-def hf_config(meta: Metadata, tensors: dict[str, tuple[int, ...]], rope_freqs: np.ndarray | None) -> dict[str, Any]:
+def hf_config(meta: Metadata, tensors: dict[str, tuple[int, ...]], extras: dict[str, np.ndarray]) -> dict[str, Any]:
     """The HF config of the file: ``tensors`` maps GGUF tensor names to their HF shapes
-    (``[out, in]``), ``rope_freqs`` is llama-3's factor tensor when the file has one."""
+    (``[out, in]``), ``extras`` the values of its tensors that are no HF tensor (llama-3's
+    ``rope_freqs``, Phi-3's longrope factors: llmexport.source.importers.gguf.names ``NOT_TENSORS``)."""
     arch = meta.architecture
     spec = ARCHITECTURES[arch]
 
@@ -85,8 +185,9 @@ def hf_config(meta: Metadata, tensors: dict[str, tuple[int, ...]], rope_freqs: n
         raise InputError(f"{meta.where}: tensor 'token_embd.weight' is missing")
     theta = _f32(meta.get(key("rope.freq_base"), 10000.0))
     rope: dict[str, Any] = {"rope_theta": theta, "rope_type": "default"}
-    if rope_freqs is not None:
-        rope = llama3_parameters(rope_freqs, theta, head_dim, f"{meta.where}: tensor 'rope_freqs.weight'")
+    if "rope_freqs.weight" in extras:
+        rope = llama3_parameters(extras["rope_freqs.weight"], theta, head_dim,
+                                 f"{meta.where}: tensor 'rope_freqs.weight'")
     config: dict[str, Any] = {
         "architectures": [spec.hf_class], "model_type": spec.model_type,
         "vocab_size": int(tensors["token_embd.weight"][0]), "hidden_size": hidden,
@@ -111,6 +212,8 @@ def hf_config(meta: Metadata, tensors: dict[str, tuple[int, ...]], rope_freqs: n
     if spec.qkv_bias_key is not None:
         config[spec.qkv_bias_key] = "blk.0.attn_q.bias" in tensors
     config.update(spec.fixed)
+    if spec.adapt is not None:
+        spec.adapt(meta, config, tensors, extras)
     return config
 
 

@@ -20,6 +20,7 @@ from typing import Any
 from llmexport.errors import InputError, UsageError
 from llmexport.source.importers.gguf.config import Metadata, hf_config
 from llmexport.source.importers.gguf.file import SPLIT_NAME, GgufFile
+from llmexport.source.importers.gguf.names import NOT_TENSORS
 from llmexport.source.importers.gguf.tokenizer import stop_ids, tokenizer_config, tokenizer_json
 
 #: the link to the GGUF file inside a materialized folder
@@ -70,9 +71,9 @@ def named_file(folder: Path, name: str, where: str) -> Path:
 
 def read_config(file: GgufFile) -> dict[str, Any]:
     """The HF config of an opened GGUF file."""
-    rope = file.tensors.get("rope_freqs.weight")
     shapes = {name: t.shape for name, t in file.tensors.items()}
-    return hf_config(Metadata(file.metadata, str(file.path)), shapes, None if rope is None else rope.data)
+    extras = {name: file.tensors[name].data for name in NOT_TENSORS if name in file.tensors}
+    return hf_config(Metadata(file.metadata, str(file.path)), shapes, extras)
 
 
 def materialize(path: Path) -> Path:

@@ -1,6 +1,7 @@
 """llama.cpp's tensor names (gguf-py's ``TENSOR_NAMES``) and the HF names they came from, for the
-decoders read here (a stacked expert tensor: one HF tensor per expert); which of them
-``convert_hf_to_gguf.py`` permuted for RoPE.
+decoders read here (a stacked expert tensor: one HF tensor per expert), with the names an
+architecture maps otherwise (``ARCH_TENSORS``); which of them ``convert_hf_to_gguf.py`` permuted for
+RoPE, and which it squeezed (``UNSQUEEZED``).
 
 llama.cpp's ``LlamaModel.permute`` reorders the rows of ``q_proj`` / ``k_proj`` (weights and biases)
 from HF's rotate-half layout (per head: the first half, then the second half of each rotated pair)
@@ -34,6 +35,41 @@ TENSORS: dict[str, str] = {
     "blk.{i}.ffn_down.weight": "model.layers.{i}.mlp.down_proj.weight",
     "blk.{i}.ffn_gate_inp.weight": "model.layers.{i}.mlp.gate.weight",
 }
+#: LFM2's names, dense and MoE (LFM2-MoE's router and selection bias: ``ffn_gate_inp``, ``exp_probs_b``)
+_LFM2: dict[str, str] = {
+    "token_embd_norm.weight": "model.embedding_norm.weight",
+    "blk.{i}.attn_norm.weight": "model.layers.{i}.operator_norm.weight",
+    "blk.{i}.ffn_norm.weight": "model.layers.{i}.ffn_norm.weight",
+    "blk.{i}.attn_output.weight": "model.layers.{i}.self_attn.out_proj.weight",
+    "blk.{i}.attn_q_norm.weight": "model.layers.{i}.self_attn.q_layernorm.weight",
+    "blk.{i}.attn_k_norm.weight": "model.layers.{i}.self_attn.k_layernorm.weight",
+    "blk.{i}.shortconv.conv.weight": "model.layers.{i}.conv.conv.weight",
+    "blk.{i}.shortconv.in_proj.weight": "model.layers.{i}.conv.in_proj.weight",
+    "blk.{i}.shortconv.out_proj.weight": "model.layers.{i}.conv.out_proj.weight",
+    "blk.{i}.ffn_gate.weight": "model.layers.{i}.feed_forward.w1.weight",
+    "blk.{i}.ffn_up.weight": "model.layers.{i}.feed_forward.w3.weight",
+    "blk.{i}.ffn_down.weight": "model.layers.{i}.feed_forward.w2.weight",
+}
+#: an architecture's own names, before ``TENSORS``: Phi-3 keeps HF's fused ``qkv_proj`` (q, k, v rows)
+#: and ``gate_up_proj`` (gate rows, then up) as ``attn_qkv`` / ``ffn_up`` (gguf-py's tensor_mapping;
+#: ``Phi3MiniModel`` has no ``modify_tensors``); LFM2 names its final norm ``token_embd_norm``
+#: (HF's ``embedding_norm``, applied after the last layer) and its short-conv layers ``shortconv.*``
+ARCH_TENSORS: dict[str, dict[str, str]] = {
+    "phi3": {
+        "blk.{i}.attn_qkv.weight": "model.layers.{i}.self_attn.qkv_proj.weight",
+        "blk.{i}.ffn_up.weight": "model.layers.{i}.mlp.gate_up_proj.weight",
+    },
+    "lfm2": _LFM2,
+    "lfm2moe": {
+        **_LFM2,
+        "blk.{i}.ffn_gate_inp.weight": "model.layers.{i}.feed_forward.gate.weight",
+        "blk.{i}.exp_probs_b.bias": "model.layers.{i}.feed_forward.expert_bias",
+    },
+}
+#: tensors ``modify_tensors`` squeezed, -> the axis it removed: LFM2's depthwise conv kernel, HF's
+#: ``[hidden, 1, L_cache]``, is written ``[hidden, L_cache]`` (``LFM2Model.modify_tensors``: "conv op
+#: requires 2d tensor"); its values are not touched
+UNSQUEEZED = {"shortconv.conv": 1}
 #: a layer's experts stacked in one 3-D tensor ``[experts, out, in]`` -> expert ``{e}``'s HF name
 #: (``Qwen2MoeModel.modify_tensors`` stacks the per-expert tensors, expert e at index e)
 EXPERTS: dict[str, str] = {
@@ -41,8 +77,16 @@ EXPERTS: dict[str, str] = {
     "blk.{i}.ffn_up_exps.weight": "model.layers.{i}.mlp.experts.{e}.up_proj.weight",
     "blk.{i}.ffn_down_exps.weight": "model.layers.{i}.mlp.experts.{e}.down_proj.weight",
 }
-#: tensors that are no HF tensor: llama-3's RoPE factors (read into the config instead)
-NOT_TENSORS = ("rope_freqs.weight",)
+#: an architecture's own stacked experts (``LFM2MoeModel.modify_tensors`` stacks w1, w2, w3 the same way)
+ARCH_EXPERTS: dict[str, dict[str, str]] = {
+    "lfm2moe": {
+        "blk.{i}.ffn_gate_exps.weight": "model.layers.{i}.feed_forward.experts.{e}.w1.weight",
+        "blk.{i}.ffn_up_exps.weight": "model.layers.{i}.feed_forward.experts.{e}.w3.weight",
+        "blk.{i}.ffn_down_exps.weight": "model.layers.{i}.feed_forward.experts.{e}.w2.weight",
+    },
+}
+#: tensors that are no HF tensor: llama-3's RoPE factors, Phi-3's longrope factors (read into the config)
+NOT_TENSORS = ("rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight")
 #: GGUF tensors whose rows llama.cpp permuted, -> the config key of their head count
 PERMUTED = {"attn_q": "num_attention_heads", "attn_k": "num_key_value_heads"}
 
@@ -56,22 +100,31 @@ def _lookup(table: dict[str, str], gguf_name: str) -> str | None:
     return None if hf is None else hf.replace("{i}", match.group(1) if match else "")
 
 
-def hf_name(gguf_name: str) -> str | None:
-    """The HF name of a GGUF tensor, None for one this table does not know."""
-    return _lookup(TENSORS, gguf_name)
+def hf_name(gguf_name: str, arch: str = "") -> str | None:
+    """The HF name of a GGUF tensor of architecture ``arch``, None for one these tables do not know."""
+    return _lookup(ARCH_TENSORS.get(arch, {}), gguf_name) or _lookup(TENSORS, gguf_name)
 
 
-def expert_names(gguf_name: str, experts: int) -> list[str] | None:
+def expert_names(gguf_name: str, experts: int, arch: str = "") -> list[str] | None:
     """The HF names of the experts a stacked GGUF tensor holds, in order; None if it holds none."""
-    hf = _lookup(EXPERTS, gguf_name)
+    hf = _lookup(ARCH_EXPERTS.get(arch, EXPERTS), gguf_name)
     return None if hf is None else [hf.replace("{e}", str(e)) for e in range(experts)]
+
+
+def _part(gguf_name: str) -> str:
+    """A block tensor's name within the block, without ``.weight`` / ``.bias`` ("" outside blocks)."""
+    match = _BLOCK.match(gguf_name)
+    return gguf_name[match.end():].rsplit(".", 1)[0] if match else ""
 
 
 def permuted_heads(gguf_name: str) -> str | None:
     """The config key of the head count whose rows llama.cpp permuted in this tensor, if it did."""
-    match = _BLOCK.match(gguf_name)
-    part = gguf_name[match.end():].split(".")[0] if match else ""
-    return PERMUTED.get(part)
+    return PERMUTED.get(_part(gguf_name))
+
+
+def unsqueezed_axis(gguf_name: str) -> int | None:
+    """The axis HF's tensor has and the GGUF tensor lost (``UNSQUEEZED``), if any."""
+    return UNSQUEEZED.get(_part(gguf_name))
 
 
 def unpermute_order(rows: int, heads: int) -> list[int]:

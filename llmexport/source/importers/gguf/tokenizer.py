@@ -100,6 +100,8 @@ class Spec:
 
 BPE_PRE: dict[str, Spec] = {
     "llama-bpe": Spec(_splits_then_bytes(LLAMA3_PATTERN), ignore_merges=True),
+    # LiquidAI's LFM2 / LFM2.5: llama-vocab.cpp tokenizes "lfm2" as "llama-bpe" (LLAMA3 regex, ignore_merges)
+    "lfm2": Spec(_splits_then_bytes(LLAMA3_PATTERN), ignore_merges=True),
     "qwen2": Spec(_splits_then_bytes(QWEN_PATTERN), _NFC),
     "qwen35": Spec(_splits_then_bytes(QWEN35_PATTERN)),  # no NFC: llama.cpp's .out keeps decomposed text
     "gpt-2": Spec(_byte_level(True)),

@@ -16,7 +16,14 @@ from llmexport.errors import InputError
 from llmexport.source.importers.gguf.blocks import KEPT, prequantized
 from llmexport.source.importers.gguf.config import ARCHITECTURES
 from llmexport.source.importers.gguf.file import GgufFile, GgufTensor
-from llmexport.source.importers.gguf.names import NOT_TENSORS, expert_names, hf_name, permuted_heads, unpermute_order
+from llmexport.source.importers.gguf.names import (
+    NOT_TENSORS,
+    expert_names,
+    hf_name,
+    permuted_heads,
+    unpermute_order,
+    unsqueezed_axis,
+)
 from llmexport.source.safetensors_file import WholeLazy
 from llmexport.spec import Prequantized, QuantInfo
 
@@ -37,13 +44,20 @@ def unkept_reason(kind: str) -> str:
 class _Entry:
     tensor: GgufTensor
     order: torch.Tensor | None  # HF row -> GGUF row, where llama.cpp permuted the rows
+    unsqueeze: int | None = None  # the axis of HF's tensor the converter squeezed away
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """HF's shape of the tensor."""
+        shape = self.tensor.shape
+        return shape if self.unsqueeze is None else shape[:self.unsqueeze] + (1,) + shape[self.unsqueeze:]
 
     def stored(self) -> Prequantized | torch.Tensor:
         kind = KEPT.get(self.tensor.kind)
-        if kind is not None and len(self.tensor.shape) == 2:
+        if kind is not None and len(self.tensor.shape) == 2 and self.unsqueeze is None:
             value: Any = prequantized(kind, self.tensor.data)
         else:
-            value = torch.from_numpy(self._dequantized())
+            value = torch.from_numpy(self._dequantized()).reshape(self.shape)
         return value if self.order is None else value[self.order] if isinstance(value, torch.Tensor) else \
             Prequantized(value.levels[self.order], value.scales[self.order], value.biases[self.order],
                          value.bits, value.group)
@@ -61,7 +75,7 @@ class GgufLazy(WholeLazy):
 
     def __init__(self, entry: _Entry, name: str):
         self._entry, self.name = entry, name
-        self.shape = torch.Size(entry.tensor.shape)
+        self.shape = torch.Size(entry.shape)
 
     def read(self) -> torch.Tensor:
         value = self._entry.stored()
@@ -102,22 +116,23 @@ class GgufWeights:
     def __init__(self, file: GgufFile, config: dict[str, Any]):
         self.path = file.path
         self.folder: Path | None = file.path.parent
-        arch = ARCHITECTURES[str(file.metadata.get("general.architecture"))]
+        arch_name = str(file.metadata.get("general.architecture"))
+        arch = ARCHITECTURES[arch_name]
         self._entries: dict[str, _Entry] = {}
         for name, tensor in file.tensors.items():
             if name in NOT_TENSORS:
                 continue
-            experts = expert_names(name, int(config["num_experts"])) if config.get("num_experts") else None
+            experts = expert_names(name, int(config["num_experts"]), arch_name) if config.get("num_experts") else None
             if experts is not None:
                 self._add_experts(tensor, experts)
                 continue
-            hf = hf_name(name)
+            hf = hf_name(name, arch_name)
             if hf is None:
                 raise InputError(f"{file.path}: tensor {name!r} has no HF counterpart in a "
                                  f"{file.metadata.get('general.architecture')} model")
             heads = permuted_heads(name) if arch.permuted else None
             order = None if heads is None else torch.tensor(unpermute_order(tensor.shape[0], int(config[heads])))
-            self._entries[hf] = _Entry(tensor, order)
+            self._entries[hf] = _Entry(tensor, order, unsqueezed_axis(name))
 
     def _add_experts(self, tensor: GgufTensor, names: list[str]) -> None:
         """A stacked ``[experts, out, in]`` tensor as one entry per expert (its rows' blocks kept)."""
@@ -142,7 +157,7 @@ class GgufWeights:
             raise InputError(f"{self.path}: the GGUF file has no tensor for {name!r}") from None
 
     def shape(self, name: str) -> tuple[int, ...]:
-        return self._get(name).tensor.shape
+        return self._get(name).shape
 
     def dtype(self, name: str) -> torch.dtype:
         """fp32: every tensor comes back dequantized or widened."""
