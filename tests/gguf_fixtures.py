@@ -16,6 +16,7 @@ checkpoint builder, seed, type and the sdist version; a lock keeps parallel work
 
 from __future__ import annotations
 
+import re
 import shutil
 import subprocess
 import sys
@@ -34,7 +35,8 @@ from real_vocab import _locked as locked
 
 CONVERT_DIR = "llama_cpp_python-0.3.36/vendor/llama.cpp/"
 #: the pre-tokenizer name each tiny family's tokenizer stands for
-PRE = {"llama": "llama-bpe", "mistral": "llama-bpe", "qwen2": "qwen2", "qwen3": "qwen2", "qwen3_moe": "qwen2"}
+PRE = {"llama": "llama-bpe", "mistral": "llama-bpe", "qwen2": "qwen2", "qwen3": "qwen2", "qwen3_moe": "qwen2",
+       "gemma3": "default"}  # Gemma3's tokenizer.model: SentencePiece, no pre-tokenizer name
 #: types gguf-py quantizes in Python, with llama.cpp's file type of each (``llama_ftype``)
 PY_FILE_TYPES = {"Q4_0": 2, "Q4_1": 3, "Q5_0": 8, "Q5_1": 9}
 PY_TYPES = tuple(PY_FILE_TYPES)
@@ -251,7 +253,7 @@ def gguf_file(name: str, build: Callable[[Path], Path], family: str, qtype: str)
 
 #: family -> the tiny decoder variant converted (qwen2 without sliding layers: GGUF keeps none)
 VARIANTS = {"llama": "llama3", "mistral": "mistral-full", "qwen2": "qwen2-tied", "qwen3": "qwen3",
-            "qwen3_moe": "qwen3-moe"}
+            "qwen3_moe": "qwen3-moe", "gemma3": "gemma3-gguf"}
 #: variants made here only: (tiny decoder variant, config overrides). Mistral without a sliding window
 #: (Mistral 7B v0.2/v0.3's config): convert_hf_to_gguf.py writes Mistral as arch ``llama`` and keeps no
 #: ``sliding_window``, so only a full-attention Mistral is the model its file describes
@@ -261,12 +263,78 @@ READS_AS = {"mistral": ("llama", "LlamaForCausalLM")}
 
 
 def build_variant(out: Path, variant: str) -> Path:
-    """The tiny checkpoint ``variant`` (a tiny decoder variant or one of ``OWN_VARIANTS``) in ``out``."""
+    """The tiny checkpoint ``variant`` (a tiny decoder variant, one of ``OWN_VARIANTS`` or
+    ``gemma3-gguf``) in ``out``."""
+    if variant == "gemma3-gguf":
+        return build_gemma3_for_gguf(out)
     if variant not in OWN_VARIANTS:
         return build_tiny_decoder(out, variant, seed=0)
     base, overrides = OWN_VARIANTS[variant]
     family, config = variant_config(base)
     return build_decoder_checkpoint(out, family, {**config, **overrides}, seed=0)
+
+
+#: a tiny Gemma3 as llama.cpp runs its GGUF file (src/models/gemma3.cpp, which the file must describe):
+#: the sliding pattern is llama.cpp's default five sliding layers to one full (the converter writes no
+#: pattern) and the attention scale is head_dim ** -0.5 (llama.cpp assumes query_pre_attn_scalar =
+#: head_dim, hidden / heads for the 62-layer 27B); two RoPE bases, linear scaling on the full layers
+#: (Gemma 3 4B's), final logit softcapping, tied embeddings, bf16 (as Google's checkpoints)
+GEMMA3_GGUF = dict(num_hidden_layers=6, layer_types=["sliding_attention"] * 5 + ["full_attention"],
+                   query_pre_attn_scalar=16, final_logit_softcapping=30.0,
+                   rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
+                                    "full_attention": {"rope_type": "linear", "factor": 8.0,
+                                                       "rope_theta": 1_000_000.0}})
+
+
+def build_gemma3_for_gguf(out: Path) -> Path:
+    """``GEMMA3_GGUF`` with a ``tokenizer.model`` (``spm_model``), as Google's Gemma3 repos have: the
+    converter then writes the SentencePiece vocabulary (``tokenizer.ggml.model`` ``llama``)."""
+    from llmexport.tiny.gemma3 import BASE, build_gemma3_checkpoint
+
+    assert GEMMA3_GGUF["query_pre_attn_scalar"] == BASE["head_dim"]
+    build_gemma3_checkpoint(out, {**BASE, **GEMMA3_GGUF}, seed=0)
+    (out / "tokenizer.model").write_bytes(spm_model(out / "tokenizer.json"))
+    return out
+
+
+def spm_model(tokenizer_json: Path) -> bytes:
+    """The SentencePiece ``tokenizer.model`` of a Gemma-style BPE tokenizer.json (byte fallback,
+    spaces as U+2581, no dummy prefix): each piece a merge makes scores minus its merge's rank, so
+    SentencePiece's highest-score-first merging replays the BPE merges; specials are control
+    pieces, ``<0xNN>`` byte pieces, pieces no merge makes score -1e9."""
+    import json
+
+    from sentencepiece import sentencepiece_model_pb2 as spm
+
+    data = json.loads(tokenizer_json.read_text(encoding="utf-8"))
+    vocab, merges = data["model"]["vocab"], data["model"]["merges"]
+    special = {t["id"] for t in data["added_tokens"] if t["special"]}
+    rank = {"".join(m if isinstance(m, list) else m.split(" ", 1)): r for r, m in enumerate(merges)}
+    proto = spm.ModelProto()
+    kinds = spm.ModelProto.SentencePiece
+    for piece, idx in sorted(vocab.items(), key=lambda kv: kv[1]):
+        entry = proto.pieces.add()
+        entry.piece = piece
+        if piece == data["model"]["unk_token"]:
+            entry.type, entry.score = kinds.UNKNOWN, 0.0
+        elif idx in special:
+            entry.type, entry.score = kinds.CONTROL, 0.0
+        elif re.fullmatch(r"<0x[0-9A-F]{2}>", piece):
+            entry.type, entry.score = kinds.BYTE, 0.0
+        else:
+            entry.type = kinds.NORMAL
+            entry.score = -float(rank[piece]) if piece in rank else (0.0 if len(piece) == 1 else -1e9)
+    proto.trainer_spec.model_type = spm.TrainerSpec.BPE
+    proto.trainer_spec.byte_fallback = True
+    proto.trainer_spec.vocab_size = len(vocab)
+    proto.trainer_spec.unk_id = vocab[data["model"]["unk_token"]]
+    ids = {key: vocab.get(text, -1) for key, text in (("bos", "<bos>"), ("eos", "<eos>"), ("pad", "<pad>"))}
+    proto.trainer_spec.bos_id, proto.trainer_spec.eos_id, proto.trainer_spec.pad_id = ids["bos"], ids["eos"], ids["pad"]
+    proto.normalizer_spec.name = "identity"
+    proto.normalizer_spec.add_dummy_prefix = False
+    proto.normalizer_spec.remove_extra_whitespaces = False
+    proto.normalizer_spec.escape_whitespaces = True
+    return proto.SerializeToString()
 
 
 def gguf_views(tmp_path_factory) -> Iterator[Callable[[str, str], tuple[Path, Path]]]:

@@ -35,6 +35,9 @@ CONFIG_KEYS = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_att
                "head_dim", "vocab_size", "tie_word_embeddings", "rope_parameters", "rms_norm_eps",
                "max_position_embeddings", "model_type", "architectures", "num_experts", "num_experts_per_tok",
                "moe_intermediate_size", "norm_topk_prob", "decoder_sparse_step", "mlp_only_layers")
+#: a family's own config keys, compared too
+FAMILY_KEYS = {"gemma3": ("layer_types", "sliding_window", "query_pre_attn_scalar", "final_logit_softcapping",
+                          "hidden_activation", "attention_bias")}
 
 
 def _opened(path) -> Checkpoint:
@@ -45,13 +48,14 @@ def _opened(path) -> Checkpoint:
 def test_f32_file_is_the_checkpoint_it_was_converted_from(ggufs, family):
     path, hf = ggufs(family, "f32")
     ours, source = _opened(path), Checkpoint.open(hf)
-    expected = {k: source.config.get(k) for k in CONFIG_KEYS}
+    keys = CONFIG_KEYS + FAMILY_KEYS.get(family, ())
+    expected = {k: source.config.get(k) for k in keys}
     if "num_local_experts" in source.config:  # transformers 5 saves num_experts under its attribute_map name
         expected["num_experts"] = source.config["num_local_experts"]
-    if family in READS_AS:  # Mistral is written as arch llama (test_mistral_file_computes_the_mistral_checkpoint)
+    if family in READS_AS:  # Mistral is written as arch llama (test_file_computes_the_checkpoint)
         expected["model_type"], hf_class = READS_AS[family]
         expected["architectures"] = [hf_class]
-    assert {k: ours.config.get(k) for k in CONFIG_KEYS} == expected
+    assert {k: ours.config.get(k) for k in keys} == expected
     if "attention_bias" in ours.config:  # Qwen2's class always has q/k/v biases: its key is not read
         assert ours.config["attention_bias"] == source.config["attention_bias"]
     assert set(ours.weights.names()) == set(source.weights.names())
@@ -65,20 +69,34 @@ def test_f32_file_is_the_checkpoint_it_was_converted_from(ggufs, family):
         assert not np.array_equal(raw["blk.0.attn_q.weight"], q)
         rope = "llama3" if family == "llama" else "default"  # llama3: from the rope_freqs tensor
         assert ours.config["rope_parameters"]["rope_type"] == rope
+    if family == "gemma3":  # the file holds 1 + weight (bf16 widened to fp32 first: the undo is exact)
+        from gguf import GGUFReader
+
+        raw = {t.name: np.array(t.data) for t in GGUFReader(path).tensors}
+        gamma = source.weights.tensor("model.layers.0.pre_feedforward_layernorm.weight").float().numpy()
+        assert np.array_equal(raw["blk.0.ffn_norm.weight"], gamma + 1) and not np.array_equal(gamma + 1, gamma)
 
 
-def test_mistral_file_computes_the_mistral_checkpoint(ggufs):
-    """convert_hf_to_gguf.py writes a MistralForCausalLM as arch ``llama`` (no sliding window kept):
-    for a Mistral without one, the Llama read back gives the Mistral checkpoint's logits."""
-    from transformers import LlamaConfig, LlamaForCausalLM, MistralForCausalLM
+@pytest.mark.parametrize("family", ["mistral", "gemma3"])
+def test_file_computes_the_checkpoint(ggufs, family):
+    """The model read back gives the checkpoint's logits. Mistral: written as arch ``llama`` (no
+    sliding window kept), a Mistral without one is the Llama read back. Gemma3: llama.cpp's sliding
+    pattern, attention scale and sliding RoPE base, recovered as its runtime derives them, and the
+    norms' +1 taken off are the checkpoint's (tests/gguf_fixtures.py GEMMA3_GGUF), over a prompt
+    longer than the sliding window."""
+    from transformers import AutoConfig, AutoModelForCausalLM
 
-    path, hf = ggufs("mistral", "f32")
+    path, hf = ggufs(family, "f32")
     ours = _opened(path)
-    model = LlamaForCausalLM(LlamaConfig.from_dict(ours.config)).eval()
+    config = AutoConfig.for_model(**ours.config)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
     missing, unexpected = model.load_state_dict({n: ours.weights.tensor(n) for n in ours.weights.names()}, strict=False)
-    assert not unexpected and not [n for n in missing if not n.endswith("inv_freq")], (missing, unexpected)
-    reference = MistralForCausalLM.from_pretrained(hf, dtype=torch.float32).eval()
-    assert reference.config.sliding_window is None
+    tied = ["lm_head.weight"] if ours.config["tie_word_embeddings"] else []
+    assert not unexpected and not [n for n in missing if not n.endswith("inv_freq") and n not in tied], missing
+    model.tie_weights()
+    reference = AutoModelForCausalLM.from_pretrained(hf, dtype=torch.float32).eval()
+    assert type(reference).__name__ == (ours.config["architectures"][0] if family == "gemma3" else "MistralForCausalLM")
+    assert getattr(reference.config, "sliding_window", None) == ours.config.get("sliding_window")
     ids = torch.randint(0, ours.config["vocab_size"], (1, 24), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         got, want = model(ids).logits, reference(ids).logits
@@ -125,7 +143,7 @@ def _loader_tensor(state: dict[str, torch.Tensor], name: str, width: int) -> tor
     return state[f"{prefix}.gate_up_proj"][e, rows]
 
 
-@pytest.mark.parametrize("family", ["llama", "mistral", "qwen2", "qwen3_moe"])
+@pytest.mark.parametrize("family", ["llama", "mistral", "qwen2", "qwen3_moe", "gemma3"])
 def test_transformers_gguf_loader_reads_the_same_weights(ggufs, family):
     """transformers' own GGUF loader (``from_pretrained(..., gguf_file=...)``) dequantizes with
     gguf-py, undoes llama.cpp's permutation and stacks the experts: its model carries exactly our weights."""

@@ -31,9 +31,11 @@ def ggufs(tmp_path_factory):
 #: convert_hf_to_gguf.py; the trained Llama (llama.cpp's q/k permutation, llama3 RoPE from rope_freqs)
 #: as a Q4_K_M-like mix by our packers: Q4_K kept as asymmetric records, Q6_K re-quantized; a Mistral
 #: (written by convert_hf_to_gguf.py as arch llama, q/k permuted) and a Qwen3-MoE (stacked experts
-#: split into per-expert records) by convert_hf_to_gguf.py
+#: split into per-expert records) by convert_hf_to_gguf.py; a Gemma3 (norms' +1 taken off, sliding pattern,
+#: attention scale and local RoPE base as llama.cpp derives them, tied Q8_0 token table) by convert_hf_to_gguf.py
 CASES = {"qwen3-q8_0": ("qwen3", "q8_0"), "trained-llama-mix": ("trained", OUR_MIX),
-         "mistral-q8_0": ("mistral", "q8_0"), "qwen3-moe-q8_0": ("qwen3_moe", "q8_0")}
+         "mistral-q8_0": ("mistral", "q8_0"), "qwen3-moe-q8_0": ("qwen3_moe", "q8_0"),
+         "gemma3-q8_0": ("gemma3", "q8_0")}
 
 
 @pytest.fixture(scope="session")

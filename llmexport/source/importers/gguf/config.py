@@ -12,11 +12,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
 from llmexport.errors import InputError
+from llmexport.source.importers.gguf.gemma import NORM_SHIFT, gemma3_config
 
 
 @dataclass(frozen=True)
@@ -29,6 +30,10 @@ class GgufArchitecture:
     fixed: tuple[tuple[str, Any], ...] = ()  # config entries llama.cpp does not write, as HF's converter had them
     permuted: bool = False  # convert_hf_to_gguf.py permuted q/k rows for RoPE (llmexport.source.importers.gguf.names)
     moe: bool = False  # routed experts: ``expert_count``, ``expert_used_count``, ``expert_feed_forward_length``
+    activation: tuple[str, str] = ("hidden_act", "silu")  # the config key of the MLP activation, its value
+    norm_shift: float = 0.0  # what convert_hf_to_gguf.py added to every ``*norm.weight`` (taken off on read)
+    #: the architecture's own config entries: (metadata, its key function, the shared entries) -> entries
+    extra: Callable[[Metadata, Callable[[str], str], dict[str, Any]], dict[str, Any]] | None = None
 
 
 ARCHITECTURES: dict[str, GgufArchitecture] = {
@@ -39,6 +44,10 @@ ARCHITECTURES: dict[str, GgufArchitecture] = {
     # (src/models/qwen3moe.cpp; transformers' GGUF loader sets norm_topk_prob for the same reason)
     "qwen3moe": GgufArchitecture("qwen3_moe", "Qwen3MoeForCausalLM", "attention_bias", (
         ("norm_topk_prob", True), ("decoder_sparse_step", 1), ("mlp_only_layers", ())), moe=True),
+    # Gemma3ForCausalLM (Gemma 3 270M, 1B; the text decoder of 4B-27B): llmexport.source.importers.gguf.gemma
+    "gemma3": GgufArchitecture("gemma3_text", "Gemma3ForCausalLM", "attention_bias",
+                               activation=("hidden_activation", "gelu_pytorch_tanh"), norm_shift=NORM_SHIFT,
+                               extra=gemma3_config),
 }
 
 
@@ -83,7 +92,7 @@ def hf_config(meta: Metadata, tensors: dict[str, tuple[int, ...]], rope_freqs: n
     head_dim = meta.get(key("attention.key_length"), hidden // heads)
     if "token_embd.weight" not in tensors:
         raise InputError(f"{meta.where}: tensor 'token_embd.weight' is missing")
-    theta = _f32(meta.get(key("rope.freq_base"), 10000.0))
+    theta = f32(meta.get(key("rope.freq_base"), 10000.0))
     rope: dict[str, Any] = {"rope_theta": theta, "rope_type": "default"}
     if rope_freqs is not None:
         rope = llama3_parameters(rope_freqs, theta, head_dim, f"{meta.where}: tensor 'rope_freqs.weight'")
@@ -96,8 +105,8 @@ def hf_config(meta: Metadata, tensors: dict[str, tuple[int, ...]], rope_freqs: n
         "num_key_value_heads": meta.get(key("attention.head_count_kv"), heads),
         "head_dim": head_dim,
         "max_position_embeddings": meta.require(key("context_length"), int),
-        "rms_norm_eps": _f32(meta.require(key("attention.layer_norm_rms_epsilon"), float)),
-        "hidden_act": "silu", "rope_parameters": rope,
+        "rms_norm_eps": f32(meta.require(key("attention.layer_norm_rms_epsilon"), float)),
+        spec.activation[0]: spec.activation[1], "rope_parameters": rope,
         "tie_word_embeddings": "output.weight" not in tensors,
         "bos_token_id": meta.get("tokenizer.ggml.bos_token_id"),
         "eos_token_id": meta.get("tokenizer.ggml.eos_token_id"),
@@ -111,6 +120,8 @@ def hf_config(meta: Metadata, tensors: dict[str, tuple[int, ...]], rope_freqs: n
     if spec.qkv_bias_key is not None:
         config[spec.qkv_bias_key] = "blk.0.attn_q.bias" in tensors
     config.update(spec.fixed)
+    if spec.extra is not None:
+        config.update(spec.extra(meta, key, config))
     return config
 
 
@@ -159,6 +170,6 @@ def llama3_parameters(freqs: np.ndarray, theta: float, dim: int, where: str) -> 
     raise InputError(f"{where}: these RoPE factors are no llama3 scaling this exporter can express")
 
 
-def _f32(value: float) -> float:
+def f32(value: float) -> float:
     """A float32 metadata value as the decimal HF's config had (its shortest float32 repr: 1e-06)."""
     return float(str(np.float32(value)))

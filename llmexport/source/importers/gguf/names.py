@@ -34,6 +34,15 @@ TENSORS: dict[str, str] = {
     "blk.{i}.ffn_down.weight": "model.layers.{i}.mlp.down_proj.weight",
     "blk.{i}.ffn_gate_inp.weight": "model.layers.{i}.mlp.gate.weight",
 }
+#: an architecture's names where they differ from ``TENSORS``: Gemma3's four norms per layer
+#: (gguf-py's ``ATTN_POST_NORM``, ``FFN_PRE_NORM`` (named ``ffn_norm`` as Llama's), ``FFN_POST_NORM``)
+ARCH_TENSORS: dict[str, dict[str, str]] = {
+    "gemma3": {
+        "blk.{i}.post_attention_norm.weight": "model.layers.{i}.post_attention_layernorm.weight",
+        "blk.{i}.ffn_norm.weight": "model.layers.{i}.pre_feedforward_layernorm.weight",
+        "blk.{i}.post_ffw_norm.weight": "model.layers.{i}.post_feedforward_layernorm.weight",
+    },
+}
 #: a layer's experts stacked in one 3-D tensor ``[experts, out, in]`` -> expert ``{e}``'s HF name
 #: (``Qwen2MoeModel.modify_tensors`` stacks the per-expert tensors, expert e at index e)
 EXPERTS: dict[str, str] = {
@@ -56,9 +65,10 @@ def _lookup(table: dict[str, str], gguf_name: str) -> str | None:
     return None if hf is None else hf.replace("{i}", match.group(1) if match else "")
 
 
-def hf_name(gguf_name: str) -> str | None:
-    """The HF name of a GGUF tensor, None for one this table does not know."""
-    return _lookup(TENSORS, gguf_name)
+def hf_name(gguf_name: str, arch: str = "llama") -> str | None:
+    """The HF name of a GGUF tensor of ``arch`` (``general.architecture``), None for one the tables
+    do not know."""
+    return _lookup(ARCH_TENSORS.get(arch, {}), gguf_name) or _lookup(TENSORS, gguf_name)
 
 
 def expert_names(gguf_name: str, experts: int) -> list[str] | None:

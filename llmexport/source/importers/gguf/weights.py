@@ -43,10 +43,11 @@ def unkept_reason(kind: str) -> str:
 class _Entry:
     tensor: GgufTensor
     order: torch.Tensor | None  # HF row -> GGUF row, where llama.cpp permuted the rows
+    shift: float = 0.0  # what llama.cpp added to the values (Gemma's norms: 1), taken off in fp32
 
     def stored(self) -> Prequantized | torch.Tensor:
         kind = KEPT.get(self.tensor.kind)
-        if kind is not None and len(self.tensor.shape) == 2:
+        if kind is not None and len(self.tensor.shape) == 2 and not self.shift:
             value: Any = prequantized(kind, self.tensor.data)
         else:
             value = torch.from_numpy(self._dequantized())
@@ -59,7 +60,8 @@ class _Entry:
         from gguf.quants import dequantize
 
         values = dequantize(np.asarray(self.tensor.data), GGMLQuantizationType[self.tensor.kind])
-        return np.array(values, dtype=np.float32).reshape(self.tensor.shape)
+        values = np.array(values, dtype=np.float32).reshape(self.tensor.shape)
+        return values - np.float32(self.shift) if self.shift else values
 
 
 class GgufLazy(WholeLazy):
@@ -108,7 +110,8 @@ class GgufWeights:
     def __init__(self, file: GgufFile, config: dict[str, Any]):
         self.path = file.path
         self.folder: Path | None = file.path.parent
-        arch = ARCHITECTURES[str(file.metadata.get("general.architecture"))]
+        arch_name = str(file.metadata.get("general.architecture"))
+        arch = ARCHITECTURES[arch_name]
         self._entries: dict[str, _Entry] = {}
         for name, tensor in file.tensors.items():
             if name in NOT_TENSORS:
@@ -117,13 +120,13 @@ class GgufWeights:
             if experts is not None:
                 self._add_experts(tensor, experts)
                 continue
-            hf = hf_name(name)
+            hf = hf_name(name, arch_name)
             if hf is None:
-                raise InputError(f"{file.path}: tensor {name!r} has no HF counterpart in a "
-                                 f"{file.metadata.get('general.architecture')} model")
+                raise InputError(f"{file.path}: tensor {name!r} has no HF counterpart in a {arch_name} model")
             heads = permuted_heads(name) if arch.permuted else None
             order = None if heads is None else torch.tensor(unpermute_order(tensor.shape[0], int(config[heads])))
-            self._entries[hf] = _Entry(tensor, order)
+            shift = arch.norm_shift if name.endswith("norm.weight") else 0.0
+            self._entries[hf] = _Entry(tensor, order, shift)
 
     def _add_experts(self, tensor: GgufTensor, names: list[str]) -> None:
         """A stacked ``[experts, out, in]`` tensor as one entry per expert (its rows' blocks kept)."""
