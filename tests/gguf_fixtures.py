@@ -95,7 +95,7 @@ def rewritten(source: Path, out: Path, qtype: str | None = None, metadata: dict 
               extra: dict[str, np.ndarray] | None = None, mix: dict[str, str] | None = None) -> Path:
     """A copy of ``source`` (an f32 file) with every 2-D weight quantized to ``qtype`` by gguf-py's
     ``gguf.quants.quantize`` (when given; ``mix``: the type of named tensors, K-quants by our
-    packers), ``metadata`` values replaced and ``extra`` tensors added."""
+    packers), ``metadata`` values replaced or added and ``extra`` tensors added."""
     from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType, GGUFWriter
     from gguf.quants import quantize
 
@@ -111,6 +111,11 @@ def rewritten(source: Path, out: Path, qtype: str | None = None, metadata: dict 
         if key == "general.file_type" and qtype is not None:
             value = PY_FILE_TYPES.get(qtype, K_FTYPES.get(qtype, value))
         writer.add_key_value(key, value, field.types[0], sub)
+    for key, value in metadata.items():  # keys the file lacks
+        if key not in reader.fields and key != "general.architecture":
+            add = {list: writer.add_array, bool: writer.add_bool, int: writer.add_uint32,
+                   float: writer.add_float32, str: writer.add_string}[type(value)]
+            add(key, value)
     for tensor in reader.tensors:
         data = np.array(tensor.data)
         chosen = (mix or {}).get(tensor.name) or (qtype if data.ndim == 2 and tensor.name.endswith(".weight")

@@ -14,7 +14,7 @@ import shutil
 import numpy as np
 import pytest
 import torch
-from gguf_fixtures import OUR_MIX, READS_AS, VARIANTS, gguf_views, rewritten
+from gguf_fixtures import OUR_MIX, READS_AS, VARIANTS, gguf_views, has_llama_cpp, rewritten
 from tokenizers import Tokenizer
 
 from llmexport.api import plan
@@ -77,6 +77,18 @@ def test_f32_file_is_the_checkpoint_it_was_converted_from(ggufs, family):
         assert np.array_equal(raw["blk.0.ffn_norm.weight"], gamma + 1) and not np.array_equal(gamma + 1, gamma)
 
 
+def _read_back_model(ours: Checkpoint, **changes):
+    """The HF model of the config read back (``changes`` made), carrying the weights read back."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**{**ours.config, **changes}), dtype=torch.float32)
+    missing, unexpected = model.load_state_dict({n: ours.weights.tensor(n) for n in ours.weights.names()}, strict=False)
+    tied = ["lm_head.weight"] if ours.config["tie_word_embeddings"] else []
+    assert not unexpected and not [n for n in missing if not n.endswith("inv_freq") and n not in tied], missing
+    model.tie_weights()
+    return model.eval()
+
+
 @pytest.mark.parametrize("family", ["mistral", "gemma3"])
 def test_file_computes_the_checkpoint(ggufs, family):
     """The model read back gives the checkpoint's logits. Mistral: written as arch ``llama`` (no
@@ -84,16 +96,11 @@ def test_file_computes_the_checkpoint(ggufs, family):
     pattern, attention scale and sliding RoPE base, recovered as its runtime derives them, and the
     norms' +1 taken off are the checkpoint's (tests/gguf_fixtures.py GEMMA3_GGUF), over a prompt
     longer than the sliding window."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM
 
     path, hf = ggufs(family, "f32")
     ours = _opened(path)
-    config = AutoConfig.for_model(**ours.config)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
-    missing, unexpected = model.load_state_dict({n: ours.weights.tensor(n) for n in ours.weights.names()}, strict=False)
-    tied = ["lm_head.weight"] if ours.config["tie_word_embeddings"] else []
-    assert not unexpected and not [n for n in missing if not n.endswith("inv_freq") and n not in tied], missing
-    model.tie_weights()
+    model = _read_back_model(ours)
     reference = AutoModelForCausalLM.from_pretrained(hf, dtype=torch.float32).eval()
     assert type(reference).__name__ == (ours.config["architectures"][0] if family == "gemma3" else "MistralForCausalLM")
     assert getattr(reference.config, "sliding_window", None) == ours.config.get("sliding_window")
@@ -103,6 +110,31 @@ def test_file_computes_the_checkpoint(ggufs, family):
         assert torch.allclose(got, want, atol=1e-5, rtol=0), float((got - want).abs().max())
         model.model.norm.weight[0] += 1.0  # not vacuous: one changed gamma shows
         assert float((model(ids).logits - want).abs().max()) > 1e-2
+
+
+@pytest.mark.skipif(not has_llama_cpp(), reason="llama-cpp-python (llama.cpp's runtime) is not installed")
+def test_gemma3_file_reads_back_as_the_model_llama_cpp_runs(ggufs):
+    """llama.cpp's own logits on the Gemma3 f32 file are those of the config read back (its sliding
+    pattern, attention scale and RoPE bases), and not those of a config that differs in one of them
+    (transformers' GGUF loader's query_pre_attn_scalar 256, another pattern, unscaled RoPE)."""
+    import llama_cpp
+
+    path, _ = ggufs("gemma3", "f32")
+    ours = _opened(path)
+    ids = torch.randint(3, ours.config["vocab_size"], (1, 40), generator=torch.Generator().manual_seed(0))
+    llm = llama_cpp.Llama(model_path=str(path), n_ctx=256, n_threads=1, logits_all=True, verbose=False)
+    llm.eval(ids[0].tolist())
+    theirs = torch.from_numpy(np.array(llm.scores[:ids.shape[1]]))
+
+    def gap(**changes) -> float:
+        with torch.no_grad():
+            return float((_read_back_model(ours, **changes)(ids).logits[0] - theirs).abs().max())
+
+    assert gap() < 0.05  # llama.cpp's f16 KV cache
+    full = {"rope_type": "default", "rope_theta": 1e6}
+    others = [dict(query_pre_attn_scalar=256), dict(layer_types=["full_attention"] * 6),
+              dict(rope_parameters={**ours.config["rope_parameters"], "full_attention": full})]
+    assert min(gap(**changes) for changes in others) > 0.5
 
 
 @pytest.mark.parametrize("family", sorted(VARIANTS))
@@ -216,6 +248,23 @@ def test_llama3_rope_is_read_from_the_rope_freqs_tensor():
         llama3_parameters(np.linspace(1, 3, 8, dtype=np.float32) ** math.pi, 5e5, 16, "f")
 
 
+def test_gemma3_layer_pattern_is_llama_cpps():
+    """llama.cpp's sliding layers (``set_swa_pattern``): a period (default 6: every sixth layer full),
+    0 for all sliding, one flag per layer, and no sliding window for all full."""
+    from llmexport.source.importers.gguf.config import Metadata
+    from llmexport.source.importers.gguf.gemma import layer_types
+
+    def kinds(**fields) -> str:
+        meta = Metadata({f"gemma3.attention.{k}": v for k, v in fields.items()}, "f")
+        return "".join(k[0] for k in layer_types(meta, lambda name: f"gemma3.{name}", 7))
+
+    assert kinds(sliding_window=512) == "sssssfs"
+    assert kinds(sliding_window=512, sliding_window_pattern=2) == "sfsfsfs"
+    assert kinds(sliding_window=512, sliding_window_pattern=0) == "sssssss"
+    assert kinds(sliding_window=512, sliding_window_pattern=[True, False] * 3 + [True]) == "sfsfsfs"
+    assert kinds() == kinds(sliding_window=0) == "fffffff"
+
+
 def _patched_type(src, dst) -> None:
     """``src`` with the first tensor's type id set to 99 (no GGML type)."""
     from gguf import GGUFReader
@@ -245,6 +294,11 @@ def test_hostile_files_are_one_line_errors(ggufs, tmp_path):
     cases["extra.gguf"] = "tensor 'blk.0.weird.weight' has no HF counterpart"
     moe, _ = ggufs("qwen3_moe", "f32")
     rewritten(moe, tmp_path / "experts.gguf", metadata={"qwen3moe.expert_count": 4})
+    gemma, _ = ggufs("gemma3", "f32")
+    rewritten(gemma, tmp_path / "yarn.gguf", metadata={"gemma3.rope.scaling.type": "yarn"})
+    cases["yarn.gguf"] = "'gemma3.rope.scaling.type' is 'yarn', expected 'linear' or 'none'"
+    rewritten(gemma, tmp_path / "pattern.gguf", metadata={"gemma3.attention.sliding_window_pattern": [True] * 4})
+    cases["pattern.gguf"] = "'gemma3.attention.sliding_window_pattern' must list one flag per layer (6)"
     cases["experts.gguf"] = "tensor 'blk.0.ffn_down_exps.weight' has shape [8, 64, 32], expected [4 experts, out, in]"
     for name, message in cases.items():
         with pytest.raises(InputError) as err:
