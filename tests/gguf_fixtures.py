@@ -36,7 +36,7 @@ from real_vocab import _locked as locked
 CONVERT_DIR = "llama_cpp_python-0.3.36/vendor/llama.cpp/"
 #: the pre-tokenizer name each tiny family's tokenizer stands for
 PRE = {"llama": "llama-bpe", "mistral": "llama-bpe", "qwen2": "qwen2", "qwen3": "qwen2", "qwen3_moe": "qwen2",
-       "gemma3": "default"}  # Gemma3's tokenizer.model: SentencePiece, no pre-tokenizer name
+       "gemma3": "default", "gemma4": "default"}  # Gemma's vocabularies: no pre-tokenizer name
 #: types gguf-py quantizes in Python, with llama.cpp's file type of each (``llama_ftype``)
 PY_FILE_TYPES = {"Q4_0": 2, "Q4_1": 3, "Q5_0": 8, "Q5_1": 9}
 PY_TYPES = tuple(PY_FILE_TYPES)
@@ -258,7 +258,7 @@ def gguf_file(name: str, build: Callable[[Path], Path], family: str, qtype: str)
 
 #: family -> the tiny decoder variant converted (qwen2 without sliding layers: GGUF keeps none)
 VARIANTS = {"llama": "llama3", "mistral": "mistral-full", "qwen2": "qwen2-tied", "qwen3": "qwen3",
-            "qwen3_moe": "qwen3-moe", "gemma3": "gemma3-gguf"}
+            "qwen3_moe": "qwen3-moe", "gemma3": "gemma3-gguf", "gemma4": "gemma4-gguf"}
 #: variants made here only: (tiny decoder variant, config overrides). Mistral without a sliding window
 #: (Mistral 7B v0.2/v0.3's config): convert_hf_to_gguf.py writes Mistral as arch ``llama`` and keeps no
 #: ``sliding_window``, so only a full-attention Mistral is the model its file describes
@@ -272,6 +272,10 @@ def build_variant(out: Path, variant: str) -> Path:
     ``gemma3-gguf``) in ``out``."""
     if variant == "gemma3-gguf":
         return build_gemma3_for_gguf(out)
+    if variant == "gemma4-gguf":
+        from llmexport.tiny.gemma4 import SHAPES, build_gemma4_checkpoint, text_config_dict
+
+        return build_gemma4_checkpoint(out, {**text_config_dict(SHAPES["e2b"]), **GEMMA4_GGUF}, seed=0, text_only=True)
     if variant not in OWN_VARIANTS:
         return build_tiny_decoder(out, variant, seed=0)
     base, overrides = OWN_VARIANTS[variant]
@@ -289,6 +293,14 @@ GEMMA3_GGUF = dict(num_hidden_layers=6, layer_types=["sliding_attention"] * 5 + 
                    rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
                                     "full_attention": {"rope_type": "linear", "factor": 8.0,
                                                        "rope_theta": 1_000_000.0}})
+
+
+#: the tiny E2B-style Gemma4 (PLE, KV sharing, double-wide MLP on shared layers, proportional RoPE on
+#: full layers) with the last two unshared layers sliding then full, as in the released E2B/E4B:
+#: llama.cpp (``llama_model::create_memory``) gives a shared layer the KV of layer ``first_shared - 2``
+#: (sliding) or ``first_shared - 1`` (full), HF the last unshared layer of its type
+_S, _F = "sliding_attention", "full_attention"
+GEMMA4_GGUF = dict(layer_types=[_S, _S, _F, _S, _F, _S, _S, _F])
 
 
 def build_gemma3_for_gguf(out: Path) -> Path:

@@ -35,7 +35,7 @@ def ggufs(tmp_path_factory):
 #: attention scale and local RoPE base as llama.cpp derives them, tied Q8_0 token table) by convert_hf_to_gguf.py
 CASES = {"qwen3-q8_0": ("qwen3", "q8_0"), "trained-llama-mix": ("trained", OUR_MIX),
          "mistral-q8_0": ("mistral", "q8_0"), "qwen3-moe-q8_0": ("qwen3_moe", "q8_0"),
-         "gemma3-q8_0": ("gemma3", "q8_0")}
+         "gemma3-q8_0": ("gemma3", "q8_0"), "gemma4-q8_0": ("gemma4", "q8_0")}
 
 
 @pytest.fixture(scope="session")

@@ -17,7 +17,7 @@ from typing import Any, Callable
 import numpy as np
 
 from llmexport.errors import InputError
-from llmexport.source.importers.gguf.gemma import NORM_SHIFT, gemma3_config
+from llmexport.source.importers.gguf.gemma import NORM_SHIFT, gemma3_config, gemma4_config
 
 
 @dataclass(frozen=True)
@@ -32,8 +32,11 @@ class GgufArchitecture:
     moe: bool = False  # routed experts: ``expert_count``, ``expert_used_count``, ``expert_feed_forward_length``
     activation: tuple[str, str] = ("hidden_act", "silu")  # the config key of the MLP activation, its value
     norm_shift: float = 0.0  # what convert_hf_to_gguf.py added to every ``*norm.weight`` (taken off on read)
-    #: the architecture's own config entries: (metadata, its key function, the shared entries) -> entries
-    extra: Callable[[Metadata, Callable[[str], str], dict[str, Any]], dict[str, Any]] | None = None
+    #: the architecture's own config entries: (metadata, its key function, the shared entries, tensor
+    #: shapes, the ``rope_freqs`` tensor) -> entries; it reads ``rope_freqs`` (else: llama3 factors) and
+    #: the per-layer arrays ``feed_forward_length`` / ``attention.head_count_kv`` may hold
+    extra: Callable[[Metadata, Callable[[str], str], dict[str, Any], dict[str, tuple[int, ...]], np.ndarray | None],
+                    dict[str, Any]] | None = None
 
 
 ARCHITECTURES: dict[str, GgufArchitecture] = {
@@ -48,6 +51,9 @@ ARCHITECTURES: dict[str, GgufArchitecture] = {
     "gemma3": GgufArchitecture("gemma3_text", "Gemma3ForCausalLM", "attention_bias",
                                activation=("hidden_activation", "gelu_pytorch_tanh"), norm_shift=NORM_SHIFT,
                                extra=gemma3_config),
+    # Gemma4ForCausalLM, E2B/E4B-style text (PLE, KV sharing): llmexport.source.importers.gguf.gemma
+    "gemma4": GgufArchitecture("gemma4_text", "Gemma4ForCausalLM", "attention_bias",
+                               activation=("hidden_activation", "gelu_pytorch_tanh"), extra=gemma4_config),
 }
 
 
@@ -94,15 +100,15 @@ def hf_config(meta: Metadata, tensors: dict[str, tuple[int, ...]], rope_freqs: n
         raise InputError(f"{meta.where}: tensor 'token_embd.weight' is missing")
     theta = f32(meta.get(key("rope.freq_base"), 10000.0))
     rope: dict[str, Any] = {"rope_theta": theta, "rope_type": "default"}
-    if rope_freqs is not None:
+    if rope_freqs is not None and spec.extra is None:
         rope = llama3_parameters(rope_freqs, theta, head_dim, f"{meta.where}: tensor 'rope_freqs.weight'")
     config: dict[str, Any] = {
         "architectures": [spec.hf_class], "model_type": spec.model_type,
         "vocab_size": int(tensors["token_embd.weight"][0]), "hidden_size": hidden,
-        "intermediate_size": meta.require(key("feed_forward_length"), int),
+        "intermediate_size": _first(meta, key("feed_forward_length"), spec),
         "num_hidden_layers": meta.require(key("block_count"), int),
         "num_attention_heads": heads,
-        "num_key_value_heads": meta.get(key("attention.head_count_kv"), heads),
+        "num_key_value_heads": _first(meta, key("attention.head_count_kv"), spec, heads),
         "head_dim": head_dim,
         "max_position_embeddings": meta.require(key("context_length"), int),
         "rms_norm_eps": f32(meta.require(key("attention.layer_norm_rms_epsilon"), float)),
@@ -121,8 +127,22 @@ def hf_config(meta: Metadata, tensors: dict[str, tuple[int, ...]], rope_freqs: n
         config[spec.qkv_bias_key] = "blk.0.attn_q.bias" in tensors
     config.update(spec.fixed)
     if spec.extra is not None:
-        config.update(spec.extra(meta, key, config))
+        config.update(spec.extra(meta, key, config, tensors, rope_freqs))
     return config
+
+
+def _first(meta: Metadata, name: str, spec: GgufArchitecture, default: int | None = None) -> int:
+    """An integer key, or the first layer's value of a per-layer array (which an architecture with
+    its own ``extra`` entries resolves; an array whose values differ is refused for the others)."""
+    value = meta.get(name, default) if default is not None else meta.require(name, (int, list))
+    if isinstance(value, list) and value and all(isinstance(v, int) and not isinstance(v, bool) for v in value):
+        if spec.extra is None and len(set(value)) > 1:
+            raise InputError(f"{meta.where}: metadata key {name!r} differs between layers ({value}), "
+                             f"which a {spec.model_type} model does not")
+        return value[0]
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise InputError(f"{meta.where}: metadata key {name!r} is {value!r}, expected int")
+    return value
 
 
 #: llama3 RoPE settings tried when the factors show too few points of the smooth band to fit them

@@ -1,5 +1,6 @@
-"""Gemma3 GGUF files (``general.architecture`` ``gemma3``): the config keys llama.cpp's runtime
-derives rather than reads, recovered as it derives them.
+"""Gemma3 and Gemma4 GGUF files (``general.architecture`` ``gemma3``, ``gemma4``): the config keys
+llama.cpp's runtime derives rather than reads, recovered as it derives them (``gemma4_config``:
+Gemma4's own keys).
 
 ``Gemma3Model`` in convert_hf_to_gguf.py (its ``conversion/gemma.py``) writes ``sliding_window``
 (unless the HF config's ``sliding_window_pattern`` is 1), ``rope.freq_base`` (the full layers'),
@@ -20,6 +21,8 @@ The converter adds 1 to every ``*norm.weight`` (Gemma's RMSNorm multiplies by ``
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Callable
+
+import numpy as np
 
 from llmexport.errors import InputError
 
@@ -53,10 +56,13 @@ def layer_types(meta: Metadata, key: Callable[[str], str], layers: int) -> list[
     return [SLIDING if pattern == 0 or i % pattern < pattern - 1 else FULL for i in range(layers)]
 
 
-def gemma3_config(meta: Metadata, key: Callable[[str], str], config: dict[str, Any]) -> dict[str, Any]:
+def gemma3_config(meta: Metadata, key: Callable[[str], str], config: dict[str, Any],
+                  tensors: dict[str, tuple[int, ...]], rope_freqs: np.ndarray | None) -> dict[str, Any]:
     """The Gemma3TextConfig entries of the file beyond the shared ones in ``config``."""
     from llmexport.source.importers.gguf.config import f32
 
+    if rope_freqs is not None:
+        raise InputError(f"{meta.where}: tensor 'rope_freqs.weight' is not used by a gemma3 model")
     kinds = layer_types(meta, key, config["num_hidden_layers"])
     full: dict[str, Any] = {"rope_type": "default", "rope_theta": f32(meta.require(key("rope.freq_base"), float))}
     scaling = meta.get(key("rope.scaling.type"), "none")
@@ -71,4 +77,88 @@ def gemma3_config(meta: Metadata, key: Callable[[str], str], config: dict[str, A
     softcap = meta.get(key("final_logit_softcapping"))
     return {"layer_types": kinds, "sliding_window": int(meta.get(key("attention.sliding_window")) or 0) or None,
             "rope_parameters": {FULL: full, SLIDING: sliding}, "query_pre_attn_scalar": scalar,
+            "final_logit_softcapping": None if softcap is None else f32(softcap)}
+
+
+#: the factor llama.cpp gives the unrotated pairs of a full layer (``Gemma4Model.generate_extra_tensors``)
+UNROTATED = 1e30
+
+
+def _per_layer(meta: Metadata, name: str, layers: int) -> list[int]:
+    value = meta.get(name)
+    values = value if isinstance(value, list) else [value] * layers
+    if len(values) != layers or not all(isinstance(v, int) and not isinstance(v, bool) for v in values):
+        raise InputError(f"{meta.where}: metadata key {name!r} is {value!r}, expected an int or one per layer")
+    return values
+
+
+def _one(meta: Metadata, name: str, values: list[int], what: str) -> int | None:
+    found = set(values)
+    if len(found) > 1:
+        raise InputError(f"{meta.where}: metadata key {name!r} differs between {what} layers ({sorted(found)})")
+    return found.pop() if found else None
+
+
+def _partial_rotary(meta: Metadata, freqs: np.ndarray | None, head_dim: int) -> float:
+    """The full layers' ``partial_rotary_factor`` from llama.cpp's factors: 1 for each rotated pair,
+    1e30 (no rotation) for the rest."""
+    where = f"{meta.where}: tensor 'rope_freqs.weight'"
+    if freqs is None:
+        raise InputError(f"{meta.where}: tensor 'rope_freqs.weight' is missing (a gemma4 file's full-layer RoPE)")
+    freqs = np.asarray(freqs, dtype=np.float32).reshape(-1)
+    rotated = int((freqs == 1.0).sum())
+    expected = np.array([1.0] * rotated + [UNROTATED] * (head_dim // 2 - rotated), dtype=np.float32)
+    if freqs.shape != expected.shape or not np.array_equal(freqs, expected):
+        raise InputError(f"{where}: expected {head_dim // 2} factors (global head_dim {head_dim} / 2), "
+                         "1 for each rotated pair, then 1e30")
+    return 2 * rotated / head_dim
+
+
+def gemma4_config(meta: Metadata, key: Callable[[str], str], config: dict[str, Any],
+                  tensors: dict[str, tuple[int, ...]], rope_freqs: np.ndarray | None) -> dict[str, Any]:
+    """The Gemma4TextConfig entries of an E2B/E4B-style file (``Gemma4Model.set_gguf_parameters``):
+    one flag per layer for the sliding pattern, two head sizes (``key_length`` for the full layers,
+    ``key_length_swa``), per-layer KV head counts and MLP widths (doubled on the KV-shared layers:
+    ``use_double_wide_mlp``), PLE width, shared KV layers; the proportional RoPE of the full layers
+    from ``rope_freqs``. llama.cpp's attention scale is 1 (as HF's). MoE (26B-A4B) and K=V (31B)
+    files are refused."""
+    from llmexport.source.importers.gguf.config import f32
+
+    n = config["num_hidden_layers"]
+    if meta.get(key("expert_count")):
+        raise InputError(f"{meta.where}: metadata key {key('expert_count')!r}: Gemma4 MoE files are not supported")
+    kinds = layer_types(meta, key, n)
+    shared = meta.get(key("attention.shared_kv_layers"), 0)
+    own = [i for i in range(n - shared) if kinds[i] == FULL and f"blk.{i}.attn_v.weight" not in tensors]
+    if own:
+        raise InputError(f"{meta.where}: tensor 'blk.{own[0]}.attn_v.weight' is missing (K=V attention of Gemma4 "
+                         "31B files is not supported)")
+    widths = _per_layer(meta, key("feed_forward_length"), n)
+    base, first_shared = widths[0], n - shared
+    double = shared > 0 and widths == [base if i < first_shared else 2 * base for i in range(n)]
+    if widths != [base] * n and not double:
+        raise InputError(f"{meta.where}: metadata key {key('feed_forward_length')!r} is {widths}: neither one width "
+                         "nor one doubled on the KV-shared layers")
+    kv_name = key("attention.head_count_kv")
+    kv = _per_layer(meta, kv_name, n) if kv_name in meta.fields else [config["num_attention_heads"]] * n
+    kv_sliding = _one(meta, kv_name, [kv[i] for i in range(n) if kinds[i] == SLIDING], "sliding")
+    kv_full = _one(meta, kv_name, [kv[i] for i in range(n) if kinds[i] == FULL], "full")
+    head_dim, global_head_dim = meta.require(key("attention.key_length_swa"), int), config["head_dim"]
+    sliding = {"rope_type": "default", "rope_theta": f32(meta.get(key("rope.freq_base_swa"), SWA_THETA))}
+    rotated = meta.get(key("rope.dimension_count_swa"), head_dim)
+    if rotated != head_dim:
+        sliding["partial_rotary_factor"] = rotated / head_dim
+    full = {"rope_type": "proportional", "partial_rotary_factor": _partial_rotary(meta, rope_freqs, global_head_dim),
+            "rope_theta": config["rope_parameters"]["rope_theta"]}
+    softcap = meta.get(key("final_logit_softcapping"))
+    per_layer = meta.get(key("embedding_length_per_layer_input"), 0)
+    ple = tensors.get("per_layer_token_embd.weight")
+    return {"layer_types": kinds, "sliding_window": int(meta.require(key("attention.sliding_window"), int)),
+            "num_kv_shared_layers": shared, "intermediate_size": base, "use_double_wide_mlp": double,
+            "num_key_value_heads": kv_sliding if kv_sliding is not None else kv_full,
+            "num_global_key_value_heads": kv_full if kv_full not in (None, kv_sliding) else None,
+            "head_dim": head_dim, "global_head_dim": global_head_dim,
+            "hidden_size_per_layer_input": per_layer,
+            "vocab_size_per_layer_input": ple[0] if ple else config["vocab_size"],
+            "rope_parameters": {FULL: full, SLIDING: sliding}, "attention_k_eq_v": False, "enable_moe_block": False,
             "final_logit_softcapping": None if softcap is None else f32(softcap)}

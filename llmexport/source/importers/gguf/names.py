@@ -34,13 +34,25 @@ TENSORS: dict[str, str] = {
     "blk.{i}.ffn_down.weight": "model.layers.{i}.mlp.down_proj.weight",
     "blk.{i}.ffn_gate_inp.weight": "model.layers.{i}.mlp.gate.weight",
 }
-#: an architecture's names where they differ from ``TENSORS``: Gemma3's four norms per layer
+#: an architecture's names where they differ from ``TENSORS``: Gemma's four norms per layer
 #: (gguf-py's ``ATTN_POST_NORM``, ``FFN_PRE_NORM`` (named ``ffn_norm`` as Llama's), ``FFN_POST_NORM``)
+_GEMMA_NORMS = {
+    "blk.{i}.post_attention_norm.weight": "model.layers.{i}.post_attention_layernorm.weight",
+    "blk.{i}.ffn_norm.weight": "model.layers.{i}.pre_feedforward_layernorm.weight",
+    "blk.{i}.post_ffw_norm.weight": "model.layers.{i}.post_feedforward_layernorm.weight",
+}
 ARCH_TENSORS: dict[str, dict[str, str]] = {
-    "gemma3": {
-        "blk.{i}.post_attention_norm.weight": "model.layers.{i}.post_attention_layernorm.weight",
-        "blk.{i}.ffn_norm.weight": "model.layers.{i}.pre_feedforward_layernorm.weight",
-        "blk.{i}.post_ffw_norm.weight": "model.layers.{i}.post_feedforward_layernorm.weight",
+    "gemma3": _GEMMA_NORMS,
+    # Gemma4's per-layer embeddings (PLE) and layer scalar (gguf-py's PER_LAYER_*, LAYER_OUT_SCALE)
+    "gemma4": {
+        **_GEMMA_NORMS,
+        "per_layer_token_embd.weight": "model.embed_tokens_per_layer.weight",
+        "per_layer_model_proj.weight": "model.per_layer_model_projection.weight",
+        "per_layer_proj_norm.weight": "model.per_layer_projection_norm.weight",
+        "blk.{i}.layer_output_scale.weight": "model.layers.{i}.layer_scalar",
+        "blk.{i}.inp_gate.weight": "model.layers.{i}.per_layer_input_gate.weight",
+        "blk.{i}.proj.weight": "model.layers.{i}.per_layer_projection.weight",
+        "blk.{i}.post_norm.weight": "model.layers.{i}.post_per_layer_input_norm.weight",
     },
 }
 #: a layer's experts stacked in one 3-D tensor ``[experts, out, in]`` -> expert ``{e}``'s HF name
