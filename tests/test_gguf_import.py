@@ -110,7 +110,8 @@ def test_file_computes_the_checkpoint(ggufs, family):
     ours = _opened(path)
     model = _read_back_model(ours)
     reference = AutoModelForCausalLM.from_pretrained(hf, dtype=torch.float32).eval()
-    assert type(reference).__name__ == (ours.config["architectures"][0] if family != "mistral" else "MistralForCausalLM")
+    expected = "MistralForCausalLM" if family == "mistral" else ours.config["architectures"][0]
+    assert type(reference).__name__ == expected
     assert getattr(reference.config, "sliding_window", None) == ours.config.get("sliding_window")
     ids = torch.randint(0, ours.config["vocab_size"], (1, 24), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
@@ -280,8 +281,8 @@ def test_llama3_rope_is_read_from_the_rope_freqs_tensor():
 def test_gemma3_layer_pattern_is_llama_cpps():
     """llama.cpp's sliding layers (``set_swa_pattern``): a period (default 6: every sixth layer full),
     0 for all sliding, one flag per layer, and no sliding window for all full."""
-    from llmexport.source.importers.gguf.config import Metadata
     from llmexport.source.importers.gguf.gemma import layer_types
+    from llmexport.source.importers.gguf.metadata import Metadata
 
     def kinds(**fields) -> str:
         meta = Metadata({f"gemma3.attention.{k}": v for k, v in fields.items()}, "f")

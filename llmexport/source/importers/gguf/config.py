@@ -18,6 +18,7 @@ import numpy as np
 
 from llmexport.errors import InputError
 from llmexport.source.importers.gguf.gemma import NORM_SHIFT, gemma3_config, gemma4_config
+from llmexport.source.importers.gguf.metadata import Metadata, f32
 
 
 @dataclass(frozen=True)
@@ -57,37 +58,19 @@ ARCHITECTURES: dict[str, GgufArchitecture] = {
 }
 
 
-class Metadata:
-    """Typed access to a GGUF file's key/value metadata, errors naming the file and key."""
-
-    def __init__(self, fields: dict[str, Any], where: str):
-        self.fields, self.where = fields, where
-
-    def get(self, key: str, default: Any = None) -> Any:
-        return self.fields.get(key, default)
-
-    def require(self, key: str, kind: type | tuple[type, ...]) -> Any:
-        if key not in self.fields:
-            raise InputError(f"{self.where}: metadata key {key!r} is missing")
-        value = self.fields[key]
-        if not isinstance(value, kind) or isinstance(value, bool) and kind is not bool:
-            raise InputError(f"{self.where}: metadata key {key!r} is {value!r}, "
-                             f"expected {getattr(kind, '__name__', kind)}")
-        return value
-
-    @property
-    def architecture(self) -> str:
-        arch = self.require("general.architecture", str)
-        if arch not in ARCHITECTURES:
-            raise InputError(f"{self.where}: general.architecture {arch!r} is not supported "
-                             f"(supported: {', '.join(ARCHITECTURES)})")
-        return arch
+def architecture_of(meta: Metadata) -> str:
+    """The file's ``general.architecture``, one of ``ARCHITECTURES``."""
+    arch = meta.require("general.architecture", str)
+    if arch not in ARCHITECTURES:
+        raise InputError(f"{meta.where}: general.architecture {arch!r} is not supported "
+                         f"(supported: {', '.join(ARCHITECTURES)})")
+    return arch
 
 
 def hf_config(meta: Metadata, tensors: dict[str, tuple[int, ...]], rope_freqs: np.ndarray | None) -> dict[str, Any]:
     """The HF config of the file: ``tensors`` maps GGUF tensor names to their HF shapes
     (``[out, in]``), ``rope_freqs`` is llama-3's factor tensor when the file has one."""
-    arch = meta.architecture
+    arch = architecture_of(meta)
     spec = ARCHITECTURES[arch]
 
     def key(name: str) -> str:
@@ -188,8 +171,3 @@ def llama3_parameters(freqs: np.ndarray, theta: float, dim: int, where: str) -> 
             return {"rope_type": "llama3", "rope_theta": theta, "factor": factor, "low_freq_factor": low,
                     "high_freq_factor": high, "original_max_position_embeddings": int(round(original))}
     raise InputError(f"{where}: these RoPE factors are no llama3 scaling this exporter can express")
-
-
-def f32(value: float) -> float:
-    """A float32 metadata value as the decimal HF's config had (its shortest float32 repr: 1e-06)."""
-    return float(str(np.float32(value)))

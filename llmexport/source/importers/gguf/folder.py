@@ -17,8 +17,9 @@ from pathlib import Path
 from typing import Any
 
 from llmexport.errors import InputError
-from llmexport.source.importers.gguf.config import Metadata, hf_config
+from llmexport.source.importers.gguf.config import hf_config
 from llmexport.source.importers.gguf.file import GgufFile
+from llmexport.source.importers.gguf.metadata import Metadata
 from llmexport.source.importers.gguf.tokenizer import stop_ids, tokenizer_config, tokenizer_json
 
 #: the link to the GGUF file inside a materialized folder

@@ -20,14 +20,12 @@ The converter adds 1 to every ``*norm.weight`` (Gemma's RMSNorm multiplies by ``
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Callable
+from typing import Any, Callable
 
 import numpy as np
 
 from llmexport.errors import InputError
-
-if TYPE_CHECKING:
-    from llmexport.source.importers.gguf.config import Metadata
+from llmexport.source.importers.gguf.metadata import Metadata, f32
 
 SLIDING, FULL = "sliding_attention", "full_attention"
 #: what convert_hf_to_gguf.py added to the norm weights (``Gemma3Model.norm_shift``)
@@ -59,8 +57,6 @@ def layer_types(meta: Metadata, key: Callable[[str], str], layers: int) -> list[
 def gemma3_config(meta: Metadata, key: Callable[[str], str], config: dict[str, Any],
                   tensors: dict[str, tuple[int, ...]], rope_freqs: np.ndarray | None) -> dict[str, Any]:
     """The Gemma3TextConfig entries of the file beyond the shared ones in ``config``."""
-    from llmexport.source.importers.gguf.config import f32
-
     if rope_freqs is not None:
         raise InputError(f"{meta.where}: tensor 'rope_freqs.weight' is not used by a gemma3 model")
     kinds = layer_types(meta, key, config["num_hidden_layers"])
@@ -122,8 +118,6 @@ def gemma4_config(meta: Metadata, key: Callable[[str], str], config: dict[str, A
     ``use_double_wide_mlp``), PLE width, shared KV layers; the proportional RoPE of the full layers
     from ``rope_freqs``. llama.cpp's attention scale is 1 (as HF's). MoE (26B-A4B) and K=V (31B)
     files are refused."""
-    from llmexport.source.importers.gguf.config import f32
-
     n = config["num_hidden_layers"]
     if meta.get(key("expert_count")):
         raise InputError(f"{meta.where}: metadata key {key('expert_count')!r}: Gemma4 MoE files are not supported")
