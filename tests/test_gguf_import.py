@@ -329,6 +329,11 @@ def test_hostile_files_are_one_line_errors(ggufs, tmp_path):
     cases["yarn.gguf"] = "'gemma3.rope.scaling.type' is 'yarn', expected 'linear' or 'none'"
     rewritten(gemma, tmp_path / "pattern.gguf", metadata={"gemma3.attention.sliding_window_pattern": [True] * 4})
     cases["pattern.gguf"] = "'gemma3.attention.sliding_window_pattern' must list one flag per layer (6)"
+    gemma4, _ = ggufs("gemma4", "f32")
+    rewritten(gemma4, tmp_path / "moe4.gguf", metadata={"gemma4.expert_count": 8})
+    cases["moe4.gguf"] = "'gemma4.expert_count': Gemma4 MoE files are not supported"
+    rewritten(gemma4, tmp_path / "widths.gguf", metadata={"gemma4.feed_forward_length": [96] * 7 + [128]})
+    cases["widths.gguf"] = "neither one width nor one doubled on the KV-shared layers"
     cases["experts.gguf"] = "tensor 'blk.0.ffn_down_exps.weight' has shape [8, 64, 32], expected [4 experts, out, in]"
     for name, message in cases.items():
         with pytest.raises(InputError) as err:
