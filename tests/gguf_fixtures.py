@@ -16,6 +16,7 @@ checkpoint builder, seed, type and the sdist version; a lock keeps parallel work
 
 from __future__ import annotations
 
+import re
 import shutil
 import subprocess
 import sys
@@ -33,10 +34,10 @@ from real_vocab import SDIST_FILE, cache_dir, sdist_path
 from real_vocab import _locked as locked
 
 CONVERT_DIR = "llama_cpp_python-0.3.36/vendor/llama.cpp/"
-#: the pre-tokenizer name each tiny family's tokenizer stands for (Phi-3's is SentencePiece: no pre-tokenizer;
-#: the tiny LFM2 tokenizers split text as Qwen's do)
+#: the pre-tokenizer name each tiny family's tokenizer stands for (Phi-3's and Gemma's vocabularies are
+#: SentencePiece: no pre-tokenizer; the tiny LFM2 tokenizers split text as Qwen's do)
 PRE = {"llama": "llama-bpe", "mistral": "llama-bpe", "qwen2": "qwen2", "qwen3": "qwen2", "qwen3_moe": "qwen2",
-       "phi3": "default", "lfm2": "qwen2", "lfm2_moe": "qwen2"}
+       "phi3": "default", "lfm2": "qwen2", "lfm2_moe": "qwen2", "gemma3": "default", "gemma4": "default"}
 #: types gguf-py quantizes in Python, with llama.cpp's file type of each (``llama_ftype``)
 PY_FILE_TYPES = {"Q4_0": 2, "Q4_1": 3, "Q5_0": 8, "Q5_1": 9}
 PY_TYPES = tuple(PY_FILE_TYPES)
@@ -96,7 +97,7 @@ def rewritten(source: Path, out: Path, qtype: str | None = None, metadata: dict 
               extra: dict[str, np.ndarray] | None = None, mix: dict[str, str] | None = None) -> Path:
     """A copy of ``source`` (an f32 file) with every 2-D weight quantized to ``qtype`` by gguf-py's
     ``gguf.quants.quantize`` (when given; ``mix``: the type of named tensors, K-quants by our
-    packers), ``metadata`` values replaced and ``extra`` tensors added."""
+    packers), ``metadata`` values replaced or added and ``extra`` tensors added."""
     from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType, GGUFWriter
     from gguf.quants import quantize
 
@@ -112,6 +113,11 @@ def rewritten(source: Path, out: Path, qtype: str | None = None, metadata: dict 
         if key == "general.file_type" and qtype is not None:
             value = PY_FILE_TYPES.get(qtype, K_FTYPES.get(qtype, value))
         writer.add_key_value(key, value, field.types[0], sub)
+    for key, value in metadata.items():  # keys the file lacks
+        if key not in reader.fields and key != "general.architecture":
+            add = {list: writer.add_array, bool: writer.add_bool, int: writer.add_uint32,
+                   float: writer.add_float32, str: writer.add_string}[type(value)]
+            add(key, value)
     for tensor in reader.tensors:
         data = np.array(tensor.data)
         chosen = (mix or {}).get(tensor.name) or (qtype if data.ndim == 2 and tensor.name.endswith(".weight")
@@ -254,7 +260,8 @@ def gguf_file(name: str, build: Callable[[Path], Path], family: str, qtype: str)
 
 #: family -> the tiny decoder variant converted (qwen2 without sliding layers: GGUF keeps none)
 VARIANTS = {"llama": "llama3", "mistral": "mistral-full", "qwen2": "qwen2-tied", "qwen3": "qwen3",
-            "qwen3_moe": "qwen3-moe", "phi3": "phi4-mini", "lfm2": "lfm2-dense", "lfm2_moe": "lfm2-moe"}
+            "qwen3_moe": "qwen3-moe", "phi3": "phi4-mini", "lfm2": "lfm2-dense", "lfm2_moe": "lfm2-moe",
+            "gemma3": "gemma3-gguf", "gemma4": "gemma4-gguf"}
 #: variants made here only: (tiny decoder variant, config overrides). Mistral without a sliding window
 #: (Mistral 7B v0.2/v0.3's config): convert_hf_to_gguf.py writes Mistral as arch ``llama`` and keeps no
 #: ``sliding_window``, so only a full-attention Mistral is the model its file describes
@@ -286,34 +293,6 @@ def split_gguf(family: str, qtype: str, max_tensors: int) -> Path:
     return next(parts.glob("model-00001-of-*.gguf"))
 
 
-def spm_model(folder: Path) -> Path:
-    """``tokenizer.model`` beside a tiny SentencePiece-style ``tokenizer.json`` (llmexport.tiny.tokenizer):
-    Phi-3's converter reads the vocabulary from it only. Its pieces in id order, typed as SentencePiece
-    types them (unknown, control, byte, normal); a learned piece scored minus the rank of the merge that
-    makes it, the order in which SentencePiece BPE applies merges (what the rebuild's ``spm_merges`` reads)."""
-    import json
-
-    from sentencepiece import sentencepiece_model_pb2 as spm
-
-    tokenizer = json.loads((folder / "tokenizer.json").read_text())
-    vocab, merges = tokenizer["model"]["vocab"], tokenizer["model"]["merges"]
-    rank = {}
-    for i, (a, b) in enumerate(merges):
-        rank.setdefault(a + b, i)
-    special = {t["content"] for t in tokenizer["added_tokens"]}
-    proto = spm.ModelProto()
-    proto.trainer_spec.model_type = spm.TrainerSpec.BPE
-    proto.trainer_spec.byte_fallback = True
-    for piece, _ in sorted(vocab.items(), key=lambda item: item[1]):
-        kind = (spm.ModelProto.SentencePiece.UNKNOWN if piece == "<unk>" else spm.ModelProto.SentencePiece.CONTROL
-                if piece in special else spm.ModelProto.SentencePiece.BYTE if piece.startswith("<0x")
-                else spm.ModelProto.SentencePiece.NORMAL)
-        proto.pieces.add(piece=piece, score=-float(rank.get(piece, 0)) if kind == 1 else 0.0, type=kind)
-    out = folder / "tokenizer.model"
-    out.write_bytes(proto.SerializeToString())
-    return out
-
-
 def build_phi3(variant: str) -> Callable[[Path], Path]:
     """The tiny Phi-3 ``variant`` (llmexport.tiny.phi3: ``phi4-mini`` with partial rotary, longrope and
     a tied head; ``phi3.5`` with full rotary and an untied head) with its ``tokenizer.model``."""
@@ -321,7 +300,7 @@ def build_phi3(variant: str) -> Callable[[Path], Path]:
         from llmexport.tiny.phi3 import build_tiny_phi3
 
         build_tiny_phi3(out, variant, seed=0)
-        spm_model(out)
+        (out / "tokenizer.model").write_bytes(spm_model(out / "tokenizer.json", dummy_prefix=True))
         return out
 
     return build
@@ -343,7 +322,8 @@ def build_lfm2(variant: str) -> Callable[[Path], Path]:
 #: variants built by their own families' builders
 FAMILY_BUILDERS: dict[str, Callable[[Path], Path]] = {
     "phi4-mini": build_phi3("phi4-mini"), "phi3.5": build_phi3("phi3.5"), "lfm2-dense": build_lfm2("dense"),
-    "lfm2-dense-idxs": build_lfm2("dense-idxs"), "lfm2-moe": build_lfm2("moe")}
+    "lfm2-dense-idxs": build_lfm2("dense-idxs"), "lfm2-moe": build_lfm2("moe"),
+    "gemma3-gguf": lambda out: build_gemma3_for_gguf(out), "gemma4-gguf": lambda out: build_gemma4_for_gguf(out)}
 
 
 def build_variant(out: Path, variant: str) -> Path:
@@ -356,6 +336,89 @@ def build_variant(out: Path, variant: str) -> Path:
     base, overrides = OWN_VARIANTS[variant]
     family, config = variant_config(base)
     return build_decoder_checkpoint(out, family, {**config, **overrides}, seed=0)
+
+
+#: a tiny Gemma3 as llama.cpp runs its GGUF file (src/models/gemma3.cpp, which the file must describe):
+#: the sliding pattern is llama.cpp's default five sliding layers to one full (the converter writes no
+#: pattern) and the attention scale is head_dim ** -0.5 (llama.cpp assumes query_pre_attn_scalar =
+#: head_dim, hidden / heads for the 62-layer 27B); two RoPE bases, linear scaling on the full layers
+#: (Gemma 3 4B's), final logit softcapping, tied embeddings, bf16 (as Google's checkpoints)
+GEMMA3_GGUF = dict(num_hidden_layers=6, layer_types=["sliding_attention"] * 5 + ["full_attention"],
+                   query_pre_attn_scalar=16, final_logit_softcapping=30.0,
+                   rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
+                                    "full_attention": {"rope_type": "linear", "factor": 8.0,
+                                                       "rope_theta": 1_000_000.0}})
+
+
+#: the tiny E2B-style Gemma4 (PLE, KV sharing, double-wide MLP on shared layers, proportional RoPE on
+#: full layers) with the last two unshared layers sliding then full, as in the released E2B/E4B:
+#: llama.cpp (``llama_model::create_memory``) gives a shared layer the KV of layer ``first_shared - 2``
+#: (sliding) or ``first_shared - 1`` (full), HF the last unshared layer of its type
+_S, _F = "sliding_attention", "full_attention"
+GEMMA4_GGUF = dict(layer_types=[_S, _S, _F, _S, _F, _S, _S, _F])
+
+
+def build_gemma3_for_gguf(out: Path) -> Path:
+    """``GEMMA3_GGUF`` with a ``tokenizer.model`` (``spm_model``), as Google's Gemma3 repos have: the
+    converter then writes the SentencePiece vocabulary (``tokenizer.ggml.model`` ``llama``)."""
+    from llmexport.tiny.gemma3 import BASE, build_gemma3_checkpoint
+
+    assert GEMMA3_GGUF["query_pre_attn_scalar"] == BASE["head_dim"]
+    build_gemma3_checkpoint(out, {**BASE, **GEMMA3_GGUF}, seed=0)
+    (out / "tokenizer.model").write_bytes(spm_model(out / "tokenizer.json", dummy_prefix=False))
+    return out
+
+
+def build_gemma4_for_gguf(out: Path) -> Path:
+    """The tiny E2B-style Gemma4 with ``GEMMA4_GGUF``'s layer pattern, text only."""
+    from llmexport.tiny.gemma4 import SHAPES, build_gemma4_checkpoint, text_config_dict
+
+    return build_gemma4_checkpoint(out, {**text_config_dict(SHAPES["e2b"]), **GEMMA4_GGUF}, seed=0, text_only=True)
+
+
+def spm_model(tokenizer_json: Path, dummy_prefix: bool) -> bytes:
+    """The SentencePiece ``tokenizer.model`` of a tiny BPE tokenizer.json with byte fallback and
+    spaces as U+2581 (the converters of Phi-3 and Gemma read the vocabulary from it only): each piece
+    a merge makes scores minus the rank of the first merge making it, so SentencePiece's
+    highest-score-first merging replays the BPE merges; specials are control pieces, ``<0xNN>`` byte
+    pieces, pieces no merge makes score -1e9. ``dummy_prefix``: SentencePiece prepends U+2581 to
+    the text (Llama-2's and Phi-3's vocabularies) or not (Gemma's)."""
+    import json
+
+    from sentencepiece import sentencepiece_model_pb2 as spm
+
+    data = json.loads(tokenizer_json.read_text(encoding="utf-8"))
+    vocab, merges = data["model"]["vocab"], data["model"]["merges"]
+    special = {t["id"] for t in data["added_tokens"] if t["special"]}
+    rank: dict[str, int] = {}
+    for r, m in enumerate(merges):
+        rank.setdefault("".join(m if isinstance(m, list) else m.split(" ", 1)), r)
+    proto = spm.ModelProto()
+    kinds = spm.ModelProto.SentencePiece
+    for piece, idx in sorted(vocab.items(), key=lambda kv: kv[1]):
+        entry = proto.pieces.add()
+        entry.piece = piece
+        if piece == data["model"]["unk_token"]:
+            entry.type, entry.score = kinds.UNKNOWN, 0.0
+        elif idx in special:
+            entry.type, entry.score = kinds.CONTROL, 0.0
+        elif re.fullmatch(r"<0x[0-9A-F]{2}>", piece):
+            entry.type, entry.score = kinds.BYTE, 0.0
+        else:
+            entry.type = kinds.NORMAL
+            entry.score = -float(rank[piece]) if piece in rank else (0.0 if len(piece) == 1 else -1e9)
+    proto.trainer_spec.model_type = spm.TrainerSpec.BPE
+    proto.trainer_spec.byte_fallback = True
+    proto.trainer_spec.vocab_size = len(vocab)
+    proto.trainer_spec.unk_id = vocab[data["model"]["unk_token"]]
+    for key, text in (("bos_id", "<bos>"), ("eos_id", "<eos>"), ("pad_id", "<pad>")):  # Gemma's; else the defaults
+        if text in vocab:
+            setattr(proto.trainer_spec, key, vocab[text])
+    proto.normalizer_spec.name = "identity"
+    proto.normalizer_spec.add_dummy_prefix = dummy_prefix
+    proto.normalizer_spec.remove_extra_whitespaces = False
+    proto.normalizer_spec.escape_whitespaces = True
+    return proto.SerializeToString()
 
 
 def gguf_views(tmp_path_factory) -> Iterator[Callable[[str, str], tuple[Path, Path]]]:

@@ -14,7 +14,7 @@ import shutil
 import numpy as np
 import pytest
 import torch
-from gguf_fixtures import OUR_MIX, READS_AS, VARIANTS, gguf_views, rewritten
+from gguf_fixtures import OUR_MIX, READS_AS, VARIANTS, gguf_views, has_llama_cpp, rewritten
 from tokenizers import Tokenizer
 
 from llmexport.api import plan
@@ -36,6 +36,12 @@ CONFIG_KEYS = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_att
                "head_dim", "vocab_size", "tie_word_embeddings", "rope_parameters", "rms_norm_eps",
                "max_position_embeddings", "model_type", "architectures", "num_experts", "num_experts_per_tok",
                "moe_intermediate_size", "norm_topk_prob", "decoder_sparse_step", "mlp_only_layers")
+#: a family's own config keys, compared too
+_GEMMA_KEYS = ("layer_types", "sliding_window", "final_logit_softcapping", "hidden_activation", "attention_bias")
+FAMILY_KEYS = {"gemma3": _GEMMA_KEYS + ("query_pre_attn_scalar",),
+               "gemma4": _GEMMA_KEYS + ("num_kv_shared_layers", "use_double_wide_mlp", "hidden_size_per_layer_input",
+                                        "vocab_size_per_layer_input", "attention_k_eq_v", "enable_moe_block",
+                                        "num_global_key_value_heads")}
 
 
 def _opened(path) -> Checkpoint:
@@ -59,13 +65,14 @@ def test_f32_file_is_the_checkpoint_it_was_converted_from(ggufs, family):
         assert open_architecture(ours).args == open_architecture(source).args
         assert ours.config["rope_parameters"] == source.config["rope_parameters"]
         return
-    expected = {k: source.config.get(k) for k in CONFIG_KEYS}
+    keys = CONFIG_KEYS + FAMILY_KEYS.get(family, ())
+    expected = {k: source.config.get(k) for k in keys}
     if "num_local_experts" in source.config:  # transformers 5 saves num_experts under its attribute_map name
         expected["num_experts"] = source.config["num_local_experts"]
     if family in READS_AS:  # Mistral is written as arch llama (test_file_computes_the_checkpoint)
         expected["model_type"], hf_class = READS_AS[family]
         expected["architectures"] = [hf_class]
-    assert {k: ours.config.get(k) for k in CONFIG_KEYS} == expected
+    assert {k: ours.config.get(k) for k in keys} == expected
     if "attention_bias" in ours.config:  # Qwen2's class always has q/k/v biases: its key is not read
         assert ours.config["attention_bias"] == source.config["attention_bias"]
     if family in ("llama", "mistral"):  # llama.cpp permuted q/k rows: reading them as stored would be wrong
@@ -76,6 +83,16 @@ def test_f32_file_is_the_checkpoint_it_was_converted_from(ggufs, family):
         assert not np.array_equal(raw["blk.0.attn_q.weight"], q)
         rope = "llama3" if family == "llama" else "default"  # llama3: from the rope_freqs tensor
         assert ours.config["rope_parameters"]["rope_type"] == rope
+    if family == "gemma4":  # the full layers' head size: transformers 5 saves global_head_dim per layer
+        from transformers import AutoConfig
+
+        assert AutoConfig.for_model(**ours.config).to_dict()["per_layer_config"] == source.config["per_layer_config"]
+    if family == "gemma3":  # the file holds 1 + weight (bf16 widened to fp32 first: the undo is exact)
+        from gguf import GGUFReader
+
+        raw = {t.name: np.array(t.data) for t in GGUFReader(path).tensors}
+        gamma = source.weights.tensor("model.layers.0.pre_feedforward_layernorm.weight").float().numpy()
+        assert np.array_equal(raw["blk.0.ffn_norm.weight"], gamma + 1) and not np.array_equal(gamma + 1, gamma)
 
 
 #: (family, tiny variant or None for VARIANTS') -> the tensor the guard changes (a final norm's gamma;
@@ -110,12 +127,82 @@ def test_file_computes_the_checkpoint(ggufs, family, variant, tmp_path):
     model.eval()
     reference = AutoModelForCausalLM.from_pretrained(hf, dtype=torch.float32).eval()
     assert getattr(reference.config, "sliding_window", None) is None
-    ids = torch.randint(0, ours.config["vocab_size"], (1, 24), generator=torch.Generator().manual_seed(0))
+    _assert_same_logits(model, reference, ours.config["vocab_size"], GUARDED[family, variant])
+
+
+def _assert_same_logits(model, reference, vocab: int, guard: str) -> None:
+    """``model`` gives ``reference``'s logits, and one changed value of the tensor ``guard`` shows."""
+    ids = torch.randint(0, vocab, (1, 24), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         got, want = model(ids).logits, reference(ids).logits
         assert torch.allclose(got, want, atol=1e-5, rtol=0), float((got - want).abs().max())
-        model.get_parameter(GUARDED[family, variant]).view(-1)[0] += 1.0  # not vacuous: one changed value shows
+        model.get_parameter(guard).view(-1)[0] += 1.0  # not vacuous
         assert float((model(ids).logits - want).abs().max()) > 1e-2
+
+
+def _read_back_model(ours: Checkpoint, **changes):
+    """The HF model of the config read back (``changes`` made), carrying the weights read back."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**{**ours.config, **changes}), dtype=torch.float32)
+    missing, unexpected = model.load_state_dict({n: ours.weights.tensor(n) for n in ours.weights.names()}, strict=False)
+    tied = ["lm_head.weight"] if ours.config["tie_word_embeddings"] else []
+    assert not unexpected and not [n for n in missing if not n.endswith("inv_freq") and n not in tied], missing
+    model.tie_weights()
+    return model.eval()
+
+
+@pytest.mark.parametrize("family", ["gemma3", "gemma4"])
+def test_gemma_file_computes_the_checkpoint(ggufs, family):
+    """The model read back (built from its config, the weights loaded) gives the checkpoint's logits.
+    Gemma3: llama.cpp's sliding pattern, attention scale and sliding RoPE base, recovered as its
+    runtime derives them, and the norms' +1 taken off are the checkpoint's (tests/gguf_fixtures.py
+    GEMMA3_GGUF), over a prompt longer than the sliding window. Gemma4: its layer pattern, head
+    sizes, MLP widths, shared KV layers, PLE and the full layers' partial rotation (from
+    ``rope_freqs``) read back."""
+    from transformers import AutoModelForCausalLM
+
+    path, hf = ggufs(family, "f32")
+    ours = _opened(path)
+    model = _read_back_model(ours)
+    reference = AutoModelForCausalLM.from_pretrained(hf, dtype=torch.float32).eval()
+    assert type(reference).__name__ == ours.config["architectures"][0]
+    assert getattr(reference.config, "sliding_window", None) == ours.config.get("sliding_window")
+    _assert_same_logits(model, reference, ours.config["vocab_size"], "model.norm.weight")
+
+
+@pytest.mark.skipif(not has_llama_cpp(), reason="llama-cpp-python (llama.cpp's runtime) is not installed")
+@pytest.mark.parametrize("family", ["gemma3", "gemma4"])
+def test_gemma_file_reads_back_as_the_model_llama_cpp_runs(ggufs, family):
+    """llama.cpp's own logits on the Gemma f32 files are those of the config read back, and not those
+    of a config that differs in one key: Gemma3's attention scale (transformers' GGUF loader's
+    query_pre_attn_scalar 256), layer pattern, full-layer RoPE scaling; Gemma4's sliding window and
+    the full layers' partial rotation."""
+    import llama_cpp
+
+    path, _ = ggufs(family, "f32")
+    ours = _opened(path)
+    ids = torch.randint(3, ours.config["vocab_size"], (1, 40), generator=torch.Generator().manual_seed(0))
+    f32 = llama_cpp.GGML_TYPE_F32  # an fp32 KV cache
+    llm = llama_cpp.Llama(model_path=str(path), n_ctx=256, n_threads=1, logits_all=True, verbose=False,
+                          type_k=f32, type_v=f32)
+    llm.eval(ids[0].tolist())
+    theirs = torch.from_numpy(np.array(llm.scores[:ids.shape[1]]))
+
+    def gap(**changes) -> float:
+        with torch.no_grad():
+            return float((_read_back_model(ours, **changes)(ids).logits[0] - theirs).abs().max())
+
+    assert gap() < 0.1  # llama.cpp's kernels: the gap grows along the prompt, to 0.007 (Gemma3), 0.04 (Gemma4)
+    rope = ours.config["rope_parameters"]
+    if family == "gemma3":
+        full = {"rope_type": "default", "rope_theta": 1e6}
+        others = [dict(query_pre_attn_scalar=256), dict(layer_types=["full_attention"] * 6)]
+    else:
+        full = {**rope["full_attention"], "partial_rotary_factor": 1.0}
+        others = [dict(sliding_window=4096)]
+    others.append(dict(rope_parameters={**rope, "full_attention": full}))
+    assert min(gap(**changes) for changes in others) > 0.5
 
 
 @pytest.mark.parametrize("family", sorted(VARIANTS))
@@ -142,6 +229,12 @@ def test_tokenizer_template_and_stop_ids_are_the_checkpoints(ggufs, family):
 
 #: config values transformers' GGUF loader does not read from the file (passed to from_pretrained)
 LOADER_MISSES = {"qwen3_moe": ("moe_intermediate_size",)}
+#: families whose config transformers' loader cannot build from the file, given ours: Gemma4 (its per-layer
+#: feed_forward_length fails the int check of intermediate_size; head_dim, the layer pattern, PLE width and
+#: shared KV layers are not read)
+LOADER_CONFIG = ("gemma4",)
+#: tensors the loader does not map, left at their init: Gemma4's ``layer_output_scale`` (``layer_scalar``)
+LOADER_DROPS = {"gemma4": ".layer_scalar"}
 _EXPERT = re.compile(r"(.*\.mlp\.experts)\.(\d+)\.(gate|up|down)_proj\.weight")
 
 
@@ -158,7 +251,7 @@ def _loader_tensor(state: dict[str, torch.Tensor], name: str, width: int) -> tor
     return state[f"{prefix}.gate_up_proj"][e, rows]
 
 
-@pytest.mark.parametrize("family", ["llama", "mistral", "qwen2", "qwen3_moe", "phi3", "lfm2"])
+@pytest.mark.parametrize("family", ["llama", "mistral", "qwen2", "qwen3_moe", "phi3", "lfm2", "gemma3", "gemma4"])
 def test_transformers_gguf_loader_reads_the_same_weights(ggufs, family):
     """transformers' own GGUF loader (``from_pretrained(..., gguf_file=...)``) dequantizes with
     gguf-py, undoes llama.cpp's permutation and stacks the experts: its model carries exactly our weights."""
@@ -166,13 +259,19 @@ def test_transformers_gguf_loader_reads_the_same_weights(ggufs, family):
 
     path, _ = ggufs(family, "q8_0")
     ours = _opened(path)
-    missed = {key: ours.config[key] for key in LOADER_MISSES.get(family, ())}
+    from transformers import AutoConfig
+
+    missed: dict = {key: ours.config[key] for key in LOADER_MISSES.get(family, ())}
+    if family in LOADER_CONFIG:
+        missed["config"] = AutoConfig.for_model(**ours.config)
     model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32, **missed)
     assert model.config.model_type == ours.config["model_type"]
     state = model.state_dict()
-    for name in ours.weights.names():
+    dropped = [name for name in ours.weights.names() if family in LOADER_DROPS and name.endswith(LOADER_DROPS[family])]
+    for name in set(ours.weights.names()) - set(dropped):
         loaded = _loader_tensor(state, name, ours.config.get("moe_intermediate_size") or 0)
         assert torch.equal(loaded, ours.weights.tensor(name)), name
+    assert all(not torch.equal(state[name], ours.weights.tensor(name)) for name in dropped)
     assert len(ours.weights.names()) >= len([n for n in state if not n.endswith("inv_freq")]) - 1  # tied lm_head
 
 
@@ -253,6 +352,23 @@ def test_phi3_rope_is_read_from_the_file(ggufs):
     assert windowed["sliding_window"] == 2047
 
 
+def test_gemma3_layer_pattern_is_llama_cpps():
+    """llama.cpp's sliding layers (``set_swa_pattern``): a period (default 6: every sixth layer full),
+    0 for all sliding, one flag per layer, and no sliding window for all full."""
+    from llmexport.source.importers.gguf.gemma import layer_types
+    from llmexport.source.importers.gguf.metadata import Metadata
+
+    def kinds(**fields) -> str:
+        meta = Metadata({f"gemma3.attention.{k}": v for k, v in fields.items()}, "f")
+        return "".join(k[0] for k in layer_types(meta, lambda name: f"gemma3.{name}", 7))
+
+    assert kinds(sliding_window=512) == "sssssfs"
+    assert kinds(sliding_window=512, sliding_window_pattern=2) == "sfsfsfs"
+    assert kinds(sliding_window=512, sliding_window_pattern=0) == "sssssss"
+    assert kinds(sliding_window=512, sliding_window_pattern=[True, False] * 3 + [True]) == "sfsfsfs"
+    assert kinds() == kinds(sliding_window=0) == "fffffff"
+
+
 def _patched_type(src, dst) -> None:
     """``src`` with the first tensor's type id set to 99 (no GGML type)."""
     from gguf import GGUFReader
@@ -282,6 +398,16 @@ def test_hostile_files_are_one_line_errors(ggufs, tmp_path):
     cases["extra.gguf"] = "tensor 'blk.0.weird.weight' has no HF counterpart"
     moe, _ = ggufs("qwen3_moe", "f32")
     rewritten(moe, tmp_path / "experts.gguf", metadata={"qwen3moe.expert_count": 4})
+    gemma, _ = ggufs("gemma3", "f32")
+    rewritten(gemma, tmp_path / "yarn.gguf", metadata={"gemma3.rope.scaling.type": "yarn"})
+    cases["yarn.gguf"] = "'gemma3.rope.scaling.type' is 'yarn', expected 'linear' or 'none'"
+    rewritten(gemma, tmp_path / "pattern.gguf", metadata={"gemma3.attention.sliding_window_pattern": [True] * 4})
+    cases["pattern.gguf"] = "'gemma3.attention.sliding_window_pattern' must list one flag per layer (6)"
+    gemma4, _ = ggufs("gemma4", "f32")
+    rewritten(gemma4, tmp_path / "moe4.gguf", metadata={"gemma4.expert_count": 8})
+    cases["moe4.gguf"] = "'gemma4.expert_count': Gemma4 MoE files are not supported"
+    rewritten(gemma4, tmp_path / "widths.gguf", metadata={"gemma4.feed_forward_length": [96] * 7 + [128]})
+    cases["widths.gguf"] = "neither one width nor one doubled on the KV-shared layers"
     cases["experts.gguf"] = "tensor 'blk.0.ffn_down_exps.weight' has shape [8, 64, 32], expected [4 experts, out, in]"
     phi3, _ = ggufs("phi3", "f32")  # longrope factors that do not fit the rotated dims
     rewritten(phi3, tmp_path / "longrope.gguf", metadata={"phi3.rope.dimension_count": 8})

@@ -34,11 +34,13 @@ def ggufs(tmp_path_factory):
 #: (written by convert_hf_to_gguf.py as arch llama, q/k permuted) and a Qwen3-MoE (stacked experts
 #: split into per-expert records), a Phi-3 (fused qkv / gate_up kept as one record each, partial rotary
 #: and longrope read from the file), an LFM2 (short-conv layers: the F32 conv kernels as stored, in/out
-#: projections kept) and an LFM2-MoE (its stacked experts split, the sigmoid router's F32 selection
-#: bias), all by convert_hf_to_gguf.py
+#: projections kept), an LFM2-MoE (its stacked experts split, the sigmoid router's F32 selection bias),
+#: a Gemma3 (norms' +1 taken off, sliding pattern, attention scale and local RoPE base as llama.cpp
+#: derives them, tied Q8_0 token table) and a Gemma4 (E2B-style: PLE, KV sharing), all by convert_hf_to_gguf.py
 CASES = {"qwen3-q8_0": ("qwen3", "q8_0"), "trained-llama-mix": ("trained", OUR_MIX),
          "mistral-q8_0": ("mistral", "q8_0"), "qwen3-moe-q8_0": ("qwen3_moe", "q8_0"),
-         "phi3-q8_0": ("phi3", "q8_0"), "lfm2-q8_0": ("lfm2", "q8_0"), "lfm2-moe-q8_0": ("lfm2_moe", "q8_0")}
+         "phi3-q8_0": ("phi3", "q8_0"), "lfm2-q8_0": ("lfm2", "q8_0"), "lfm2-moe-q8_0": ("lfm2_moe", "q8_0"),
+         "gemma3-q8_0": ("gemma3", "q8_0"), "gemma4-q8_0": ("gemma4", "q8_0")}
 
 
 @pytest.fixture(scope="session")
@@ -81,13 +83,17 @@ def test_gguf_export_keeps_the_integers_and_verifies(exported, case):
     report = result.verification
     assert result.verify_error is None and report is not None and report.passed, result.verify_error
     pre = result.plan.prequantized
-    # routers (ffn_gate_inp) are F32 in llama.cpp's files: quantized from float, by the options
-    assert pre is not None and {e.name.rsplit(".", 1)[-1] for e in pre.quantized_from_float} <= {"gate"}
+    # routers (ffn_gate_inp) are F32 in llama.cpp's files, and so are Gemma4's per_layer_projection (16 inputs:
+    # no whole Q8_0 block): quantized from float, by the options
+    assert pre is not None and {e.name.rsplit(".", 1)[-1] for e in pre.quantized_from_float} <= {
+        "gate", "per_layer_projection"}
     assert pre.transcoded == len(result.plan.linears) - len(pre.requantized) - len(pre.quantized_from_float) > 0
     assert not pre.requantized
     # the routers are stored in float (MNN's MoE op): their F32 values read back exactly too
-    assert report.prequantized["linears_exact"] == pre.transcoded + len(pre.quantized_from_float)
-    assert set(report.prequantized["linears_changed"]) == {e.name for e in pre.requantized}
+    routers = [e for e in pre.quantized_from_float if e.name.rsplit(".", 1)[-1] == "gate"]  # mlp. or feed_forward.
+    assert report.prequantized["linears_exact"] == pre.transcoded + len(routers)
+    floats = {e.name for e in pre.quantized_from_float} - {e.name for e in routers}  # quantized by the options
+    assert set(report.prequantized["linears_changed"]) == {e.name for e in pre.requantized} | floats
     for name, table in pre.tables.items():  # an untied table kept as stored reads back exactly
         assert report.prequantized["tables"][name]["exact"] == table.kept
     assert _check_records(path, result.dst, result) == pre.transcoded

@@ -7,7 +7,7 @@ scaling is kept by llama.cpp only as the ``rope_freqs`` tensor (one factor per r
 ``LlamaModel.generate_extra_tensors``): ``llama3_parameters`` finds the llama3 ``rope_parameters``
 that give exactly those factors (transformers' GGUF loader drops them and writes ``default``).
 
-Two architectures need more than the common keys (``GgufArchitecture.adapt``):
+Some architectures need more than the common keys (``GgufArchitecture.adapt``):
 
 * ``phi3`` (``Phi3MiniModel`` in the converter's ``conversion/phi.py``): partial rotary is kept as
   ``rope.dimension_count`` (``int(partial_rotary_factor * hidden) // heads``), longrope as the
@@ -20,6 +20,8 @@ Two architectures need more than the common keys (``GgufArchitecture.adapt``):
   length as ``shortconv.l_cache``; the MLP width after LFM2's ``block_auto_adjust_ff_dim``
   arithmetic (so the read-back config has the width and no adjustment); ``norm_eps`` as the rms epsilon.
   ``lfm2moe`` (``LFM2MoeModel``) adds the leading dense layers and the router (``_lfm2_moe``).
+* ``gemma3`` and ``gemma4`` (llmexport.source.importers.gguf.gemma): norms stored +1, the layer
+  pattern, the two RoPE bases, per-layer arrays of widths and kv heads.
 """
 
 from __future__ import annotations
@@ -31,6 +33,12 @@ from typing import Any, Callable
 import numpy as np
 
 from llmexport.errors import InputError
+from llmexport.source.importers.gguf.gemma import NORM_SHIFT, gemma3_config, gemma4_config
+from llmexport.source.importers.gguf.metadata import Metadata, f32
+
+#: an architecture's own keys: (metadata, config so far, tensor shapes, non-HF tensors' values) -> the
+#: config changed in place
+Adapt = Callable[[Metadata, dict[str, Any], dict[str, tuple[int, ...]], dict[str, np.ndarray]], None]
 
 
 @dataclass(frozen=True)
@@ -43,9 +51,11 @@ class GgufArchitecture:
     fixed: tuple[tuple[str, Any], ...] = ()  # config entries llama.cpp does not write, as HF's converter had them
     permuted: bool = False  # convert_hf_to_gguf.py permuted q/k rows for RoPE (llmexport.source.importers.gguf.names)
     moe: bool = False  # routed experts: ``expert_count``, ``expert_used_count``, ``expert_feed_forward_length``
-    #: the architecture's own keys: (metadata, config so far, tensor shapes, non-HF tensors' values) -> the
-    #: config changed in place
-    adapt: Callable[[Metadata, dict[str, Any], dict[str, tuple[int, ...]], dict[str, np.ndarray]], None] | None = None
+    activation: tuple[str, str] = ("hidden_act", "silu")  # the config key of the MLP activation, its value
+    norm_shift: float = 0.0  # what convert_hf_to_gguf.py added to every ``*norm.weight`` (taken off on read)
+    #: the architecture's own keys (its ``rope_freqs``, per-layer arrays of ``feed_forward_length`` /
+    #: ``attention.head_count_kv``, extra tensors); None: the common keys only, ``rope_freqs`` as llama3's
+    adapt: Adapt | None = None
 
 
 def _phi3(meta: Metadata, config: dict[str, Any], tensors: dict[str, tuple[int, ...]],
@@ -75,7 +85,7 @@ def _longrope(meta: Metadata, config: dict[str, Any], long: np.ndarray | None, s
         if factors is None or np.asarray(factors).reshape(-1).shape[0] != pairs:
             raise InputError(f"{meta.where}: tensor 'rope_factors_{name}.weight' must hold {pairs} factors "
                              f"(rope.dimension_count / 2) beside rope_factors_{'short' if name == 'long' else 'long'}")
-        lists[name] = [_f32(float(x)) for x in np.asarray(factors, dtype=np.float32).reshape(-1)]
+        lists[name] = [f32(float(x)) for x in np.asarray(factors, dtype=np.float32).reshape(-1)]
     original = meta.require("phi3.rope.scaling.original_context_length", int)
     rope = {"rope_type": "longrope", "rope_theta": config["rope_parameters"]["rope_theta"],
             "short_factor": lists["short"], "long_factor": lists["long"], "original_max_position_embeddings": original}
@@ -84,7 +94,7 @@ def _longrope(meta: Metadata, config: dict[str, Any], long: np.ndarray | None, s
     key = "phi3.rope.scaling.attn_factor"
     stored = meta.require(key, (int, float)) if key in meta.fields else default
     if not math.isclose(float(np.float32(default)), float(stored), rel_tol=1e-6):  # not the converter's own value
-        rope["attention_factor"] = _f32(stored)
+        rope["attention_factor"] = f32(stored)
     config["original_max_position_embeddings"] = original
     return rope
 
@@ -92,7 +102,7 @@ def _longrope(meta: Metadata, config: dict[str, Any], long: np.ndarray | None, s
 def _lfm2(meta: Metadata, config: dict[str, Any], tensors: dict[str, tuple[int, ...]],
           extras: dict[str, np.ndarray]) -> None:
     """LFM2's layer kinds, conv kernel length and norm epsilon (module docstring)."""
-    arch = meta.architecture
+    arch = architecture_of(meta)
     kv = meta.require(f"{arch}.attention.head_count_kv", list)
     attending = sorted({n for n in kv if n})
     if len(kv) != config["num_hidden_layers"] or len(attending) != 1 or not all(isinstance(n, int) for n in kv):
@@ -122,8 +132,18 @@ def _lfm2_moe(meta: Metadata, config: dict[str, Any], tensors: dict[str, tuple[i
                          f"expected {_SIGMOID} (sigmoid, LFM2-MoE's router)")
     dense = meta.require("lfm2moe.leading_dense_block_count", int)
     config.update(num_dense_layers=dense, norm_topk_prob=True,
-                  routed_scaling_factor=_f32(meta.get("lfm2moe.expert_weights_scale", 1.0)) or 1.0,
+                  routed_scaling_factor=f32(meta.get("lfm2moe.expert_weights_scale", 1.0)) or 1.0,
                   use_expert_bias=any(name.endswith(".exp_probs_b.bias") for name in tensors))
+
+
+def _keyed(entries: Callable[..., dict[str, Any]]) -> Adapt:
+    """A Gemma ``*_config`` (llmexport.source.importers.gguf.gemma: metadata, its key function, the
+    config so far, tensor shapes, ``rope_freqs``) -> entries) as an ``Adapt``."""
+    def adapt(meta: Metadata, config: dict[str, Any], tensors: dict[str, tuple[int, ...]],
+              extras: dict[str, np.ndarray]) -> None:
+        arch = architecture_of(meta)
+        config.update(entries(meta, lambda name: f"{arch}.{name}", config, tensors, extras.get("rope_freqs.weight")))
+    return adapt
 
 
 ARCHITECTURES: dict[str, GgufArchitecture] = {
@@ -138,41 +158,30 @@ ARCHITECTURES: dict[str, GgufArchitecture] = {
     "phi3": GgufArchitecture("phi3", "Phi3ForCausalLM", None, adapt=_phi3),
     "lfm2": GgufArchitecture("lfm2", "Lfm2ForCausalLM", None, adapt=_lfm2),
     "lfm2moe": GgufArchitecture("lfm2_moe", "Lfm2MoeForCausalLM", None, moe=True, adapt=_lfm2_moe),
+    # Gemma3ForCausalLM (Gemma 3 270M, 1B; the text decoder of 4B-27B): llmexport.source.importers.gguf.gemma
+    "gemma3": GgufArchitecture("gemma3_text", "Gemma3ForCausalLM", "attention_bias",
+                               activation=("hidden_activation", "gelu_pytorch_tanh"), norm_shift=NORM_SHIFT,
+                               adapt=_keyed(gemma3_config)),
+    # Gemma4ForCausalLM, E2B/E4B-style text (PLE, KV sharing): llmexport.source.importers.gguf.gemma
+    "gemma4": GgufArchitecture("gemma4_text", "Gemma4ForCausalLM", "attention_bias",
+                               activation=("hidden_activation", "gelu_pytorch_tanh"), adapt=_keyed(gemma4_config)),
 }
 
 
-class Metadata:
-    """Typed access to a GGUF file's key/value metadata, errors naming the file and key."""
-
-    def __init__(self, fields: dict[str, Any], where: str):
-        self.fields, self.where = fields, where
-
-    def get(self, key: str, default: Any = None) -> Any:
-        return self.fields.get(key, default)
-
-    def require(self, key: str, kind: type | tuple[type, ...]) -> Any:
-        if key not in self.fields:
-            raise InputError(f"{self.where}: metadata key {key!r} is missing")
-        value = self.fields[key]
-        if not isinstance(value, kind) or isinstance(value, bool) and kind is not bool:
-            raise InputError(f"{self.where}: metadata key {key!r} is {value!r}, "
-                             f"expected {getattr(kind, '__name__', kind)}")
-        return value
-
-    @property
-    def architecture(self) -> str:
-        arch = self.require("general.architecture", str)
-        if arch not in ARCHITECTURES:
-            raise InputError(f"{self.where}: general.architecture {arch!r} is not supported "
-                             f"(supported: {', '.join(ARCHITECTURES)})")
-        return arch
+def architecture_of(meta: Metadata) -> str:
+    """The file's ``general.architecture``, one of ``ARCHITECTURES``."""
+    arch = meta.require("general.architecture", str)
+    if arch not in ARCHITECTURES:
+        raise InputError(f"{meta.where}: general.architecture {arch!r} is not supported "
+                         f"(supported: {', '.join(ARCHITECTURES)})")
+    return arch
 
 
 def hf_config(meta: Metadata, tensors: dict[str, tuple[int, ...]], extras: dict[str, np.ndarray]) -> dict[str, Any]:
     """The HF config of the file: ``tensors`` maps GGUF tensor names to their HF shapes
     (``[out, in]``), ``extras`` the values of its tensors that are no HF tensor (llama-3's
     ``rope_freqs``, Phi-3's longrope factors: llmexport.source.importers.gguf.names ``NOT_TENSORS``)."""
-    arch = meta.architecture
+    arch = architecture_of(meta)
     spec = ARCHITECTURES[arch]
 
     def key(name: str) -> str:
@@ -183,22 +192,22 @@ def hf_config(meta: Metadata, tensors: dict[str, tuple[int, ...]], extras: dict[
     head_dim = meta.get(key("attention.key_length"), hidden // heads)
     if "token_embd.weight" not in tensors:
         raise InputError(f"{meta.where}: tensor 'token_embd.weight' is missing")
-    theta = _f32(meta.get(key("rope.freq_base"), 10000.0))
+    theta = f32(meta.get(key("rope.freq_base"), 10000.0))
     rope: dict[str, Any] = {"rope_theta": theta, "rope_type": "default"}
-    if "rope_freqs.weight" in extras:
+    if "rope_freqs.weight" in extras and spec.adapt is None:
         rope = llama3_parameters(extras["rope_freqs.weight"], theta, head_dim,
                                  f"{meta.where}: tensor 'rope_freqs.weight'")
     config: dict[str, Any] = {
         "architectures": [spec.hf_class], "model_type": spec.model_type,
         "vocab_size": int(tensors["token_embd.weight"][0]), "hidden_size": hidden,
-        "intermediate_size": meta.require(key("feed_forward_length"), int),
+        "intermediate_size": _first(meta, key("feed_forward_length"), spec),
         "num_hidden_layers": meta.require(key("block_count"), int),
         "num_attention_heads": heads,
-        "num_key_value_heads": meta.get(key("attention.head_count_kv"), heads),
+        "num_key_value_heads": _first(meta, key("attention.head_count_kv"), spec, heads),
         "head_dim": head_dim,
         "max_position_embeddings": meta.require(key("context_length"), int),
-        "rms_norm_eps": _f32(meta.require(key("attention.layer_norm_rms_epsilon"), float)),
-        "hidden_act": "silu", "rope_parameters": rope,
+        "rms_norm_eps": f32(meta.require(key("attention.layer_norm_rms_epsilon"), float)),
+        spec.activation[0]: spec.activation[1], "rope_parameters": rope,
         "tie_word_embeddings": "output.weight" not in tensors,
         "bos_token_id": meta.get("tokenizer.ggml.bos_token_id"),
         "eos_token_id": meta.get("tokenizer.ggml.eos_token_id"),
@@ -215,6 +224,20 @@ def hf_config(meta: Metadata, tensors: dict[str, tuple[int, ...]], extras: dict[
     if spec.adapt is not None:
         spec.adapt(meta, config, tensors, extras)
     return config
+
+
+def _first(meta: Metadata, name: str, spec: GgufArchitecture, default: int | None = None) -> int:
+    """An integer key, or the first layer's value of a per-layer array (which an architecture with
+    its own ``adapt`` resolves; an array whose values differ is refused for the others)."""
+    value = meta.get(name, default) if default is not None else meta.require(name, (int, list))
+    if isinstance(value, list) and value and all(isinstance(v, int) and not isinstance(v, bool) for v in value):
+        if spec.adapt is None and len(set(value)) > 1:
+            raise InputError(f"{meta.where}: metadata key {name!r} differs between layers ({value}), "
+                             f"which a {spec.model_type} model does not")
+        return value[0]
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise InputError(f"{meta.where}: metadata key {name!r} is {value!r}, expected int")
+    return value
 
 
 #: llama3 RoPE settings tried when the factors show too few points of the smooth band to fit them
@@ -260,8 +283,3 @@ def llama3_parameters(freqs: np.ndarray, theta: float, dim: int, where: str) -> 
             return {"rope_type": "llama3", "rope_theta": theta, "factor": factor, "low_freq_factor": low,
                     "high_freq_factor": high, "original_max_position_embeddings": int(round(original))}
     raise InputError(f"{where}: these RoPE factors are no llama3 scaling this exporter can express")
-
-
-def _f32(value: float) -> float:
-    """A float32 metadata value as the decimal HF's config had (its shortest float32 repr: 1e-06)."""
-    return float(str(np.float32(value)))

@@ -18,8 +18,9 @@ from pathlib import Path
 from typing import Any
 
 from llmexport.errors import InputError, UsageError
-from llmexport.source.importers.gguf.config import Metadata, hf_config
+from llmexport.source.importers.gguf.config import hf_config
 from llmexport.source.importers.gguf.file import SPLIT_NAME, GgufFile
+from llmexport.source.importers.gguf.metadata import Metadata
 from llmexport.source.importers.gguf.names import NOT_TENSORS
 from llmexport.source.importers.gguf.tokenizer import stop_ids, tokenizer_config, tokenizer_json
 

@@ -50,6 +50,13 @@ _LFM2: dict[str, str] = {
     "blk.{i}.ffn_up.weight": "model.layers.{i}.feed_forward.w3.weight",
     "blk.{i}.ffn_down.weight": "model.layers.{i}.feed_forward.w2.weight",
 }
+#: Gemma's four norms per layer
+#: (gguf-py's ``ATTN_POST_NORM``, ``FFN_PRE_NORM`` (named ``ffn_norm`` as Llama's), ``FFN_POST_NORM``)
+_GEMMA_NORMS = {
+    "blk.{i}.post_attention_norm.weight": "model.layers.{i}.post_attention_layernorm.weight",
+    "blk.{i}.ffn_norm.weight": "model.layers.{i}.pre_feedforward_layernorm.weight",
+    "blk.{i}.post_ffw_norm.weight": "model.layers.{i}.post_feedforward_layernorm.weight",
+}
 #: an architecture's own names, before ``TENSORS``: Phi-3 keeps HF's fused ``qkv_proj`` (q, k, v rows)
 #: and ``gate_up_proj`` (gate rows, then up) as ``attn_qkv`` / ``ffn_up`` (gguf-py's tensor_mapping;
 #: ``Phi3MiniModel`` has no ``modify_tensors``); LFM2 names its final norm ``token_embd_norm``
@@ -64,6 +71,18 @@ ARCH_TENSORS: dict[str, dict[str, str]] = {
         **_LFM2,
         "blk.{i}.ffn_gate_inp.weight": "model.layers.{i}.feed_forward.gate.weight",
         "blk.{i}.exp_probs_b.bias": "model.layers.{i}.feed_forward.expert_bias",
+    },
+    "gemma3": _GEMMA_NORMS,
+    # Gemma4's per-layer embeddings (PLE) and layer scalar (gguf-py's PER_LAYER_*, LAYER_OUT_SCALE)
+    "gemma4": {
+        **_GEMMA_NORMS,
+        "per_layer_token_embd.weight": "model.embed_tokens_per_layer.weight",
+        "per_layer_model_proj.weight": "model.per_layer_model_projection.weight",
+        "per_layer_proj_norm.weight": "model.per_layer_projection_norm.weight",
+        "blk.{i}.layer_output_scale.weight": "model.layers.{i}.layer_scalar",
+        "blk.{i}.inp_gate.weight": "model.layers.{i}.per_layer_input_gate.weight",
+        "blk.{i}.proj.weight": "model.layers.{i}.per_layer_projection.weight",
+        "blk.{i}.post_norm.weight": "model.layers.{i}.post_per_layer_input_norm.weight",
     },
 }
 #: tensors ``modify_tensors`` squeezed, -> the axis it removed: LFM2's depthwise conv kernel, HF's
@@ -100,8 +119,9 @@ def _lookup(table: dict[str, str], gguf_name: str) -> str | None:
     return None if hf is None else hf.replace("{i}", match.group(1) if match else "")
 
 
-def hf_name(gguf_name: str, arch: str = "") -> str | None:
-    """The HF name of a GGUF tensor of architecture ``arch``, None for one these tables do not know."""
+def hf_name(gguf_name: str, arch: str = "llama") -> str | None:
+    """The HF name of a GGUF tensor of ``arch`` (``general.architecture``), None for one the tables
+    do not know."""
     return _lookup(ARCH_TENSORS.get(arch, {}), gguf_name) or _lookup(TENSORS, gguf_name)
 
 

@@ -114,6 +114,8 @@ BPE_PRE: dict[str, Spec] = {
     "command-r": Spec({"type": "Sequence", "pretokenizers": [_digits(True), _byte_level(True)]}, _NFC),
 }
 SPM = Spec(None, _SPM_NORMALIZER, _SPM_DECODER)
+#: the Gemma tokenizer.json (Gemma 3 and 4: every space as U+2581, no dummy prefix; the same parts for
+#: ``tokenizer.ggml.model`` ``gemma4`` and for a ``llama`` (SentencePiece) vocabulary without ``add_space_prefix``)
 GEMMA4 = Spec({"type": "Split", "pattern": {"String": " "}, "behavior": "MergedWithPrevious", "invert": False},
               {"type": "Replace", "pattern": {"String": " "}, "content": SPACE},
               {"type": "Sequence", "decoders": [{"type": "Replace", "pattern": {"String": SPACE}, "content": " "},
@@ -132,8 +134,8 @@ def spec_of(meta: dict[str, Any], where: str) -> Spec:
         if pre not in BPE_PRE:
             raise InputError(f"{where}: tokenizer.ggml.pre {pre!r} is not supported (supported: {', '.join(BPE_PRE)})")
         return BPE_PRE[pre]
-    if model == "llama":
-        return SPM
+    if model == "llama":  # Gemma's SentencePiece adds no dummy prefix: the Gemma tokenizer.json's parts
+        return SPM if meta.get("tokenizer.ggml.add_space_prefix", True) else GEMMA4
     if model == "gemma4":
         return GEMMA4
     raise InputError(f"{where}: tokenizer.ggml.model {model!r} is not supported (supported: gpt2, llama, gemma4)")

@@ -45,6 +45,7 @@ class _Entry:
     tensor: GgufTensor
     order: torch.Tensor | None  # HF row -> GGUF row, where llama.cpp permuted the rows
     unsqueeze: int | None = None  # the axis of HF's tensor the converter squeezed away
+    shift: float = 0.0  # what llama.cpp added to the values (Gemma's norms: 1), taken off in fp32
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -54,7 +55,7 @@ class _Entry:
 
     def stored(self) -> Prequantized | torch.Tensor:
         kind = KEPT.get(self.tensor.kind)
-        if kind is not None and len(self.tensor.shape) == 2 and self.unsqueeze is None:
+        if kind is not None and len(self.tensor.shape) == 2 and self.unsqueeze is None and not self.shift:
             value: Any = prequantized(kind, self.tensor.data)
         else:
             value = torch.from_numpy(self._dequantized()).reshape(self.shape)
@@ -67,7 +68,8 @@ class _Entry:
         from gguf.quants import dequantize
 
         values = dequantize(np.asarray(self.tensor.data), GGMLQuantizationType[self.tensor.kind])
-        return np.array(values, dtype=np.float32).reshape(self.tensor.shape)
+        values = np.array(values, dtype=np.float32).reshape(self.tensor.shape)
+        return values - np.float32(self.shift) if self.shift else values
 
 
 class GgufLazy(WholeLazy):
@@ -128,11 +130,11 @@ class GgufWeights:
                 continue
             hf = hf_name(name, arch_name)
             if hf is None:
-                raise InputError(f"{file.path}: tensor {name!r} has no HF counterpart in a "
-                                 f"{file.metadata.get('general.architecture')} model")
+                raise InputError(f"{file.path}: tensor {name!r} has no HF counterpart in a {arch_name} model")
             heads = permuted_heads(name) if arch.permuted else None
             order = None if heads is None else torch.tensor(unpermute_order(tensor.shape[0], int(config[heads])))
-            self._entries[hf] = _Entry(tensor, order, unsqueezed_axis(name))
+            shift = arch.norm_shift if name.endswith("norm.weight") else 0.0
+            self._entries[hf] = _Entry(tensor, order, unsqueezed_axis(name), shift)
 
     def _add_experts(self, tensor: GgufTensor, names: list[str]) -> None:
         """A stacked ``[experts, out, in]`` tensor as one entry per expert (its rows' blocks kept)."""
