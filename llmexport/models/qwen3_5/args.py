@@ -100,11 +100,16 @@ def _rope(cfg: dict[str, Any], head_dim: int, where: str) -> tuple[float, int, t
     if rotary < 2 or rotary % 2:
         raise InputError(f"{label}: partial_rotary_factor {factor} leaves {rotary} rotated dims of head_dim "
                          f"{head_dim} (an even number >= 2 is needed)")
-    section = params.get("mrope_section", [11, 11, 10])  # Qwen3_5TextRotaryEmbedding's default
+    return theta, rotary, mrope_section(params, label, [11, 11, 10])  # Qwen3_5TextRotaryEmbedding's default
+
+
+def mrope_section(params: dict[str, Any], label: str, default: list[int]) -> tuple[int, int, int]:
+    """``rope_parameters.mrope_section``: rotary pairs per position row (t, h, w), interleaved."""
+    section = params.get("mrope_section", default)
     if (not isinstance(section, list) or len(section) != 3
             or not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in section)):
         raise InputError(f"{label}: 'mrope_section' must be three counts of rotary pairs (got {section!r})")
-    return theta, rotary, (section[0], section[1], section[2])
+    return section[0], section[1], section[2]
 
 
 def _layers(cfg: dict[str, Any], n: int, where: str) -> tuple[LayerSpec, ...]:

@@ -1,8 +1,11 @@
 """Qwen3.5's vision tower as an exported ``Tower``: its tensors, runtime keys and what
-verification checks of it (the graph: vision.py; the runtime's inputs: media/qwen_vl.py)."""
+verification checks of it (the graph: vision.py; the runtime's inputs: media/qwen_vl.py). With
+``deepstack`` (Qwen3-VL's tower, models/qwen3_vl/) the graph has a second output, the DeepStack
+levels, and the runtime key ``has_deepstack``."""
 
 from __future__ import annotations
 
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -45,9 +48,12 @@ class Qwen3_5VisionTower(TextRowTower):
     the linears' bookkeeping the towers share)."""
 
     name = "visual"
+    #: the tower has Qwen3-VL's DeepStack mergers (vision.py)
+    deepstack = False
 
     def __init__(self, arch, vision_config: dict[str, Any]):
-        super().__init__(arch, vision_config, parse_vision_args, vision_linears, VISION_TOKENS, "a vision")
+        super().__init__(arch, vision_config, partial(parse_vision_args, deepstack=self.deepstack), vision_linears,
+                         VISION_TOKENS, "a vision")
 
     def expected_tensors(self) -> Shapes:
         return {**vision_constants(self.args), **self.linear_tensors(False)}
@@ -67,11 +73,12 @@ class Qwen3_5VisionTower(TextRowTower):
         axes = {"patches": {0: "patches"}, "position_ids": {1: "patches"},
                 "attention_mask": {1: "patches", 2: "patches_k"}, "idx_tensor": {1: "patches"},
                 "weight_tensor": {1: "patches"}}
-        return GraphInputs(tuple(torch.from_numpy(feeds[name]) for name in INPUTS), list(INPUTS), axes,
-                           ["image_embeds"])
+        outputs = ["image_embeds", "deepstack_embeds"] if self.args.deepstack else ["image_embeds"]
+        return GraphInputs(tuple(torch.from_numpy(feeds[name]) for name in INPUTS), list(INPUTS), axes, outputs)
 
     def llm_config(self) -> dict[str, Any]:
-        return {"is_visual": True, "visual_model": "visual.mnn", "image_size": IMAGE_SIZE,
+        deepstack = {"has_deepstack": True} if self.args.deepstack else {}
+        return deepstack | {"is_visual": True, "visual_model": "visual.mnn", "image_size": IMAGE_SIZE,
                 "image_mean": [IMAGE_MEAN] * 3, "image_norm": [IMAGE_NORM] * 3,
                 "num_grid_per_side": self.args.grid_side,
                 "vision_start": self.ids["vision_start_token_id"], "vision_end": self.ids["vision_end_token_id"],
