@@ -30,7 +30,7 @@ DEEPSTACK = [0, 1]  # the released towers: [8, 16, 24] of 27 blocks (24 of the 2
 def build_tiny_qwen3_vl(out_dir: Path | str, *, seed: int = 0, dtype: torch.dtype = torch.bfloat16,
                         text: dict[str, Any] | None = None) -> Path:
     """Write the tiny Qwen3-VL (``text``: overrides of the text config) to ``out_dir``."""
-    from transformers import Qwen3VLConfig, Qwen3VLTextConfig
+    import transformers
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -38,8 +38,9 @@ def build_tiny_qwen3_vl(out_dir: Path | str, *, seed: int = 0, dtype: torch.dtyp
     token_ids = write_checkpoint_tokenizer(out, "qwen", text_config["vocab_size"], None)
     ids = vision_token_ids(Tokenizer.from_file(str(out / "tokenizer.json")))
     vision = dict(VISION, depth=3, deepstack_visual_indexes=DEEPSTACK, out_hidden_size=text_config["hidden_size"])
-    config = Qwen3VLConfig(text_config=Qwen3VLTextConfig(**text_config, **token_ids).to_dict(),
-                           vision_config=vision, tie_word_embeddings=False, **ids)
+    config_class, text_class = (getattr(transformers, name) for name in ("Qwen3VLConfig", "Qwen3VLTextConfig"))
+    config = config_class(text_config=text_class(**text_config, **token_ids).to_dict(),
+                          vision_config=vision, tie_word_embeddings=False, **ids)
     save_random("Qwen3VLForConditionalGeneration", config, out, seed, dtype)
     write_generation_config(out, token_ids)
     return out

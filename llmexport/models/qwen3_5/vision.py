@@ -219,7 +219,7 @@ class _DeepStackMerger(nn.Module):
         super().__init__()
         p = VISION.bind(layer=level)
         self.width = args.hidden * MERGE * MERGE
-        self.norm = LayerNorm(lookup, *p.names(DEEPSTACK_NORMS), EPS)
+        self.norm = LayerNorm(lookup, p.name("deepstack.norm.weight"), p.name("deepstack.norm.bias"), EPS)
         self.fc1, self.fc2 = (placeholder(linears[p.name(key)]) for key in ("deepstack.fc1", "deepstack.fc2"))
 
     def forward(self, x):
