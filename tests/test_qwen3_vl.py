@@ -13,8 +13,8 @@ import torch
 from llmexport.errors import InputError
 from llmexport.media.image import synthetic_image
 from llmexport.media.qwen_vl import hf_pixel_values
-from llmexport.models.qwen3_5.mrope import runtime_positions
-from llmexport.models.qwen3_5.vision import INPUTS
+from llmexport.models.qwen_vl.mrope import runtime_positions
+from llmexport.models.qwen_vl.vision import INPUTS
 from llmexport.source.checkpoint import Checkpoint
 from llmexport.source.loading import open_architecture
 from llmexport.trace.eager import bind_weights, prompt_inputs

@@ -1,6 +1,6 @@
 """Qwen3-VL family: ``qwen3_vl`` (Qwen3VLForConditionalGeneration): the text model as Qwen3's
 dense decoder on M-RoPE positions with DeepStack (qwen3_vl/graph.py), the vision tower as
-``visual.mnn`` with the DeepStack levels as its second output (qwen3_5/vision.py, towers.py: the
+``visual.mnn`` with the DeepStack levels as its second output (qwen_vl/vision.py, towers.py: the
 same tower family as Qwen3.5's).
 
 The text model sits under ``model.language_model.`` (Qwen3VLModel.language_model) and its config
@@ -22,9 +22,9 @@ from llmexport.errors import InputError
 from llmexport.models.decoder.args import NO_SLIDING, resolve_config
 from llmexport.models.decoder.names import LLAMA_LAYOUT
 from llmexport.models.qwen3 import Qwen3
-from llmexport.models.qwen3_5.args import mrope_section
-from llmexport.models.qwen3_5.towers import Qwen3_5VisionTower
 from llmexport.models.qwen3_vl.graph import Qwen3VLGraph
+from llmexport.models.qwen_vl.mrope import mrope_section
+from llmexport.models.qwen_vl.towers import QwenVisionTower
 from llmexport.models.tensor_checks import finite_lookup
 from llmexport.source.checkpoint import Checkpoint
 from llmexport.spec import GraphInputs
@@ -34,8 +34,8 @@ QWEN3_VL_NAMES = LLAMA_LAYOUT.moved("model.", "model.language_model.")
 MROPE_SECTION = [24, 20, 20]  # Qwen3VLTextRotaryEmbedding's default
 
 
-class Qwen3VLVisionTower(Qwen3_5VisionTower):
-    """Qwen3.5's tower with DeepStack mergers (qwen3_5/vision.py)."""
+class Qwen3VLVisionTower(QwenVisionTower):
+    """Qwen3.5's tower with DeepStack mergers (qwen_vl/vision.py)."""
 
     deepstack = True
 

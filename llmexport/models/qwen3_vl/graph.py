@@ -3,7 +3,7 @@ runtime's M-RoPE positions, plus DeepStack.
 
 Mirrors transformers 5.x models/qwen3_vl/modeling_qwen3_vl.py ``Qwen3VLTextModel``:
 - ``Qwen3VLTextRotaryEmbedding`` takes each rotary pair's angle from the t, h or w position row,
-  interleaved by ``mrope_section`` (the same recomposition as Qwen3.5's, qwen3_5/mrope.py, which
+  interleaved by ``mrope_section`` (the same recomposition as Qwen3.5's, qwen_vl/mrope.py, which
   also undoes where MNN 3.6.1's runtime positions differ from ``get_rope_index``);
 - after decoder layer ``i < len(deepstack_visual_embeds)`` HF adds level ``i`` of the tower's
   DeepStack features to the image tokens' hidden states (``_deepstack_process``). The graph's
@@ -21,7 +21,7 @@ import torch
 from llmexport.models.decoder.args import DecoderArgs
 from llmexport.models.decoder.graph import DenseDecoderGraph
 from llmexport.models.graph_parts import TensorLookup
-from llmexport.models.qwen3_5.mrope import hf_relative_positions, mrope_cos_sin, pair_rows
+from llmexport.models.qwen_vl.mrope import hf_relative_positions, mrope_cos_sin, pair_rows
 from llmexport.models.tensor_names import NameTable
 
 

@@ -1,7 +1,7 @@
-"""Qwen3.5's vision tower as an exported ``Tower``: its tensors, runtime keys and what
-verification checks of it (the graph: vision.py; the runtime's inputs: media/qwen_vl.py). With
-``deepstack`` (Qwen3-VL's tower, models/qwen3_vl/) the graph has a second output, the DeepStack
-levels, and the runtime key ``has_deepstack``."""
+"""The Qwen vision tower (Qwen3.5's, and Qwen3-VL's with DeepStack) as an exported ``Tower``: its
+tensors, runtime keys and what verification checks of it (the graph: vision.py; the runtime's
+inputs: media/qwen_vl.py). With ``deepstack`` (Qwen3-VL's tower, models/qwen3_vl/family.py) the
+graph has a second output, the DeepStack levels, and the runtime key ``has_deepstack``."""
 
 from __future__ import annotations
 
@@ -16,13 +16,7 @@ from torch import nn
 from llmexport.media.image import synthetic_image
 from llmexport.media.qwen_vl import IMAGE_MEAN, IMAGE_NORM, hf_pixel_values, runtime_pixels, vision_inputs
 from llmexport.models.gemma4.towers import TextRowTower
-from llmexport.models.qwen3_5.vision import (
-    INPUTS,
-    Qwen3_5VisionGraph,
-    parse_vision_args,
-    vision_constants,
-    vision_linears,
-)
+from llmexport.models.qwen_vl.vision import INPUTS, QwenVisionGraph, parse_vision_args, vision_constants, vision_linears
 from llmexport.models.tensor_checks import Shapes, finite_lookup
 from llmexport.models.tower_check import FeatureCase, Measure, PromptCase, PromptLogits, TowerCheck
 from llmexport.spec import GraphInputs
@@ -43,7 +37,7 @@ PROMPT_TAIL = "Describe this picture in a few words.<|im_end|>\n<|im_start|>assi
 TRACE_SIZE = (64, 96)
 
 
-class Qwen3_5VisionTower(TextRowTower):
+class QwenVisionTower(TextRowTower):
     """The vision tower of a multimodal ``qwen3_5`` / ``qwen3_5_moe`` checkpoint (Gemma4Tower holds
     the linears' bookkeeping the towers share)."""
 
@@ -61,7 +55,7 @@ class Qwen3_5VisionTower(TextRowTower):
     def build_graph(self, token_tail: torch.Tensor | None = None) -> nn.Module:
         if token_tail is not None:
             raise ValueError("Qwen3.5's runtime token rows have no tail")
-        return Qwen3_5VisionGraph(self.args, self._linears,
+        return QwenVisionGraph(self.args, self._linears,
                                   finite_lookup(self.checkpoint.weights, self.checkpoint.path)).eval()
 
     def inputs(self, image) -> dict[str, np.ndarray]:

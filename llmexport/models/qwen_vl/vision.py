@@ -226,7 +226,7 @@ class _DeepStackMerger(nn.Module):
         return self.fc2(gelu_erf(self.fc1(self.norm(x.reshape(1, -1, self.width)))))
 
 
-class Qwen3_5VisionGraph(nn.Module):
+class QwenVisionGraph(nn.Module):
     """The runtime's five inputs (module docstring) -> image_embeds [tokens, 1, out_hidden], and
     with DeepStack levels (Qwen3-VL) deepstack_embeds [levels, tokens, out_hidden]."""
 
