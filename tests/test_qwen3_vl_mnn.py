@@ -16,23 +16,27 @@ from helpers import cli_verified_visual, image_conversation
 
 @pytest.fixture(scope="module")
 def verified(tiny_qwen3_vl, tmp_path_factory):
-    """One command-line export with ``--verify`` (8-bit, the exact runtime profile; the fast
-    profile passes too, docs/supported-models.md): (export folder, the report's visual section)."""
+    """One command-line export with ``--verify`` (8-bit text, a 4-bit tower, the exact runtime
+    profile; the fast profile passes too, docs/supported-models.md): (export folder, the report's
+    visual section)."""
     out = tmp_path_factory.mktemp("qwen3_vl-verified") / "out"
-    return out, cli_verified_visual(tiny_qwen3_vl, out, "--quant_bit", "8", "--runtime_profile", "exact")
+    return out, cli_verified_visual(tiny_qwen3_vl, out, "--quant_bit", "8", "--visual_quant_bit", "4",
+                                    "--runtime_profile", "exact")
 
 
 @pytest.mark.slow
-@parametrize("mnn", "bits", [8], "qwen3_vl")
+@parametrize("mnn", "bits", [4], "qwen3_vl")
 def test_cli_verify_visual_mnn_and_image_prompts(verified, bits):
     """``visual.mnn``'s soft tokens alone vs HF's image features, and the image prompts through
     the runtime's ``<img>`` path (the DeepStack levels reaching the text graph as omni.cpp builds
     them) teacher-forced along HF's 16 greedy steps, HF carrying the stored weights."""
     out, visual = verified
     assert len(visual["prompts"]) == 2 and all(case["rel_err"] < 1e-5 for case in visual["images"])
+    # the 4-bit tower's stored weights are visibly not the checkpoint's: the oracle is what matters
+    assert all(case["rel_err_fp32"] > 1e-3 for case in visual["images"])
     for prompt in visual["prompts"]:
         forced = prompt["forced"]
-        print(f"\nqwen3_vl q{bits} image prompt {prompt['label']}: top-1 {forced['top1_agreement']:.0%}, "
+        print(f"\nqwen3_vl visual q{bits} image prompt {prompt['label']}: top-1 {forced['top1_agreement']:.0%}, "
               f"max |dlogit| {forced['max_abs_err']:.2e}; vs fp32 HF {prompt['fp32']['max_abs_err']:.2e}")
         assert prompt["ids_match"] and prompt["greedy_mnn"] == prompt["greedy_ref"] and len(prompt["greedy_mnn"]) == 16
         assert forced["top1_agreement"] == 1.0 and forced["max_abs_err"] < 1e-3
@@ -62,7 +66,7 @@ def test_visual_mnn_deepstack_output_matches_stored_weights_hf(tiny_qwen3_vl, ve
     rel = lambda a, b: ((a - b).abs().max() / b.abs().max()).item()  # noqa: E731
     print(f"\nqwen3_vl visual.mnn deepstack 96x64: rel err {rel(levels, ref):.2e} vs stored weights, "
           f"{rel(levels, ref32):.2e} vs fp32")
-    assert levels.shape == ref.shape == (2, 6, 64) and rel(levels, ref) < 1e-5
+    assert levels.shape == ref.shape == (2, 6, 64) and rel(levels, ref) < 1e-5 and rel(levels, ref32) > 1e-3
 
 
 @pytest.mark.slow
