@@ -225,3 +225,21 @@ def test_a_missing_deepstack_tensor_is_an_input_error(tiny, tmp_path):
     bad = edit_checkpoint(tiny[0], tmp_path / "bad", drop=["model.visual.deepstack_merger_list.1.norm.bias"])
     with pytest.raises(InputError, match="deepstack_merger_list.1.norm.bias"):
         open_architecture(Checkpoint.open(bad))
+
+
+def test_a_tied_head_matches_hf(tmp_path):
+    """The released 2B and 4B tie the head to the embeddings (the outer config's
+    ``tie_word_embeddings``): no ``lm_head`` tensor, the graph's head reads the table."""
+    from transformers import Qwen3VLForConditionalGeneration
+
+    from llmexport.tiny.qwen3_vl import build_tiny_qwen3_vl
+
+    path = build_tiny_qwen3_vl(tmp_path / "tied", tie=True, seed=1)
+    arch = open_architecture(Checkpoint.open(path))
+    assert arch.args.tie_embeddings and "lm_head.weight" not in arch.checkpoint.weights.names()
+    hf = Qwen3VLForConditionalGeneration.from_pretrained(path, dtype=torch.float32).eval()
+    ids = torch.randint(10, 400, (12,), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        ours = bind_weights(arch.build_graph(), arch.linear_weight)(*prompt_inputs(arch, ids, arch.embedding_table(),
+                                                                                   None))[0][0]
+    assert (ours - arch.reference_logits(hf, ids)).abs().max().item() < 1e-4

@@ -28,8 +28,9 @@ DEEPSTACK = [0, 1]  # the released towers: [8, 16, 24] of 27 blocks (24 of the 2
 
 
 def build_tiny_qwen3_vl(out_dir: Path | str, *, seed: int = 0, dtype: torch.dtype = torch.bfloat16,
-                        text: dict[str, Any] | None = None) -> Path:
-    """Write the tiny Qwen3-VL (``text``: overrides of the text config) to ``out_dir``."""
+                        text: dict[str, Any] | None = None, tie: bool = False) -> Path:
+    """Write the tiny Qwen3-VL (``text``: overrides of the text config; ``tie``: the head tied to
+    the embeddings, as the released 2B and 4B) to ``out_dir``."""
     import transformers
 
     out = Path(out_dir)
@@ -39,8 +40,8 @@ def build_tiny_qwen3_vl(out_dir: Path | str, *, seed: int = 0, dtype: torch.dtyp
     ids = vision_token_ids(Tokenizer.from_file(str(out / "tokenizer.json")))
     vision = dict(VISION, depth=3, deepstack_visual_indexes=DEEPSTACK, out_hidden_size=text_config["hidden_size"])
     config_class, text_class = (getattr(transformers, name) for name in ("Qwen3VLConfig", "Qwen3VLTextConfig"))
-    config = config_class(text_config=text_class(**text_config, **token_ids).to_dict(),
-                          vision_config=vision, tie_word_embeddings=False, **ids)
+    config = config_class(text_config=text_class(**text_config, **token_ids, tie_word_embeddings=tie).to_dict(),
+                          vision_config=vision, tie_word_embeddings=tie, **ids)
     save_random("Qwen3VLForConditionalGeneration", config, out, seed, dtype)
     write_generation_config(out, token_ids)
     return out
