@@ -53,6 +53,14 @@ def tiny_k2_horizon(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def tiny_qwen3_vl(tmp_path_factory) -> Path:
+    """The tiny Qwen3-VL checkpoint (llmexport.tiny.qwen3_vl), built once per session."""
+    from llmexport.tiny.qwen3_vl import build_tiny_qwen3_vl
+
+    return build_tiny_qwen3_vl(tmp_path_factory.mktemp("qwen3_vl"))
+
+
+@pytest.fixture(scope="session")
 def wide_model(tmp_path_factory):
     """A text-only model whose weight write takes long enough to be interrupted by a signal."""
     from llmexport.tiny.gemma4 import SHAPES, build_gemma4_checkpoint, text_config_dict

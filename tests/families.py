@@ -20,7 +20,8 @@ COVERAGE: dict[str, set[str]] = defaultdict(set)
 STAGE_MODULES = ("test_rewrite_parity", "test_onnx_parity", "test_export_mnn", "test_k2_horizon_parity",
                  "test_k2_horizon_mnn", "test_decoder_families", "test_decoder_families_mnn", "test_gemma3",
                  "test_gemma3_mnn", "test_phi3", "test_phi3_mnn", "test_lfm2", "test_lfm2_mnn",
-                 "test_qwen3_5", "test_qwen3_5_mnn", "test_arm_runtime", "test_gemma3_vision", "test_gemma3_vision_mnn")
+                 "test_qwen3_5", "test_qwen3_5_mnn", "test_arm_runtime", "test_gemma3_vision", "test_gemma3_vision_mnn",
+                 "test_qwen3_vl", "test_qwen3_vl_mnn")
 
 
 def parametrize(stage: str, argname: str, values, model_type: str | Callable[[Any], str]):

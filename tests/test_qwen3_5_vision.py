@@ -14,9 +14,9 @@ from llmexport.errors import InputError
 from llmexport.media.image import synthetic_image
 from llmexport.media.qwen_vl import hf_pixel_values, runtime_pixels, vision_inputs
 from llmexport.models.qwen3_5.graph import Qwen3_5Graph
-from llmexport.models.qwen3_5.mrope import hf_relative_positions, mrope_cos_sin, runtime_positions
-from llmexport.models.qwen3_5.towers import image_features
-from llmexport.models.qwen3_5.vision import INPUTS
+from llmexport.models.qwen_vl.mrope import hf_relative_positions, mrope_cos_sin, runtime_positions
+from llmexport.models.qwen_vl.towers import image_features
+from llmexport.models.qwen_vl.vision import INPUTS
 from llmexport.models.tensor_checks import finite_lookup
 from llmexport.source.checkpoint import Checkpoint
 from llmexport.source.loading import open_architecture

@@ -72,7 +72,7 @@ def _whole_history_positions(tower, prompt, turn):
     whole history's M-RoPE table (the image's 2-D positions near its head) from its head, moved on
     by ``all_seq_len`` (omni.cpp ``Omni::gen_position_ids``), after the graph's correction
     ``hf_relative_positions``; decode steps at ``all_seq_len``."""
-    from llmexport.models.qwen3_5.mrope import hf_relative_positions, runtime_positions
+    from llmexport.models.qwen_vl.mrope import hf_relative_positions, runtime_positions
 
     grid = prompt.inputs["image_grid_thw"][0].tolist()
     start = turn.ids.index(tower.ids["vision_start_token_id"])

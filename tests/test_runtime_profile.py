@@ -182,6 +182,7 @@ SHIPPED_PRECISION = {
     "qwen3_5_moe_text": "normal",  # routers: fp16 flips expert choices
     "llama": "low", "mistral": "low", "ministral": "low", "phi3": "low", "qwen2": "low", "qwen3": "low",
     "smollm3": "low", "lfm2": "low", "qwen3_5": "low", "qwen3_5_text": "low",
+    "qwen3_vl": "low",  # Qwen3's text model (not measured on ARM apart from it)
 }
 
 

@@ -118,6 +118,13 @@ def random_config(model_type: str, seed: int) -> dict[str, Any]:
     return config
 
 
+def vision_token_ids(tokenizer: Tokenizer) -> dict[str, int | None]:
+    """The multimodal config's token ids of Qwen's vision tokens in the tiny tokenizer."""
+    return {key: tokenizer.token_to_id(token) for key, token in (
+        ("image_token_id", "<|image_pad|>"), ("video_token_id", "<|vision_pad|>"),
+        ("vision_start_token_id", "<|vision_start|>"), ("vision_end_token_id", "<|vision_end|>"))}
+
+
 def _config(model_type: str, text: dict[str, Any], token_ids: dict[str, Any], tokenizer: Tokenizer):
     import transformers
 
@@ -126,9 +133,7 @@ def _config(model_type: str, text: dict[str, Any], token_ids: dict[str, Any], to
     if not spec.multimodal:
         return config_class(**text, **token_ids)
     text_class = getattr(transformers, spec.config_class.replace("Config", "TextConfig"))
-    ids = {key: tokenizer.token_to_id(token) for key, token in (
-        ("image_token_id", "<|image_pad|>"), ("video_token_id", "<|vision_pad|>"),
-        ("vision_start_token_id", "<|vision_start|>"), ("vision_end_token_id", "<|vision_end|>"))}
+    ids = vision_token_ids(tokenizer)
     tie = text.get("tie_word_embeddings", False)
     vision = dict(VISION, out_hidden_size=text["hidden_size"])  # the merger writes text embeddings
     return config_class(text_config=text_class(**text, **token_ids).to_dict(), vision_config=vision,

@@ -69,6 +69,12 @@ def _qwen3_5(variant: str) -> Builder:
     return build
 
 
+def _qwen3_vl(out: Path, seed: int) -> Path:
+    from llmexport.tiny.qwen3_vl import build_tiny_qwen3_vl
+
+    return build_tiny_qwen3_vl(out, seed=seed)
+
+
 TINY_BUILDERS: dict[str, Builder] = {
     "gemma3": _gemma3(vision=True),
     "gemma3_text": _gemma3(vision=False),
@@ -88,5 +94,6 @@ TINY_BUILDERS: dict[str, Builder] = {
     "qwen3_5_moe": _qwen3_5("qwen3_5-moe"),
     "qwen3_5_moe_text": _qwen3_5("qwen3_5-moe-text"),
     "qwen3_5_text": _qwen3_5("qwen3_5-text"),
+    "qwen3_vl": _qwen3_vl,
     "smollm3": _decoder("smollm3"),
 }

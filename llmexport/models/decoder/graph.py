@@ -100,13 +100,14 @@ class DecoderStack(nn.Module):
         self.lm_head = PlaceholderLinear(head, hidden, vocab)
         self.register_buffer("inv_freq", inv_freq, persistent=False)
 
-    def forward(self, input_ids, attention_mask, position_ids, logits_index):
+    def forward(self, input_ids, attention_mask, position_ids, logits_index, *extra):
         x = input_ids.view(1, -1, self.hidden)
         cos, sin = self.rope(position_ids)  # [1, seq, 1, head_dim]
         # unbind (one Split op) rather than indexing each layer's slice
         masks = attention_mask.unbind(0) if self.sliding else None
         for i, layer in enumerate(self.layers):
             x = layer(x, cos, sin, masks[int(self.sliding[i])] if masks and self.sliding else attention_mask)
+            x = self.after_layer(i, x, *extra)
         x = x[:, logits_index.to(torch.int64):, :]
         hidden = self.norm(x)
         return self.lm_head(hidden), hidden
@@ -115,6 +116,11 @@ class DecoderStack(nn.Module):
         """cos and sin of the runtime's ``position_ids`` [1, seq] (a family with other positions
         overrides it)."""
         return rope_cos_sin(position_ids, self.inv_freq)
+
+    def after_layer(self, index: int, x: torch.Tensor, *extra: torch.Tensor) -> torch.Tensor:
+        """Layer ``index``'s output, changed by the graph's inputs after the standard four
+        (``extra``: Qwen3-VL's DeepStack levels); none here."""
+        return x
 
 
 class SwiGlu(GatedMlp):

@@ -60,12 +60,23 @@ class PlainDecoder(DecoderFamily):
         import transformers
 
         where = str(checkpoint.path / "config.json")
-        config = resolve_config(getattr(transformers, self.config_class), checkpoint.config, where)
+        config = resolve_config(getattr(transformers, self.config_class), self.text_config(checkpoint.config, where),
+                                where)
         self.args: DecoderArgs = parse_decoder_args(config, where, qk_norm=self.qk_norm, rope_types=self.rope_types,
                                                     max_count=count_limit(checkpoint.weights), sliding=self.sliding,
                                                     biases=self.attention_biases, no_rope=self.no_rope)
         self._linears = self._collect_linears()
+        self._towers = self.build_towers()
         self.check_weights()
+
+    def text_config(self, raw: dict[str, Any], where: str) -> dict[str, Any]:
+        """The decoder's config in config.json (``raw``): all of it here; a multimodal family's
+        ``text_config``."""
+        return raw
+
+    def build_towers(self) -> list[Any]:
+        """The towers exported beside the text graph (``self.args`` is parsed): none here."""
+        return []
 
     @classmethod
     def mlx_layout(cls, config: dict[str, Any]) -> MlxLayout | None:

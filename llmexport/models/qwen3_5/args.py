@@ -10,7 +10,7 @@ reference derives it. Refused by key: attention biases, an ungated attention
 M-RoPE's ``mrope_section`` (default [11, 11, 10], Qwen3_5TextRotaryEmbedding) only matters when
 the three position rows differ (images, video): text prompts give equal rows, and the rotation is
 1-D RoPE over the first ``head_dim * partial_rotary_factor`` dims; an export with the vision tower
-takes the three rows (qwen3_5/mrope.py).
+takes the three rows (qwen_vl/mrope.py).
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from typing import Any
 from llmexport.errors import InputError
 from llmexport.models.config_values import flag_value, float_value, int_value, str_value
 from llmexport.models.decoder.args import resolve_config
+from llmexport.models.qwen_vl.mrope import mrope_section
 from llmexport.models.shape import UniformAttentionShape
 
 LINEAR, FULL = "linear_attention", "full_attention"
@@ -100,11 +101,7 @@ def _rope(cfg: dict[str, Any], head_dim: int, where: str) -> tuple[float, int, t
     if rotary < 2 or rotary % 2:
         raise InputError(f"{label}: partial_rotary_factor {factor} leaves {rotary} rotated dims of head_dim "
                          f"{head_dim} (an even number >= 2 is needed)")
-    section = params.get("mrope_section", [11, 11, 10])  # Qwen3_5TextRotaryEmbedding's default
-    if (not isinstance(section, list) or len(section) != 3
-            or not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in section)):
-        raise InputError(f"{label}: 'mrope_section' must be three counts of rotary pairs (got {section!r})")
-    return theta, rotary, (section[0], section[1], section[2])
+    return theta, rotary, mrope_section(params, label, [11, 11, 10])  # Qwen3_5TextRotaryEmbedding's default
 
 
 def _layers(cfg: dict[str, Any], n: int, where: str) -> tuple[LayerSpec, ...]:

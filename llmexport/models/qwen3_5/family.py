@@ -1,7 +1,7 @@
 """Qwen3.5 family: ``qwen3_5`` / ``qwen3_5_moe`` (the released multimodal checkpoints,
 Qwen3_5ForConditionalGeneration / Qwen3_5MoeForConditionalGeneration: the text side, and the
-vision tower where the checkpoint has one, as ``visual.mnn`` (qwen3_5/vision.py, towers.py), the
-text graph then taking the runtime's M-RoPE positions, qwen3_5/mrope.py) and ``qwen3_5_text`` /
+vision tower where the checkpoint has one, as ``visual.mnn`` (qwen_vl/vision.py, towers.py), the
+text graph then taking the runtime's M-RoPE positions, qwen_vl/mrope.py) and ``qwen3_5_text`` /
 ``qwen3_5_moe_text`` (what AutoModelForCausalLM saves: Qwen3_5ForCausalLM / Qwen3_5MoeForCausalLM).
 
 Gated DeltaNet layers run on MNN's LinearAttention op, which keeps their conv and recurrent state
@@ -54,7 +54,7 @@ from llmexport.models.qwen3_5.names import (
     VISION_PREFIX,
     expert_linears,
 )
-from llmexport.models.qwen3_5.towers import Qwen3_5VisionTower
+from llmexport.models.qwen_vl.towers import QwenVisionTower
 from llmexport.models.tensor_checks import Shapes, count_limit, finite_lookup
 from llmexport.models.tensor_names import LinearList, NameTable, match, prefix_rule, rename_rule, weight_name
 from llmexport.source.checkpoint import Checkpoint
@@ -116,7 +116,7 @@ class Qwen3_5(DecoderFamily):
         self._towers = self._build_towers()
         self.check_weights()
 
-    def _build_towers(self) -> list[Qwen3_5VisionTower]:
+    def _build_towers(self) -> list[QwenVisionTower]:
         """The vision tower of a multimodal checkpoint that has its tensors (mlx-lm's port drops
         them and the vision config)."""
         if not self.multimodal or not any(n.startswith(VISION_PREFIX) for n in self.checkpoint.weights.names()):
@@ -125,7 +125,7 @@ class Qwen3_5(DecoderFamily):
         if not isinstance(vision, dict):
             raise InputError(f"{self.checkpoint.path / 'config.json'}: the checkpoint has {VISION_PREFIX}* tensors "
                              "but no 'vision_config' object")
-        return [Qwen3_5VisionTower(self, vision)]
+        return [QwenVisionTower(self, vision)]
 
 
     def ignored_tensor(self, name: str) -> bool:

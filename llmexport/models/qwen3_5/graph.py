@@ -10,7 +10,7 @@ with the runtime's interface (decoder/graph.py ``DecoderStack``):
   then ``out * sigmoid(gate)`` before ``o_proj``. Text prompts give M-RoPE three equal position
   rows, so ``recomposition_frequencies`` picks the same frequency table whichever row a pair
   reads: 1-D RoPE (tests/test_qwen3_5.py proves it against HF); with the vision tower the graph
-  takes the runtime's three rows (qwen3_5/mrope.py, tests/test_qwen3_5_vision.py);
+  takes the runtime's three rows (qwen_vl/mrope.py, tests/test_qwen3_5_vision.py);
 - Gated DeltaNet (Qwen3_5GatedDeltaNet): ``in_proj_qkv`` channel-major into MNN's LinearAttention
   op (``FusedLinearAttention``, gated delta rule: conv + SiLU + split + l2norm + recurrence),
   ``beta = sigmoid(in_proj_b(x))``, ``gate = -exp(A_log) * softplus(in_proj_a(x) + dt_bias)`` in
@@ -35,8 +35,8 @@ from llmexport.models.decoder.names import MLP
 from llmexport.models.gemma3_graph import gemma_norm
 from llmexport.models.graph_parts import Norm, TensorLookup, const
 from llmexport.models.qwen3_5.args import LayerSpec, MoeSpec, Qwen3_5Args
-from llmexport.models.qwen3_5.mrope import hf_relative_positions, mrope_cos_sin, pair_rows
 from llmexport.models.qwen3_5.names import SHARED_MLP, expert_linears
+from llmexport.models.qwen_vl.mrope import hf_relative_positions, mrope_cos_sin, pair_rows
 from llmexport.models.rope import RopeSpec, rotate_prefix
 from llmexport.models.tensor_names import NameTable
 from llmexport.trace.ops import GATED_DELTA_RULE, FusedAttention, FusedLinearAttention, PlaceholderLinear
@@ -140,7 +140,7 @@ class Qwen3_5Graph(DecoderStack):
     """The pre-norm stack with Qwen3.5's layers; RoPE tables over the rotated prefix only;
     ``stacked``: the checkpoint stores its routed experts stacked (names.py ``QWEN3_5_STACKED``);
     ``mrope``: ``position_ids`` are the runtime's [3, seq] M-RoPE rows (an export with the vision
-    tower, qwen3_5/mrope.py), else [1, seq]."""
+    tower, qwen_vl/mrope.py), else [1, seq]."""
 
     pair_rows: torch.Tensor
 

@@ -1,8 +1,11 @@
-"""Qwen3.5's vision tower as an exported ``Tower``: its tensors, runtime keys and what
-verification checks of it (the graph: vision.py; the runtime's inputs: media/qwen_vl.py)."""
+"""The Qwen vision tower (Qwen3.5's, and Qwen3-VL's with DeepStack) as an exported ``Tower``: its
+tensors, runtime keys and what verification checks of it (the graph: vision.py; the runtime's
+inputs: media/qwen_vl.py). With ``deepstack`` (Qwen3-VL's tower, models/qwen3_vl/family.py) the
+graph has a second output, the DeepStack levels, and the runtime key ``has_deepstack``."""
 
 from __future__ import annotations
 
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -13,13 +16,7 @@ from torch import nn
 from llmexport.media.image import synthetic_image
 from llmexport.media.qwen_vl import IMAGE_MEAN, IMAGE_NORM, hf_pixel_values, runtime_pixels, vision_inputs
 from llmexport.models.gemma4.towers import TextRowTower
-from llmexport.models.qwen3_5.vision import (
-    INPUTS,
-    Qwen3_5VisionGraph,
-    parse_vision_args,
-    vision_constants,
-    vision_linears,
-)
+from llmexport.models.qwen_vl.vision import INPUTS, QwenVisionGraph, parse_vision_args, vision_constants, vision_linears
 from llmexport.models.tensor_checks import Shapes, finite_lookup
 from llmexport.models.tower_check import FeatureCase, Measure, PromptCase, PromptLogits, TowerCheck
 from llmexport.spec import GraphInputs
@@ -40,14 +37,17 @@ PROMPT_TAIL = "Describe this picture in a few words.<|im_end|>\n<|im_start|>assi
 TRACE_SIZE = (64, 96)
 
 
-class Qwen3_5VisionTower(TextRowTower):
+class QwenVisionTower(TextRowTower):
     """The vision tower of a multimodal ``qwen3_5`` / ``qwen3_5_moe`` checkpoint (Gemma4Tower holds
     the linears' bookkeeping the towers share)."""
 
     name = "visual"
+    #: the tower has Qwen3-VL's DeepStack mergers (vision.py)
+    deepstack = False
 
     def __init__(self, arch, vision_config: dict[str, Any]):
-        super().__init__(arch, vision_config, parse_vision_args, vision_linears, VISION_TOKENS, "a vision")
+        super().__init__(arch, vision_config, partial(parse_vision_args, deepstack=self.deepstack), vision_linears,
+                         VISION_TOKENS, "a vision")
 
     def expected_tensors(self) -> Shapes:
         return {**vision_constants(self.args), **self.linear_tensors(False)}
@@ -55,7 +55,7 @@ class Qwen3_5VisionTower(TextRowTower):
     def build_graph(self, token_tail: torch.Tensor | None = None) -> nn.Module:
         if token_tail is not None:
             raise ValueError("Qwen3.5's runtime token rows have no tail")
-        return Qwen3_5VisionGraph(self.args, self._linears,
+        return QwenVisionGraph(self.args, self._linears,
                                   finite_lookup(self.checkpoint.weights, self.checkpoint.path)).eval()
 
     def inputs(self, image) -> dict[str, np.ndarray]:
@@ -67,11 +67,12 @@ class Qwen3_5VisionTower(TextRowTower):
         axes = {"patches": {0: "patches"}, "position_ids": {1: "patches"},
                 "attention_mask": {1: "patches", 2: "patches_k"}, "idx_tensor": {1: "patches"},
                 "weight_tensor": {1: "patches"}}
-        return GraphInputs(tuple(torch.from_numpy(feeds[name]) for name in INPUTS), list(INPUTS), axes,
-                           ["image_embeds"])
+        outputs = ["image_embeds", "deepstack_embeds"] if self.args.deepstack else ["image_embeds"]
+        return GraphInputs(tuple(torch.from_numpy(feeds[name]) for name in INPUTS), list(INPUTS), axes, outputs)
 
     def llm_config(self) -> dict[str, Any]:
-        return {"is_visual": True, "visual_model": "visual.mnn", "image_size": IMAGE_SIZE,
+        deepstack = {"has_deepstack": True} if self.args.deepstack else {}
+        return deepstack | {"is_visual": True, "visual_model": "visual.mnn", "image_size": IMAGE_SIZE,
                 "image_mean": [IMAGE_MEAN] * 3, "image_norm": [IMAGE_NORM] * 3,
                 "num_grid_per_side": self.args.grid_side,
                 "vision_start": self.ids["vision_start_token_id"], "vision_end": self.ids["vision_end_token_id"],

@@ -1,4 +1,4 @@
-"""Qwen3.5's multimodal RoPE (M-RoPE) as MNN 3.6.1's runtime feeds it.
+"""Qwen3.5's and Qwen3-VL's multimodal RoPE (M-RoPE) as MNN 3.6.1's runtime feeds it.
 
 HF (transformers models/qwen3_5/modeling_qwen3_5.py): ``get_rope_index`` gives every token three
 positions (t, h, w): text tokens three equal ones, counting on from the largest position before
@@ -30,13 +30,24 @@ its tokens that image's compression further on than HF would.
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Any, Sequence
 
 import torch
 import torch.nn.functional as F
 
+from llmexport.errors import InputError
+
 #: the rows of ``position_ids``
 T, H, W = 0, 1, 2
+
+
+def mrope_section(params: dict[str, Any], label: str, default: list[int]) -> tuple[int, int, int]:
+    """``rope_parameters.mrope_section``: rotary pairs per position row (t, h, w), interleaved."""
+    section = params.get("mrope_section", default)
+    if (not isinstance(section, list) or len(section) != 3
+            or not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in section)):
+        raise InputError(f"{label}: 'mrope_section' must be three counts of rotary pairs (got {section!r})")
+    return section[0], section[1], section[2]
 
 
 def pair_rows(section: Sequence[int], pairs: int) -> torch.Tensor:

@@ -14,6 +14,13 @@ block's four patches concatenated, ``linear_fc2(gelu(linear_fc1(x)))`` with the 
 (``gelu_erf``: MNN's GELU op would compute the tanh approximation).
 The output is HF's image features unscaled (Qwen3.5 does not scale its text embeddings).
 
+Qwen3-VL's tower (transformers models/qwen3_vl/modeling_qwen3_vl.py ``Qwen3VLVisionModel``) is
+this one plus DeepStack: after each block listed in ``deepstack_visual_indexes`` a merger of its
+own (``deepstack_merger_list``, ``use_postshuffle_norm``: the LayerNorm over the 2x2 block's four
+patches concatenated, not over each patch) turns the hidden states into one more level of text
+embeddings; the graph's second output ``deepstack_embeds`` [levels, tokens, hidden] stacks them
+(omni.cpp collects a visual graph's second output for the text graph's ``deepstack_embeds``).
+
 Runtime contract (MNN 3.6.1 omni.cpp ``Omni::qwen2VisionProcess``): inputs ``patches``,
 ``position_ids``, ``attention_mask``, ``idx_tensor``, ``weight_tensor`` in that order (the runtime
 takes patch 16 only then), output ``image_embeds`` [tokens, 1, hidden]; llmexport/media/qwen_vl.py
@@ -63,8 +70,16 @@ VISION = NameTable({
     "merger.norm.bias": "model.visual.merger.norm.bias",
     "merger.fc1": "model.visual.merger.linear_fc1",
     "merger.fc2": "model.visual.merger.linear_fc2",
+    # Qwen3-VL's DeepStack mergers, one per level ({layer}: the level)
+    "deepstack.norm.weight": "model.visual.deepstack_merger_list.{layer}.norm.weight",
+    "deepstack.norm.bias": "model.visual.deepstack_merger_list.{layer}.norm.bias",
+    "deepstack.fc1": "model.visual.deepstack_merger_list.{layer}.linear_fc1",
+    "deepstack.fc2": "model.visual.deepstack_merger_list.{layer}.linear_fc2",
 })
 BLOCK_NORMS = ("norm1.weight", "norm1.bias", "norm2.weight", "norm2.bias")
+#: the DeepStack levels MNN 3.6.1's runtime feeds at a decode step (omni.cpp: zeros [3, 1, 1])
+MAX_DEEPSTACK = 3
+DEEPSTACK_NORMS = ("deepstack.norm.weight", "deepstack.norm.bias")
 
 
 @dataclass(frozen=True)
@@ -77,6 +92,7 @@ class VisionArgs:
     grid_side: int  # num_grid_per_side: the learned position square's side
     out_hidden: int
     theta: float
+    deepstack: tuple[int, ...] = ()  # Qwen3-VL: the blocks after which a DeepStack merger reads
 
     @property
     def head_dim(self) -> int:
@@ -88,7 +104,8 @@ class VisionArgs:
 
 
 def parse_vision_args(config: dict[str, Any], text_hidden: int, where: str,
-                      max_layers: int | None = None) -> VisionArgs:
+                      max_layers: int | None = None, deepstack: bool = False) -> VisionArgs:
+    """``deepstack``: the tower has Qwen3-VL's ``deepstack_visual_indexes`` (else none is read)."""
     where = f"{where}: vision_config"
     str_value(config, "hidden_act", where, "gelu_pytorch_tanh", ("gelu_pytorch_tanh",))
     for key, value, why in (("in_channels", 3, "the runtime feeds RGB"),
@@ -108,7 +125,8 @@ def parse_vision_args(config: dict[str, Any], text_hidden: int, where: str,
                       depth=int_value(config, "depth", where, maximum=max_layers),
                       heads=int_value(config, "num_heads", where), patch=RUNTIME_PATCH, grid_side=side,
                       out_hidden=int_value(config, "out_hidden_size", where),
-                      theta=float(rope.get("rope_theta", 10000.0)))
+                      theta=float(rope.get("rope_theta", 10000.0)),
+                      deepstack=_deepstack_indexes(config, where) if deepstack else ())
     if side * side != positions or side < 2:
         raise InputError(f"{where}: 'num_position_embeddings' {positions} must be a square of a side >= 2")
     if args.hidden % args.heads or args.head_dim % 4:
@@ -116,7 +134,21 @@ def parse_vision_args(config: dict[str, Any], text_hidden: int, where: str,
                          "(the axial RoPE's rows and columns)")
     if args.out_hidden != text_hidden:
         raise InputError(f"{where}: 'out_hidden_size' {args.out_hidden} must be the text hidden size {text_hidden}")
+    if any(i >= args.depth for i in args.deepstack):
+        raise InputError(f"{where}: 'deepstack_visual_indexes' {list(args.deepstack)} must be blocks below "
+                         f"depth {args.depth}")
     return args
+
+
+def _deepstack_indexes(config: dict[str, Any], where: str) -> tuple[int, ...]:
+    value = config.get("deepstack_visual_indexes", [8, 16, 24])  # Qwen3VLVisionConfig's default
+    if (not isinstance(value, list) or not value or len(set(value)) != len(value)
+            or not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in value)):
+        raise InputError(f"{where}: 'deepstack_visual_indexes' must list distinct block indexes (got {value!r})")
+    if len(value) > MAX_DEEPSTACK:
+        raise InputError(f"{where}: 'deepstack_visual_indexes' has {len(value)} levels; MNN 3.6.1's runtime feeds "
+                         f"{MAX_DEEPSTACK} at a decode step")
+    return tuple(value)
 
 
 def vision_linears(args: VisionArgs, weights) -> list[TowerLinear]:
@@ -132,6 +164,11 @@ def vision_linears(args: VisionArgs, weights) -> list[TowerLinear]:
     out.append(tower_linear(weights, VISION.name("merger.fc1"), merged, merged, LinearRole.MLP, False, bias=True))
     out.append(tower_linear(weights, VISION.name("merger.fc2"), merged, args.out_hidden, LinearRole.MLP, False,
                             bias=True))
+    for level in range(len(args.deepstack)):
+        out.append(tower_linear(weights, VISION.name("deepstack.fc1", layer=level), merged, merged, LinearRole.MLP,
+                                False, bias=True))
+        out.append(tower_linear(weights, VISION.name("deepstack.fc2", layer=level), merged, args.out_hidden,
+                                LinearRole.MLP, False, bias=True))
     return out
 
 
@@ -143,6 +180,8 @@ def vision_constants(args: VisionArgs) -> Shapes:
                       VISION.name("merger.norm.weight"): (h,), VISION.name("merger.norm.bias"): (h,)}
     for i in range(args.depth):
         shapes.update({name: (h,) for name in VISION.names(BLOCK_NORMS, layer=i)})
+    for level in range(len(args.deepstack)):
+        shapes.update({name: (h * MERGE * MERGE,) for name in VISION.names(DEEPSTACK_NORMS, layer=level)})
     return shapes
 
 
@@ -171,8 +210,25 @@ class _Block(nn.Module):
         return x + self.fc2(gelu_tanh(self.fc1(self.norm2(x))))
 
 
-class Qwen3_5VisionGraph(nn.Module):
-    """The runtime's five inputs (module docstring) -> image_embeds [tokens, 1, out_hidden]."""
+class _DeepStackMerger(nn.Module):
+    """``Qwen3VLVisionPatchMerger(use_postshuffle_norm=True)`` of one level on [1, patches, hidden]
+    -> [1, tokens, out_hidden]: the 2x2 block's patches concatenated, LayerNorm over them, then
+    ``linear_fc2(gelu(linear_fc1(x)))`` (exact GELU)."""
+
+    def __init__(self, args: VisionArgs, linears: dict[str, TowerLinear], level: int, lookup):
+        super().__init__()
+        p = VISION.bind(layer=level)
+        self.width = args.hidden * MERGE * MERGE
+        self.norm = LayerNorm(lookup, p.name("deepstack.norm.weight"), p.name("deepstack.norm.bias"), EPS)
+        self.fc1, self.fc2 = (placeholder(linears[p.name(key)]) for key in ("deepstack.fc1", "deepstack.fc2"))
+
+    def forward(self, x):
+        return self.fc2(gelu_erf(self.fc1(self.norm(x.reshape(1, -1, self.width)))))
+
+
+class QwenVisionGraph(nn.Module):
+    """The runtime's five inputs (module docstring) -> image_embeds [tokens, 1, out_hidden], and
+    with DeepStack levels (Qwen3-VL) deepstack_embeds [levels, tokens, out_hidden]."""
 
     inv_freq: torch.Tensor
 
@@ -188,6 +244,9 @@ class Qwen3_5VisionGraph(nn.Module):
         self.merger_norm = LayerNorm(lookup, VISION.name("merger.norm.weight"), VISION.name("merger.norm.bias"), EPS)
         self.merger_fc1 = placeholder(by_name[VISION.name("merger.fc1")])
         self.merger_fc2 = placeholder(by_name[VISION.name("merger.fc2")])
+        if args.deepstack:
+            self.deepstack = nn.ModuleList(_DeepStackMerger(args, by_name, level, lookup)
+                                           for level in range(len(args.deepstack)))
         spatial = args.head_dim // 2  # Qwen3_5VisionRotaryEmbedding.compute_axial_rope_parameters
         inv_freq = 1.0 / (args.theta ** (torch.arange(0, spatial, 2, dtype=torch.float) / spatial))
         self.register_buffer("inv_freq", inv_freq, persistent=False)
@@ -202,9 +261,13 @@ class Qwen3_5VisionGraph(nn.Module):
         emb = torch.cat([angles, angles], dim=-1).view(1, -1, 1, a.head_dim)
         cos, sin = emb.cos(), emb.sin()
         mask = attention_mask.unsqueeze(1)  # [1, 1, n, n]
-        for block in self.blocks:
+        levels = []
+        for i, block in enumerate(self.blocks):
             x = block(x, cos, sin, mask)
+            if i in a.deepstack:
+                levels.append(self.deepstack[a.deepstack.index(i)](x))
         # [1, rows, 4 * hidden]: rank 3, as the runtime's rebuilt linears give it (mnn/rebuild.py)
         merged = self.merger_norm(x).reshape(1, -1, a.hidden * MERGE * MERGE)
         out = self.merger_fc2(gelu_erf(self.merger_fc1(merged)))
-        return out.reshape(-1, 1, a.out_hidden)  # the runtime's [rows, 1, hidden]
+        out = out.reshape(-1, 1, a.out_hidden)  # the runtime's [rows, 1, hidden]
+        return (out, torch.cat(levels)) if levels else out
