@@ -14,6 +14,7 @@ from llmexport.trace.eager import bind_weights
 
 from families import parametrize
 from helpers import (
+    assert_alteration_shows,
     assert_reference_onnx_matches_eager,
     custom_nodes,
     edit_checkpoint,
@@ -44,6 +45,15 @@ def test_parity_check_detects_a_change(tiny_phi3, alter):
     with torch.no_grad():
         alter(graph)
     assert (rewrite_logits(arch, graph, _ids()) - ref).abs().max().item() > 1e-3
+
+
+def test_the_sliding_window_is_applied(tiny_phi3):
+    """Phi-3-mini-4k's window (12 in the tiny one, below the prompt's 21 tokens): the rewrite with
+    every layer on the full mask instead is visibly off HF's."""
+    arch = open_architecture(Checkpoint.open(tiny_phi3("phi3-mini-4k")))
+    assert arch.sliding_window == 12 and arch.llm_config()["attention_type"] == "mix"
+    assert_alteration_shows(tiny_phi3("phi3-mini-4k"), lambda g: setattr(g, "sliding", (False,) * len(g.layers)),
+                            _ids())
 
 
 @parametrize("onnx", "variant", sorted(VARIANTS), "phi3")

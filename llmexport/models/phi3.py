@@ -7,7 +7,9 @@ the graph splits the outputs), partial rotary (``partial_rotary_factor``: the fi
 ``original_max_position_embeddings`` and then recomputes the whole cache with them
 (Phi3ForCausalLM.prepare_inputs_for_generation drops the cache at that point); MNN's KV cache
 cannot re-rotate cached keys, so the exact export is the short factors (and the attention factor
-on cos/sin) with the context capped at ``original_max_position_embeddings``.
+on cos/sin) with the context capped at ``original_max_position_embeddings``. With
+``sliding_window`` set every layer attends to that many last keys, the runtime's "mix" attention
+with every layer on the sliding slice (as Mistral).
 """
 
 from __future__ import annotations
@@ -72,6 +74,10 @@ class Phi3(DecoderFamily):
         return ArchitectureSummary(self.family, self.checkpoint.model_type, a.num_layers, a.hidden_size, a.vocab_size,
                                    a.tie_embeddings, tuple(f"{i}: dense" for i in a.layers),
                                    {"rotary_dim": a.rotary_dim, "attention_factor": a.attention_factor})
+
+    @property
+    def sliding_window(self) -> int:
+        return self.args.sliding_window
 
     def llm_config(self) -> dict[str, Any]:
         return self.full_attention_config("phi3")

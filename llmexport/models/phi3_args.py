@@ -1,5 +1,7 @@
 """Phi-3 (``phi3``): typed arguments from config.json, read through transformers' ``Phi3Config``;
-longrope's short factors and attention factor, and the exported context (phi3.py)."""
+longrope's short factors and attention factor, the exported context (phi3.py), and the sliding
+window every layer uses when ``sliding_window`` is set (Phi3Model masks all layers with
+``create_sliding_window_causal_mask`` then; Phi-3-mini-4k's 2047)."""
 
 from __future__ import annotations
 
@@ -12,7 +14,7 @@ import torch
 
 from llmexport.errors import InputError
 from llmexport.models.config_values import flag_value, float_value, int_value, str_value
-from llmexport.models.decoder.args import resolve_config
+from llmexport.models.decoder.args import EVERY_LAYER, resolve_config, sliding_layers
 from llmexport.models.shape import UniformAttentionShape
 
 log = logging.getLogger(__name__)
@@ -25,6 +27,7 @@ class Phi3Args(UniformAttentionShape):
     attention_factor: float  # longrope's cos/sin scaling
     # max_position_embeddings: the exported context: original_max_position_embeddings with longrope
     layers: tuple[int, ...]
+    sliding_window: int = 0  # every layer attends to the last this many keys (0: full attention)
 
 
 def parse_phi3_args(raw: dict[str, Any], where: str, max_layers: int | None = None) -> Phi3Args:
@@ -73,4 +76,4 @@ def parse_phi3_args(raw: dict[str, Any], where: str, max_layers: int | None = No
         head_dim=head_dim, rotary_dim=rotary_dim, eps=float_value(cfg, "rms_norm_eps", where, 1e-5, high=1.0),
         inv_freq=tuple(inv_freq.tolist()), attention_factor=attention_factor,
         tie_embeddings=flag_value(cfg, "tie_word_embeddings", where, False), max_position_embeddings=context,
-        layers=tuple(range(n)))
+        layers=tuple(range(n)), sliding_window=sliding_layers(cfg, n, where, EVERY_LAYER)[1])

@@ -59,4 +59,5 @@ class Phi3Graph(DecoderStack):
                                        FusedQkvAttention(args, p, i), FusedGateUpMlp(p, args.hidden_size,
                                                                                      args.intermediate_size)))
         super().__init__(layers, Norm(const(lookup, names.name("norm.final")), args.eps), names.name("lm_head"),
-                         args.hidden_size, args.vocab_size, torch.tensor(args.inv_freq, dtype=torch.float32))
+                         args.hidden_size, args.vocab_size, torch.tensor(args.inv_freq, dtype=torch.float32),
+                         [bool(args.sliding_window)] * len(layers))

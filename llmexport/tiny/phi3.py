@@ -2,7 +2,7 @@
 
 Phi-4-mini's structure at toy sizes: partial rotary (0.75), longrope with short factors not all 1
 and an original context of 256 positions (the exported context), tied embeddings; Phi-3.5-mini's:
-full rotary, untied head.
+full rotary, untied head; Phi-3-mini-4k's: default RoPE, a sliding window on every layer.
 """
 
 from __future__ import annotations
@@ -40,6 +40,9 @@ BASE: dict[str, Any] = dict(vocab_size=TINY_VOCAB, hidden_size=64, intermediate_
 
 VARIANTS: dict[str, dict[str, Any]] = {
     "phi3.5": {},
+    # Phi-3-mini-4k's: default RoPE and a sliding window on every layer (2047 there), shorter than the prompts
+    "phi3-mini-4k": dict(rope_parameters={"rope_type": "default", "rope_theta": 10000.0}, sliding_window=12,
+                         max_position_embeddings=256),
     "phi4-mini": dict(tie_word_embeddings=True,
                       rope_parameters={**_longrope(6), "partial_rotary_factor": 0.75}),
 }

@@ -125,7 +125,7 @@ def _check_unsupported(cfg: dict[str, Any], where: str, sliding: str) -> None:
         raise InputError(f"{where}: 'layer_types' must all be {FULL_ATTENTION!r} (got {types!r})")
 
 
-def _sliding_layers(cfg: dict[str, Any], n: int, where: str, sliding: str) -> tuple[tuple[bool, ...], int]:
+def sliding_layers(cfg: dict[str, Any], n: int, where: str, sliding: str) -> tuple[tuple[bool, ...], int]:
     """Which of the ``n`` layers slide (``sliding``: the family's rule) and the window (0: none)."""
     window = cfg.get("sliding_window")
     if sliding == NO_SLIDING:
@@ -189,7 +189,7 @@ def parse_decoder_args(cfg: dict[str, Any], where: str, *, qk_norm: bool, rope_t
     n = int_value(cfg, "num_hidden_layers", where, maximum=max_count)
     hidden, heads, kv_heads, head_dim = attention_shape(cfg, where)
     num_experts = int_value(cfg, "num_local_experts", where, 0, minimum=0, maximum=max_count)
-    slides, window = _sliding_layers(cfg, n, where, sliding)
+    slides, window = sliding_layers(cfg, n, where, sliding)
     layers = tuple(LayerSpec(layer.index, layer.sparse, slide, rope) for layer, slide, rope
                    in zip(_layers(cfg, n, num_experts, where), slides, _rope_layers(cfg, n, where, no_rope)))
     moe = None
