@@ -16,7 +16,7 @@ from llmexport.api import export
 from llmexport.mnn.readback import linear_records
 from llmexport.mnn.weight_reader import read_levels, read_linear
 from llmexport.options import ExportOptions
-from llmexport.quant.scheme import QuantMethod
+from llmexport.quant.scheme import QuantMethod, QuantScheme
 from llmexport.source.checkpoint import Checkpoint
 from llmexport.source.hub import resolve_source
 from llmexport.source.loading import open_architecture
@@ -128,19 +128,25 @@ def llama_cpp_greedy(path, prompt: list[int], steps: int) -> list[int]:
 
 @pytest.mark.slow
 @pytest.mark.skipif(not has_llama_cpp(), reason="llama-cpp-python (llama.cpp's quantizer, runtime) is not installed")
-@pytest.mark.parametrize("ftype", ["Q4_K_M", "Q3_K_M", "Q2_K"])
+@pytest.mark.parametrize("ftype", ["Q4_K_M", "Q3_K_M", "Q2_K", "Q5_K_M", "Q6_K", "IQ4_NL"])
 def test_llama_cpp_k_quant_file_exports_and_gives_llama_cpps_greedy_answer(ggufs, tmp_path, ftype):
-    """llama.cpp's own K-quant files (``llama_model_quantize``) of the trained tiny Llama: every
-    linear keeps its integers (Q4_K, Q6_K for the tied token_embd / lm_head and some attn_v and
-    ffn_down, Q3_K, Q2_K), --verify passes, and MNN's greedy answer is llama.cpp's."""
+    """llama.cpp's own files (``llama_model_quantize``) of the trained tiny Llama: every linear of
+    the K-quant files keeps its integers (Q2_K to Q6_K: Q6_K for the tied token_embd / lm_head and
+    some attn_v and ffn_down), --verify passes, and MNN's greedy answer is llama.cpp's. IQ4_NL's
+    codebook levels have no record: those linears are re-quantized, with the reason, at 8 bits
+    (block 32), so that the answer is still llama.cpp's model."""
     from transformers import AutoTokenizer
 
     from llmexport.mnn.runtime import run_runtime
 
     path, _ = ggufs.trained(ftype)
-    result = export(path, tmp_path / "out", ExportOptions(verify=True))
+    codebook = ftype.startswith("IQ")
+    options = ExportOptions(verify=True, quant=QuantScheme(8, 32) if codebook else QuantScheme(4, 64))
+    result = export(path, tmp_path / "out", options)
     report, pre = result.verification, result.plan.prequantized
-    assert report is not None and report.passed and pre is not None and pre.transcoded > 0 and not pre.requantized
+    assert report is not None and report.passed and pre is not None and pre.transcoded > 0
+    assert {e.stored for e in pre.requantized} == ({ftype} if codebook else set())
+    assert all("codebook" in e.reason for e in pre.requantized)
     assert report.prequantized["linears_exact"] == pre.transcoded
     assert _check_records(path, result.dst, result) == pre.transcoded
     tokenizer = AutoTokenizer.from_pretrained(resolve_source(path).folder)
