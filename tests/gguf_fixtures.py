@@ -327,7 +327,8 @@ FAMILY_BUILDERS: dict[str, Callable[[Path], Path]] = {
     "gemma4-26b-a4b": lambda out: build_gemma4_for_gguf(out, "26b-a4b"),
     "gemma4-31b": lambda out: build_gemma4_for_gguf(out, "31b")}
 #: Gemma4's other GGUF files: the 26B-A4B-style MoE (dense MLP beside 8 experts, top 2; K=V full layers with
-#: their own KV head count) and the 31B-style dense one (K=V, untied head), llmexport.tiny.gemma4 SHAPES
+#: their own KV head count; three layers: its MNN export is the slow part) and the 31B-style dense one (K=V,
+#: untied head), llmexport.tiny.gemma4 SHAPES
 GEMMA4_VARIANTS = ("gemma4-26b-a4b", "gemma4-31b")
 
 
@@ -379,7 +380,8 @@ def build_gemma4_for_gguf(out: Path, shape: str = "e2b") -> Path:
     ``GEMMA4_GGUF``'s layer pattern."""
     from llmexport.tiny.gemma4 import SHAPES, build_gemma4_checkpoint, text_config_dict
 
-    overrides = GEMMA4_GGUF if shape == "e2b" else {}
+    overrides = GEMMA4_GGUF if shape == "e2b" else \
+        {"layer_types": [_S, _S, _F], "num_hidden_layers": 3} if shape == "26b-a4b" else {}
     return build_gemma4_checkpoint(out, {**text_config_dict(SHAPES[shape]), **overrides}, seed=0, text_only=True)
 
 

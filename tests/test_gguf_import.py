@@ -199,7 +199,8 @@ def test_gemma_file_reads_back_as_the_model_llama_cpp_runs(ggufs, family, varian
         with torch.no_grad():
             return float((_read_back_model(ours, **changes)(ids).logits[0] - theirs).abs().max())
 
-    assert gap() < 0.1  # llama.cpp's kernels: the gap grows along the prompt, to 0.007 (Gemma3), 0.04 (Gemma4)
+    base = gap()  # llama.cpp's kernels: the gap grows along the prompt, to 0.007 (Gemma3), 0.04 (Gemma4 E2B-style)
+    assert base < 0.1
     rope = ours.config["rope_parameters"]
     if family == "gemma3":
         full = {"rope_type": "default", "rope_theta": 1e6}
@@ -208,7 +209,8 @@ def test_gemma_file_reads_back_as_the_model_llama_cpp_runs(ggufs, family, varian
         full = {**rope["full_attention"], "partial_rotary_factor": 1.0}
         others = [dict(sliding_window=4096)] + ([dict(top_k_experts=1)] if ours.config["enable_moe_block"] else [])
     others.append(dict(rope_parameters={**rope, "full_attention": full}))
-    assert min(gap(**changes) for changes in others) > 0.5
+    # each other config at least 10x farther (the 3-layer 26B-A4B-style file's partial rotation: 0.49 vs 0.002)
+    assert min(gap(**changes) for changes in others) > max(0.3, 10 * base)
 
 
 @pytest.mark.parametrize("family", sorted(VARIANTS))
