@@ -1,7 +1,8 @@
 """A GGUF file's tensors under HF names (the ``PrequantizedStore`` interface): dequantized on read
 (gguf-py's ``gguf.quants.dequantize``, llama.cpp's numpy reference), q/k rows put back in HF's order,
-stacked experts split into HF's per-expert tensors, and the blocks of the types an MNN record holds
-(``blocks.KEPT``) handed over as their integers."""
+stacked experts split into HF's per-expert tensors (or kept stacked where HF's are: Gemma4's, read
+one expert at a time), and the blocks of the types an MNN record holds (``blocks.KEPT``) handed over
+as their integers."""
 
 from __future__ import annotations
 
