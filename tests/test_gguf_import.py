@@ -427,6 +427,9 @@ def test_hostile_files_are_one_line_errors(ggufs, tmp_path):
     k_eq_v, _ = ggufs("gemma4", "f32", "gemma4-31b")  # one full layer with attn_v, one without
     rewritten(k_eq_v, tmp_path / "kv.gguf", extra={"blk.2.attn_v.weight": np.zeros((32, 64), np.float32)})
     cases["kv.gguf"] = "tensor 'blk.5.attn_v.weight' is missing, but full layer 2 has one"
+    values = {f"blk.{i}.attn_v.weight": np.zeros((32, 64), np.float32) for i in (2, 5)}  # no K=V, own KV heads
+    rewritten(k_eq_v, tmp_path / "heads.gguf", extra=values)
+    cases["heads.gguf"] = "full layers with other KV heads than the sliding ones have K=V in Gemma4"
     rewritten(gemma4, tmp_path / "widths.gguf", metadata={"gemma4.feed_forward_length": [96] * 7 + [128]})
     cases["widths.gguf"] = "neither one width nor one doubled on the KV-shared layers"
     cases["experts.gguf"] = "tensor 'blk.0.ffn_down_exps.weight' has shape [8, 64, 32], expected [4 experts, out, in]"
