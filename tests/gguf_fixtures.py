@@ -323,7 +323,13 @@ def build_lfm2(variant: str) -> Callable[[Path], Path]:
 FAMILY_BUILDERS: dict[str, Callable[[Path], Path]] = {
     "phi4-mini": build_phi3("phi4-mini"), "phi3.5": build_phi3("phi3.5"), "lfm2-dense": build_lfm2("dense"),
     "lfm2-dense-idxs": build_lfm2("dense-idxs"), "lfm2-moe": build_lfm2("moe"),
-    "gemma3-gguf": lambda out: build_gemma3_for_gguf(out), "gemma4-gguf": lambda out: build_gemma4_for_gguf(out)}
+    "gemma3-gguf": lambda out: build_gemma3_for_gguf(out), "gemma4-gguf": lambda out: build_gemma4_for_gguf(out),
+    "gemma4-26b-a4b": lambda out: build_gemma4_for_gguf(out, "26b-a4b"),
+    "gemma4-31b": lambda out: build_gemma4_for_gguf(out, "31b")}
+#: Gemma4's other GGUF files: the 26B-A4B-style MoE (dense MLP beside 8 experts, top 2; K=V full layers with
+#: their own KV head count; three layers: its MNN export is the slow part) and the 31B-style dense one (K=V,
+#: untied head), llmexport.tiny.gemma4 SHAPES
+GEMMA4_VARIANTS = ("gemma4-26b-a4b", "gemma4-31b")
 
 
 def build_variant(out: Path, variant: str) -> Path:
@@ -369,11 +375,14 @@ def build_gemma3_for_gguf(out: Path) -> Path:
     return out
 
 
-def build_gemma4_for_gguf(out: Path) -> Path:
-    """The tiny E2B-style Gemma4 with ``GEMMA4_GGUF``'s layer pattern, text only."""
+def build_gemma4_for_gguf(out: Path, shape: str = "e2b") -> Path:
+    """The tiny Gemma4 ``shape`` (llmexport.tiny.gemma4 SHAPES), text only; the E2B-style one with
+    ``GEMMA4_GGUF``'s layer pattern."""
     from llmexport.tiny.gemma4 import SHAPES, build_gemma4_checkpoint, text_config_dict
 
-    return build_gemma4_checkpoint(out, {**text_config_dict(SHAPES["e2b"]), **GEMMA4_GGUF}, seed=0, text_only=True)
+    overrides = GEMMA4_GGUF if shape == "e2b" else \
+        {"layer_types": [_S, _S, _F], "num_hidden_layers": 3} if shape == "26b-a4b" else {}
+    return build_gemma4_checkpoint(out, {**text_config_dict(SHAPES[shape]), **overrides}, seed=0, text_only=True)
 
 
 def spm_model(tokenizer_json: Path, dummy_prefix: bool) -> bytes:

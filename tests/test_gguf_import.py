@@ -14,7 +14,7 @@ import shutil
 import numpy as np
 import pytest
 import torch
-from gguf_fixtures import OUR_MIX, READS_AS, VARIANTS, gguf_views, has_llama_cpp, rewritten
+from gguf_fixtures import GEMMA4_VARIANTS, OUR_MIX, READS_AS, VARIANTS, gguf_views, has_llama_cpp, rewritten
 from tokenizers import Tokenizer
 
 from llmexport.api import plan
@@ -41,7 +41,12 @@ _GEMMA_KEYS = ("layer_types", "sliding_window", "final_logit_softcapping", "hidd
 FAMILY_KEYS = {"gemma3": _GEMMA_KEYS + ("query_pre_attn_scalar",),
                "gemma4": _GEMMA_KEYS + ("num_kv_shared_layers", "use_double_wide_mlp", "hidden_size_per_layer_input",
                                         "vocab_size_per_layer_input", "attention_k_eq_v", "enable_moe_block",
-                                        "num_global_key_value_heads")}
+                                        "top_k_experts")}
+#: (family, variant) of every file read back: each family's, and Gemma4's 26B-A4B-style (MoE, K=V) and 31B-style
+#: (K=V) files (tests/gguf_fixtures.py GEMMA4_VARIANTS)
+GEMMA4_FILES = [pytest.param("gemma4", v, id=v) for v in GEMMA4_VARIANTS]
+FILES = [pytest.param(family, None, id=family) for family in sorted(VARIANTS)] + GEMMA4_FILES
+GEMMA_FILES = [pytest.param(family, None, id=family) for family in ("gemma3", "gemma4")] + GEMMA4_FILES
 
 
 def _opened(path) -> Checkpoint:
@@ -54,9 +59,9 @@ def _opened(path) -> Checkpoint:
 OWN_TERMS = ("phi3", "lfm2", "lfm2_moe")
 
 
-@pytest.mark.parametrize("family", sorted(VARIANTS))
-def test_f32_file_is_the_checkpoint_it_was_converted_from(ggufs, family):
-    path, hf = ggufs(family, "f32")
+@pytest.mark.parametrize(("family", "variant"), FILES)
+def test_f32_file_is_the_checkpoint_it_was_converted_from(ggufs, family, variant):
+    path, hf = ggufs(family, "f32", variant)
     ours, source = _opened(path), Checkpoint.open(hf)
     assert set(ours.weights.names()) == set(source.weights.names())
     for name in source.weights.names():
@@ -83,7 +88,7 @@ def test_f32_file_is_the_checkpoint_it_was_converted_from(ggufs, family):
         assert not np.array_equal(raw["blk.0.attn_q.weight"], q)
         rope = "llama3" if family == "llama" else "default"  # llama3: from the rope_freqs tensor
         assert ours.config["rope_parameters"]["rope_type"] == rope
-    if family == "gemma4":  # the full layers' head size: transformers 5 saves global_head_dim per layer
+    if family == "gemma4":  # the full layers' head size and KV heads: transformers 5 saves them per layer
         from transformers import AutoConfig
 
         assert AutoConfig.for_model(**ours.config).to_dict()["per_layer_config"] == source.config["per_layer_config"]
@@ -152,17 +157,18 @@ def _read_back_model(ours: Checkpoint, **changes):
     return model.eval()
 
 
-@pytest.mark.parametrize("family", ["gemma3", "gemma4"])
-def test_gemma_file_computes_the_checkpoint(ggufs, family):
+@pytest.mark.parametrize(("family", "variant"), GEMMA_FILES)
+def test_gemma_file_computes_the_checkpoint(ggufs, family, variant):
     """The model read back (built from its config, the weights loaded) gives the checkpoint's logits.
     Gemma3: llama.cpp's sliding pattern, attention scale and sliding RoPE base, recovered as its
     runtime derives them, and the norms' +1 taken off are the checkpoint's (tests/gguf_fixtures.py
     GEMMA3_GGUF), over a prompt longer than the sliding window. Gemma4: its layer pattern, head
     sizes, MLP widths, shared KV layers, PLE and the full layers' partial rotation (from
-    ``rope_freqs``) read back."""
+    ``rope_freqs``) read back; 26B-A4B's experts (HF's stacked tensors), router scales and MoE norms,
+    K=V full layers with their own KV head count; 31B's K=V with an untied head."""
     from transformers import AutoModelForCausalLM
 
-    path, hf = ggufs(family, "f32")
+    path, hf = ggufs(family, "f32", variant)
     ours = _opened(path)
     model = _read_back_model(ours)
     reference = AutoModelForCausalLM.from_pretrained(hf, dtype=torch.float32).eval()
@@ -172,15 +178,15 @@ def test_gemma_file_computes_the_checkpoint(ggufs, family):
 
 
 @pytest.mark.skipif(not has_llama_cpp(), reason="llama-cpp-python (llama.cpp's runtime) is not installed")
-@pytest.mark.parametrize("family", ["gemma3", "gemma4"])
-def test_gemma_file_reads_back_as_the_model_llama_cpp_runs(ggufs, family):
+@pytest.mark.parametrize(("family", "variant"), GEMMA_FILES)
+def test_gemma_file_reads_back_as_the_model_llama_cpp_runs(ggufs, family, variant):
     """llama.cpp's own logits on the Gemma f32 files are those of the config read back, and not those
     of a config that differs in one key: Gemma3's attention scale (transformers' GGUF loader's
-    query_pre_attn_scalar 256), layer pattern, full-layer RoPE scaling; Gemma4's sliding window and
-    the full layers' partial rotation."""
+    query_pre_attn_scalar 256), layer pattern, full-layer RoPE scaling; Gemma4's sliding window,
+    the full layers' partial rotation and (26B-A4B) the number of experts each token takes."""
     import llama_cpp
 
-    path, _ = ggufs(family, "f32")
+    path, _ = ggufs(family, "f32", variant)
     ours = _opened(path)
     ids = torch.randint(3, ours.config["vocab_size"], (1, 40), generator=torch.Generator().manual_seed(0))
     f32 = llama_cpp.GGML_TYPE_F32  # an fp32 KV cache
@@ -193,16 +199,18 @@ def test_gemma_file_reads_back_as_the_model_llama_cpp_runs(ggufs, family):
         with torch.no_grad():
             return float((_read_back_model(ours, **changes)(ids).logits[0] - theirs).abs().max())
 
-    assert gap() < 0.1  # llama.cpp's kernels: the gap grows along the prompt, to 0.007 (Gemma3), 0.04 (Gemma4)
+    base = gap()  # llama.cpp's kernels: the gap grows along the prompt, to 0.007 (Gemma3), 0.04 (Gemma4 E2B-style)
+    assert base < 0.1
     rope = ours.config["rope_parameters"]
     if family == "gemma3":
         full = {"rope_type": "default", "rope_theta": 1e6}
         others = [dict(query_pre_attn_scalar=256), dict(layer_types=["full_attention"] * 6)]
     else:
         full = {**rope["full_attention"], "partial_rotary_factor": 1.0}
-        others = [dict(sliding_window=4096)]
+        others = [dict(sliding_window=4096)] + ([dict(top_k_experts=1)] if ours.config["enable_moe_block"] else [])
     others.append(dict(rope_parameters={**rope, "full_attention": full}))
-    assert min(gap(**changes) for changes in others) > 0.5
+    # each other config at least 10x farther (the 3-layer 26B-A4B-style file's partial rotation: 0.49 vs 0.002)
+    assert min(gap(**changes) for changes in others) > max(0.3, 10 * base)
 
 
 @pytest.mark.parametrize("family", sorted(VARIANTS))
@@ -233,8 +241,13 @@ LOADER_MISSES = {"qwen3_moe": ("moe_intermediate_size",)}
 #: feed_forward_length fails the int check of intermediate_size; head_dim, the layer pattern, PLE width and
 #: shared KV layers are not read)
 LOADER_CONFIG = ("gemma4",)
-#: tensors the loader does not map, left at their init: Gemma4's ``layer_output_scale`` (``layer_scalar``)
-LOADER_DROPS = {"gemma4": ".layer_scalar"}
+#: tensors the loader does not map, left at their init (family or variant -> name endings): Gemma4's
+#: ``layer_output_scale`` (``layer_scalar``); of a 26B-A4B-style file also its experts (``ffn_gate_up_exps``,
+#: ``ffn_down_exps``) and router scales (``ffn_gate_inp.scale``, ``ffn_down_exps.scale``): transformers 5.25
+#: loads such a file with a warning as a model whose MoE is random
+LOADER_DROPS = {"gemma4": (".layer_scalar",),
+                "gemma4-26b-a4b": (".layer_scalar", ".router.scale", ".router.per_expert_scale",
+                                   ".experts.gate_up_proj", ".experts.down_proj")}
 _EXPERT = re.compile(r"(.*\.mlp\.experts)\.(\d+)\.(gate|up|down)_proj\.weight")
 
 
@@ -251,13 +264,17 @@ def _loader_tensor(state: dict[str, torch.Tensor], name: str, width: int) -> tor
     return state[f"{prefix}.gate_up_proj"][e, rows]
 
 
-@pytest.mark.parametrize("family", ["llama", "mistral", "qwen2", "qwen3_moe", "phi3", "lfm2", "gemma3", "gemma4"])
-def test_transformers_gguf_loader_reads_the_same_weights(ggufs, family):
+@pytest.mark.parametrize(("family", "variant"), [
+    pytest.param(family, None, id=family)
+    for family in ("llama", "mistral", "qwen2", "qwen3_moe", "phi3", "lfm2", "gemma3", "gemma4")] + [
+    pytest.param("gemma4", "gemma4-26b-a4b", id="gemma4-26b-a4b")])
+def test_transformers_gguf_loader_reads_the_same_weights(ggufs, family, variant):
     """transformers' own GGUF loader (``from_pretrained(..., gguf_file=...)``) dequantizes with
-    gguf-py, undoes llama.cpp's permutation and stacks the experts: its model carries exactly our weights."""
+    gguf-py, undoes llama.cpp's permutation and stacks the experts: its model carries exactly our weights,
+    but for the tensors it does not map (``LOADER_DROPS``)."""
     from transformers import AutoModelForCausalLM
 
-    path, _ = ggufs(family, "q8_0")
+    path, _ = ggufs(family, "q8_0", variant)
     ours = _opened(path)
     from transformers import AutoConfig
 
@@ -267,7 +284,7 @@ def test_transformers_gguf_loader_reads_the_same_weights(ggufs, family):
     model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32, **missed)
     assert model.config.model_type == ours.config["model_type"]
     state = model.state_dict()
-    dropped = [name for name in ours.weights.names() if family in LOADER_DROPS and name.endswith(LOADER_DROPS[family])]
+    dropped = [name for name in ours.weights.names() if name.endswith(LOADER_DROPS.get(variant or family, ()))]
     for name in set(ours.weights.names()) - set(dropped):
         loaded = _loader_tensor(state, name, ours.config.get("moe_intermediate_size") or 0)
         assert torch.equal(loaded, ours.weights.tensor(name)), name
@@ -404,8 +421,15 @@ def test_hostile_files_are_one_line_errors(ggufs, tmp_path):
     rewritten(gemma, tmp_path / "pattern.gguf", metadata={"gemma3.attention.sliding_window_pattern": [True] * 4})
     cases["pattern.gguf"] = "'gemma3.attention.sliding_window_pattern' must list one flag per layer (6)"
     gemma4, _ = ggufs("gemma4", "f32")
-    rewritten(gemma4, tmp_path / "moe4.gguf", metadata={"gemma4.expert_count": 8})
-    cases["moe4.gguf"] = "'gemma4.expert_count': Gemma4 MoE files are not supported"
+    rewritten(gemma4, tmp_path / "moe4.gguf", metadata={"gemma4.expert_count": 8,
+                                                        "gemma4.expert_feed_forward_length": 32})
+    cases["moe4.gguf"] = "tensor 'blk.0.ffn_gate_inp.weight' is missing (a gemma4 MoE file routes every layer)"
+    k_eq_v, _ = ggufs("gemma4", "f32", "gemma4-31b")  # one full layer with attn_v, one without
+    rewritten(k_eq_v, tmp_path / "kv.gguf", extra={"blk.2.attn_v.weight": np.zeros((32, 64), np.float32)})
+    cases["kv.gguf"] = "tensor 'blk.5.attn_v.weight' is missing, but full layer 2 has one"
+    values = {f"blk.{i}.attn_v.weight": np.zeros((32, 64), np.float32) for i in (2, 5)}  # no K=V, own KV heads
+    rewritten(k_eq_v, tmp_path / "heads.gguf", extra=values)
+    cases["heads.gguf"] = "full layers with other KV heads than the sliding ones have K=V in Gemma4"
     rewritten(gemma4, tmp_path / "widths.gguf", metadata={"gemma4.feed_forward_length": [96] * 7 + [128]})
     cases["widths.gguf"] = "neither one width nor one doubled on the KV-shared layers"
     cases["experts.gguf"] = "tensor 'blk.0.ffn_down_exps.weight' has shape [8, 64, 32], expected [4 experts, out, in]"

@@ -36,11 +36,17 @@ def ggufs(tmp_path_factory):
 #: and longrope read from the file), an LFM2 (short-conv layers: the F32 conv kernels as stored, in/out
 #: projections kept), an LFM2-MoE (its stacked experts split, the sigmoid router's F32 selection bias),
 #: a Gemma3 (norms' +1 taken off, sliding pattern, attention scale and local RoPE base as llama.cpp
-#: derives them, tied Q8_0 token table) and a Gemma4 (E2B-style: PLE, KV sharing), all by convert_hf_to_gguf.py
-CASES = {"qwen3-q8_0": ("qwen3", "q8_0"), "trained-llama-mix": ("trained", OUR_MIX),
+#: derives them, tied Q8_0 token table), a Gemma4 (E2B-style: PLE, KV sharing) and a Gemma4 26B-A4B-style
+#: (its stacked experts kept per expert, the dense MLP beside them, K=V full layers), all by convert_hf_to_gguf.py;
+#: (family, type, tiny variant) where it is not the family's own
+CASES: dict[str, tuple[str, ...]] = {"qwen3-q8_0": ("qwen3", "q8_0"), "trained-llama-mix": ("trained", OUR_MIX),
          "mistral-q8_0": ("mistral", "q8_0"), "qwen3-moe-q8_0": ("qwen3_moe", "q8_0"),
          "phi3-q8_0": ("phi3", "q8_0"), "lfm2-q8_0": ("lfm2", "q8_0"), "lfm2-moe-q8_0": ("lfm2_moe", "q8_0"),
-         "gemma3-q8_0": ("gemma3", "q8_0"), "gemma4-q8_0": ("gemma4", "q8_0")}
+         "gemma3-q8_0": ("gemma3", "q8_0"), "gemma4-q8_0": ("gemma4", "q8_0"),
+         "gemma4-26b-a4b-q8_0": ("gemma4", "q8_0", "gemma4-26b-a4b")}
+#: the routers' names end so (Qwen3-MoE's and LFM2-MoE's ``gate``, Gemma4's ``router.proj``): F32 in
+#: llama.cpp's files
+ROUTERS = (".gate", ".router.proj")
 
 
 @pytest.fixture(scope="session")
@@ -49,8 +55,8 @@ def exported(ggufs, tmp_path_factory):
 
     def get(case: str):
         if case not in done:
-            family, qtype = CASES[case]
-            path, hf = ggufs.trained(qtype) if family == "trained" else ggufs(family, qtype)
+            family, qtype, *variant = CASES[case]
+            path, hf = ggufs.trained(qtype) if family == "trained" else ggufs(family, qtype, *variant)
             result = export(path, tmp_path_factory.mktemp(case) / "out", ExportOptions(verify=True))
             done[case] = (path, hf, result)
         return done[case]
@@ -67,11 +73,13 @@ def _check_records(path, out, result) -> int:
     for name, rec in linear_records(out).items():
         if name not in kept:
             continue
-        source = weights.prequantized(arch.linear_source(name).weight)
+        where = arch.linear_source(name)  # an expert of a stacked tensor (Gemma4's): its slice
+        source = weights.prequantized(where.weight, where.expert)
         levels, _ = read_levels(out / "llm.mnn.weight", rec["external"], rec["quanParameter"], rec["oc"], rec["ic"])
         assert np.array_equal(levels + (1 << (source.bits - 1)), source.levels.numpy()), name
         decoded, _ = read_linear(out / "llm.mnn.weight", rec["external"], rec["quanParameter"], rec["oc"], rec["ic"])
-        assert torch.equal(decoded, weights.tensor(arch.linear_source(name).weight)), name
+        values = weights.tensor(where.weight)
+        assert torch.equal(decoded, values if where.expert is None else values[where.expert]), name
         checked += 1
     return checked
 
@@ -85,12 +93,13 @@ def test_gguf_export_keeps_the_integers_and_verifies(exported, case):
     pre = result.plan.prequantized
     # routers (ffn_gate_inp) are F32 in llama.cpp's files, and so are Gemma4's per_layer_projection (16 inputs:
     # no whole Q8_0 block): quantized from float, by the options
-    assert pre is not None and {e.name.rsplit(".", 1)[-1] for e in pre.quantized_from_float} <= {
-        "gate", "per_layer_projection"}
+    assert pre is not None and all(e.name.endswith(ROUTERS + (".per_layer_projection",))
+                                   for e in pre.quantized_from_float)
     assert pre.transcoded == len(result.plan.linears) - len(pre.requantized) - len(pre.quantized_from_float) > 0
     assert not pre.requantized
-    # the routers are stored in float (MNN's MoE op): their F32 values read back exactly too
-    routers = [e for e in pre.quantized_from_float if e.name.rsplit(".", 1)[-1] == "gate"]  # mlp. or feed_forward.
+    # the routers of MNN's MoE op are stored in float: their F32 values read back exactly too (Gemma4's
+    # router, a linear of its graph, is quantized by the options, as from an HF checkpoint)
+    routers = [e for e in pre.quantized_from_float if e.name.endswith(".gate")]  # mlp. or feed_forward.
     assert report.prequantized["linears_exact"] == pre.transcoded + len(routers)
     floats = {e.name for e in pre.quantized_from_float} - {e.name for e in routers}  # quantized by the options
     assert set(report.prequantized["linears_changed"]) == {e.name for e in pre.requantized} | floats

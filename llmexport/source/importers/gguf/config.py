@@ -162,7 +162,7 @@ ARCHITECTURES: dict[str, GgufArchitecture] = {
     "gemma3": GgufArchitecture("gemma3_text", "Gemma3ForCausalLM", "attention_bias",
                                activation=("hidden_activation", "gelu_pytorch_tanh"), norm_shift=NORM_SHIFT,
                                adapt=_keyed(gemma3_config)),
-    # Gemma4ForCausalLM, E2B/E4B-style text (PLE, KV sharing): llmexport.source.importers.gguf.gemma
+    # Gemma4ForCausalLM: E2B/E4B (PLE, KV sharing), 31B (K=V), 26B-A4B (MoE): llmexport.source.importers.gguf.gemma
     "gemma4": GgufArchitecture("gemma4_text", "Gemma4ForCausalLM", "attention_bias",
                                activation=("hidden_activation", "gelu_pytorch_tanh"), adapt=_keyed(gemma4_config)),
 }

@@ -110,23 +110,50 @@ def _partial_rotary(meta: Metadata, freqs: np.ndarray | None, head_dim: int) -> 
     return 2 * rotated / head_dim
 
 
+def _k_eq_v(meta: Metadata, kinds: list[str], unshared: int, tensors: dict[str, tuple[int, ...]]) -> bool:
+    """Whether the full layers take their values from ``attn_k`` (31B, 26B-A4B: HF's ``attention_k_eq_v``,
+    llama.cpp's ``Vcur = wv ? wv * cur : Kcur``): no full layer with its own KV has ``attn_v``. HF's flag
+    holds for every full layer, so a file where only some have one is refused."""
+    full = [i for i in range(unshared) if kinds[i] == FULL]
+    without = [i for i in full if f"blk.{i}.attn_v.weight" not in tensors]
+    if without and without != full:
+        having = next(i for i in full if i not in without)
+        raise InputError(f"{meta.where}: tensor 'blk.{without[0]}.attn_v.weight' is missing, but full layer "
+                         f"{having} has one (K=V must hold for every full layer)")
+    return bool(without)
+
+
+def _moe(meta: Metadata, key: Callable[[str], str], layers: int,
+         tensors: dict[str, tuple[int, ...]]) -> dict[str, Any]:
+    """The routed MoE beside the dense MLP (26B-A4B), on every layer as in HF's Gemma4 (``enable_moe_block``):
+    ``expert_count``, ``expert_used_count``, ``expert_feed_forward_length`` (an int, or one per layer).
+    llama.cpp's graph (src/models/gemma4.cpp) routes as HF's ``Gemma4TextRouter``: softmax, top-k
+    renormalised, times ``per_expert_scale`` (``ffn_down_exps.scale``); the converter writes no other key."""
+    if not meta.get(key("expert_count")):
+        return {"enable_moe_block": False}
+    width_name = key("expert_feed_forward_length")
+    width = _one(meta, width_name, _per_layer(meta, width_name, layers), "MoE")
+    routerless = [i for i in range(layers) if f"blk.{i}.ffn_gate_inp.weight" not in tensors]
+    if routerless:
+        raise InputError(f"{meta.where}: tensor 'blk.{routerless[0]}.ffn_gate_inp.weight' is missing (a gemma4 "
+                         "MoE file routes every layer)")
+    return {"enable_moe_block": True, "num_experts": meta.require(key("expert_count"), int),
+            "top_k_experts": meta.require(key("expert_used_count"), int), "moe_intermediate_size": width}
+
+
 def gemma4_config(meta: Metadata, key: Callable[[str], str], config: dict[str, Any],
                   tensors: dict[str, tuple[int, ...]], rope_freqs: np.ndarray | None) -> dict[str, Any]:
-    """The Gemma4TextConfig entries of an E2B/E4B-style file (``Gemma4Model.set_gguf_parameters``):
-    one flag per layer for the sliding pattern, two head sizes (``key_length`` for the full layers,
-    ``key_length_swa``), per-layer KV head counts and MLP widths (doubled on the KV-shared layers:
-    ``use_double_wide_mlp``), PLE width, shared KV layers; the proportional RoPE of the full layers
-    from ``rope_freqs``. llama.cpp's attention scale is 1 (as HF's). MoE (26B-A4B) and K=V (31B)
-    files are refused."""
+    """The Gemma4TextConfig entries of the file (``Gemma4Model.set_gguf_parameters``): one flag per
+    layer for the sliding pattern, two head sizes (``key_length`` for the full layers,
+    ``key_length_swa``), per-layer KV head counts (the full layers' own count only with K=V, as HF's
+    ``num_global_key_value_heads``) and MLP widths (doubled on the KV-shared layers:
+    ``use_double_wide_mlp``), PLE width, shared KV layers (E2B/E4B); K=V full layers (31B, 26B-A4B:
+    no ``attn_v``); the routed MoE (26B-A4B); the proportional RoPE of the full layers from
+    ``rope_freqs``. llama.cpp's attention scale is 1 (as HF's)."""
     n = config["num_hidden_layers"]
-    if meta.get(key("expert_count")):
-        raise InputError(f"{meta.where}: metadata key {key('expert_count')!r}: Gemma4 MoE files are not supported")
     kinds = layer_types(meta, key, n)
     shared = meta.get(key("attention.shared_kv_layers"), 0)
-    own = [i for i in range(n - shared) if kinds[i] == FULL and f"blk.{i}.attn_v.weight" not in tensors]
-    if own:
-        raise InputError(f"{meta.where}: tensor 'blk.{own[0]}.attn_v.weight' is missing (K=V attention of Gemma4 "
-                         "31B files is not supported)")
+    k_eq_v = _k_eq_v(meta, kinds, n - shared, tensors)
     widths = _per_layer(meta, key("feed_forward_length"), n)
     base, first_shared = widths[0], n - shared
     double = shared > 0 and widths == [base if i < first_shared else 2 * base for i in range(n)]
@@ -137,6 +164,9 @@ def gemma4_config(meta: Metadata, key: Callable[[str], str], config: dict[str, A
     kv = _per_layer(meta, kv_name, n) if kv_name in meta.fields else [config["num_attention_heads"]] * n
     kv_sliding = _one(meta, kv_name, [kv[i] for i in range(n) if kinds[i] == SLIDING], "sliding")
     kv_full = _one(meta, kv_name, [kv[i] for i in range(n) if kinds[i] == FULL], "full")
+    if kv_full not in (None, kv_sliding) and kv_sliding is not None and not k_eq_v:
+        raise InputError(f"{meta.where}: metadata key {kv_name!r} is {kv}: full layers with other KV heads than "
+                         "the sliding ones have K=V in Gemma4 (no 'attn_v'), these have 'attn_v'")
     head_dim, global_head_dim = meta.require(key("attention.key_length_swa"), int), config["head_dim"]
     sliding = {"rope_type": "default", "rope_theta": f32(meta.get(key("rope.freq_base_swa"), SWA_THETA))}
     rotated = meta.get(key("rope.dimension_count_swa"), head_dim)
@@ -154,5 +184,6 @@ def gemma4_config(meta: Metadata, key: Callable[[str], str], config: dict[str, A
             "head_dim": head_dim, "global_head_dim": global_head_dim,
             "hidden_size_per_layer_input": per_layer,
             "vocab_size_per_layer_input": ple[0] if ple else config["vocab_size"],
-            "rope_parameters": {FULL: full, SLIDING: sliding}, "attention_k_eq_v": False, "enable_moe_block": False,
+            "rope_parameters": {FULL: full, SLIDING: sliding}, "attention_k_eq_v": k_eq_v,
+            **_moe(meta, key, n, tensors),
             "final_logit_softcapping": None if softcap is None else f32(softcap)}

@@ -73,9 +73,21 @@ ARCH_TENSORS: dict[str, dict[str, str]] = {
         "blk.{i}.exp_probs_b.bias": "model.layers.{i}.feed_forward.expert_bias",
     },
     "gemma3": _GEMMA_NORMS,
-    # Gemma4's per-layer embeddings (PLE) and layer scalar (gguf-py's PER_LAYER_*, LAYER_OUT_SCALE)
+    # Gemma4's per-layer embeddings (PLE) and layer scalar (gguf-py's PER_LAYER_*, LAYER_OUT_SCALE); 26B-A4B's
+    # routed MoE beside the dense MLP (``Gemma4Model.modify_tensors``: the router's ``scale`` as
+    # ``ffn_gate_inp.scale``, its ``per_expert_scale`` as ``ffn_down_exps.scale``; FFN_PRE_NORM_2,
+    # FFN_POST_NORM_1/2), its experts stacked as HF's own 3-D ``gate_up_proj`` / ``down_proj`` (one HF tensor
+    # each, not split: ``ARCH_EXPERTS``)
     "gemma4": {
         **_GEMMA_NORMS,
+        "blk.{i}.ffn_gate_inp.weight": "model.layers.{i}.router.proj.weight",
+        "blk.{i}.ffn_gate_inp.scale": "model.layers.{i}.router.scale",
+        "blk.{i}.ffn_down_exps.scale": "model.layers.{i}.router.per_expert_scale",
+        "blk.{i}.ffn_gate_up_exps.weight": "model.layers.{i}.experts.gate_up_proj",
+        "blk.{i}.ffn_down_exps.weight": "model.layers.{i}.experts.down_proj",
+        "blk.{i}.pre_ffw_norm_2.weight": "model.layers.{i}.pre_feedforward_layernorm_2.weight",
+        "blk.{i}.post_ffw_norm_1.weight": "model.layers.{i}.post_feedforward_layernorm_1.weight",
+        "blk.{i}.post_ffw_norm_2.weight": "model.layers.{i}.post_feedforward_layernorm_2.weight",
         "per_layer_token_embd.weight": "model.embed_tokens_per_layer.weight",
         "per_layer_model_proj.weight": "model.per_layer_model_projection.weight",
         "per_layer_proj_norm.weight": "model.per_layer_projection_norm.weight",
@@ -96,8 +108,10 @@ EXPERTS: dict[str, str] = {
     "blk.{i}.ffn_up_exps.weight": "model.layers.{i}.mlp.experts.{e}.up_proj.weight",
     "blk.{i}.ffn_down_exps.weight": "model.layers.{i}.mlp.experts.{e}.down_proj.weight",
 }
-#: an architecture's own stacked experts (``LFM2MoeModel.modify_tensors`` stacks w1, w2, w3 the same way)
+#: an architecture's own stacked experts (``LFM2MoeModel.modify_tensors`` stacks w1, w2, w3 the same way);
+#: none for Gemma4, whose HF checkpoint keeps them stacked too (``Gemma4TextExperts``)
 ARCH_EXPERTS: dict[str, dict[str, str]] = {
+    "gemma4": {},
     "lfm2moe": {
         "blk.{i}.ffn_gate_exps.weight": "model.layers.{i}.feed_forward.experts.{e}.w1.weight",
         "blk.{i}.ffn_up_exps.weight": "model.layers.{i}.feed_forward.experts.{e}.w3.weight",

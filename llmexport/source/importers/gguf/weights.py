@@ -1,7 +1,8 @@
 """A GGUF file's tensors under HF names (the ``PrequantizedStore`` interface): dequantized on read
 (gguf-py's ``gguf.quants.dequantize``, llama.cpp's numpy reference), q/k rows put back in HF's order,
-stacked experts split into HF's per-expert tensors, and the blocks of the types an MNN record holds
-(``blocks.KEPT``) handed over as their integers."""
+stacked experts split into HF's per-expert tensors (or kept stacked where HF's are: Gemma4's, read
+one expert at a time), and the blocks of the types an MNN record holds (``blocks.KEPT``) handed over
+as their integers."""
 
 from __future__ import annotations
 
@@ -70,6 +71,11 @@ class _Entry:
         values = dequantize(np.asarray(self.tensor.data), GGMLQuantizationType[self.tensor.kind])
         values = np.array(values, dtype=np.float32).reshape(self.tensor.shape)
         return values - np.float32(self.shift) if self.shift else values
+
+
+def _expert(tensor: GgufTensor, e: int) -> GgufTensor:
+    """Expert ``e`` of a stacked ``[experts, out, in]`` tensor: its 2-D slice, blocks as stored."""
+    return GgufTensor(f"{tensor.name}[{e}]", tensor.kind, tensor.shape[1:], tensor.data[e])
 
 
 class GgufLazy(WholeLazy):
@@ -142,8 +148,7 @@ class GgufWeights:
             raise InputError(f"{self.path}: tensor {tensor.name!r} has shape {list(tensor.shape)}, "
                              f"expected [{len(names)} experts, out, in]")
         for e, hf in enumerate(names):
-            self._entries[hf] = _Entry(GgufTensor(f"{tensor.name}[{e}]", tensor.kind, tensor.shape[1:],
-                                                  tensor.data[e]), None)
+            self._entries[hf] = _Entry(_expert(tensor, e), None)
 
     # --- the WeightStore interface -----------------------------------------------------------
     def names(self) -> list[str]:
@@ -191,9 +196,16 @@ class GgufWeights:
         return None if kind in KEPT else unkept_reason(kind)
 
     def stored(self, name: str, expert: int | None = None) -> Prequantized | torch.Tensor:
-        if expert is not None:
-            raise InputError(f"{self.path}: {name}: stacked experts are not read from GGUF files")
-        return self._get(name).stored()
+        """``name`` as stored, or expert ``expert`` of a stacked ``[experts, out, in]`` tensor that is one
+        HF tensor too (Gemma4's ``experts.gate_up_proj``): its rows' blocks kept as a 2-D tensor's."""
+        entry = self._get(name)
+        if expert is None:
+            return entry.stored()
+        tensor = entry.tensor
+        if len(tensor.shape) != 3 or not 0 <= expert < tensor.shape[0] or entry.order is not None or entry.shift:
+            raise InputError(f"{self.path}: tensor {tensor.name!r} of shape {list(tensor.shape)} holds no expert "
+                             f"{expert} ({name})")
+        return _Entry(_expert(tensor, expert), None).stored()
 
     def prequantized(self, name: str, expert: int | None = None) -> Prequantized:
         value = self.stored(name, expert)
