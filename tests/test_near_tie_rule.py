@@ -39,7 +39,8 @@ def test_a_flip_is_always_within_its_two_movements(data, vocab):
     assert step.ref_gap == float(ref[a]) - float(ref[b]) and step.ref_gap >= 0
     if not step.top1_match:
         moved = abs(float(mnn[a]) - float(ref[a])) + abs(float(mnn[b]) - float(ref[b]))
-        assert step.noise_explains == moved <= 2 * step.max_abs_err + 1e-6
+        # max_abs_err is a float32 difference: rounded by up to one part in 2^24 (found: 25 - 8.141181)
+        assert step.noise_explains == moved <= 2 * step.max_abs_err * (1 + 2.0 ** -23) + 1e-6
     assert not step.flipped and not step_failures("", compare_logits(mnn[None], ref[None]))
 
 
