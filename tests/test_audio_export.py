@@ -112,10 +112,11 @@ def test_verify_passes_with_both_towers(exported):
 PROMPT_KEYS = ["prompt_tokens", "ids_match", "greedy_ref", "greedy_mnn", "greedy_match", "forced", "fp32", "failures",
                "label", "stopped_at_media_token", "bos_count"]
 SECTION_LAYOUT = {  # section keys, one case's keys, one prompt's own keys after PROMPT_KEYS
-    "visual": (["passed", "failures", "output_scale", "marks_images", "feature_bound", "images", "prompts"],
+    "visual": (["passed", "failures", "output_scale", "marks_images", "feature_bound", "images", "prompts",
+                "conversation"],
                ["size", "processed", "soft_tokens", "rel_err", "max_abs_err", "rel_err_fp32"],
                ["image", "processed", "soft_tokens"]),
-    "audio": (["passed", "failures", "feature_bound", "clips", "prompts"],
+    "audio": (["passed", "failures", "feature_bound", "clips", "prompts", "conversation"],
               ["samples", "frames", "tokens", "mnn_tokens", "rel_err", "rel_err_fp32"],
               ["samples", "tokens", "frames"]),
 }
@@ -142,6 +143,12 @@ def test_tower_sections_keep_their_layout(exported):
     assert [case["tokens"] for case in audio["clips"]] == [case["mnn_tokens"] for case in audio["clips"]]
     assert list(audio["prompts"][0]["frames"]) == ["hf", "runtime", "runtime_unpadded"]
     assert audio["prompts"][0]["label"] == f"{audio['prompts'][0]['samples']} samples"
+    for name, section in towers.items():  # an image / a clip turn, then two text turns, through the chat path
+        chat = section["conversation"]
+        print(f"\ngemma4 {name} media conversation: max |dlogit| per turn "
+              f"{[t['oracle']['max_abs_err'] for t in chat['turns']]}, top-1 {chat['top1_agreement']:.0%}")
+        assert len(chat["turns"]) == 3 and all(t["prompt_ids_match"] and t["oracle"]["greedy_match"]
+                                               for t in chat["turns"])
 
 
 def test_summary_line_reports_a_failed_audio_prompt():

@@ -83,12 +83,20 @@ def extending(run: ChatRun, prompt: PromptCase) -> ChatRun:
 
 
 def hf_media_text(tokenizer, prompt: PromptCase, media_ids: frozenset[int]) -> str:
-    """HF's text for the prompt's medium: its ids from the first to the last media token (as HF's
-    processor expanded the placeholder), decoded with their special tokens."""
-    at = [i for i, token in enumerate(prompt.ids) if token in media_ids]
+    """HF's text for the prompt's medium as HF's processor expanded its placeholder: the ids from
+    the first to the last media token, widened over the added tokens next to them (the medium's
+    begin and end marks, e.g. Gemma4's ``<|image>`` and ``<image|>``), decoded with their special
+    tokens."""
+    ids, added = prompt.ids, set(tokenizer.added_tokens_decoder)
+    at = [i for i, token in enumerate(ids) if token in media_ids]
     if not at:
         raise ValueError(f"{prompt.name}: no media token in HF's ids")
-    return str(tokenizer.decode(prompt.ids[at[0]:at[-1] + 1], skip_special_tokens=False))
+    first, last = at[0], at[-1]
+    while first > 0 and ids[first - 1] in added:
+        first -= 1
+    while last + 1 < len(ids) and ids[last + 1] in added:
+        last += 1
+    return str(tokenizer.decode(ids[first:last + 1], skip_special_tokens=False))
 
 
 def media_conversation_failures(chat: ConversationCheck | str | None, max_abs: float) -> list[str]:
