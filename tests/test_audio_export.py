@@ -131,7 +131,7 @@ def test_tower_sections_keep_their_layout(exported):
     for name, (section_keys, case_keys, prompt_keys) in SECTION_LAYOUT.items():
         section = towers[name]
         assert list(section) == section_keys
-        cases = section[section_keys[-2]]
+        cases = section[section_keys[-3]]
         assert len(cases) == 3 and all(list(case) == case_keys for case in cases)
         assert [list(p) for p in section["prompts"]] == [PROMPT_KEYS + prompt_keys]
         assert section["feature_bound"] == 1e-3 and section["failures"] == [] and section["passed"] is True
