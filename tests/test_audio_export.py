@@ -103,6 +103,8 @@ def test_verify_passes_with_both_towers(exported):
     assert json.loads((out / "verify.json").read_text())["towers"]["audio"]["passed"]
     line = summary_line(report)
     assert "visual ok (prompt vs HF: top-1 100%" in line and "audio ok (prompt vs HF: top-1 100%" in line
+    assert "visual media conversation: 3/3 turns, prompt ids 3/3" in line
+    assert "audio media conversation: 3/3 turns, prompt ids 3/3" in line
     llm_config = json.loads((out / "llm_config.json").read_text())
     assert llm_config["is_audio"] and llm_config["is_visual"] and llm_config["audio_type"] == "usm"
     assert (llm_config["audio_start"], llm_config["audio_end"], llm_config["audio_pad"]) == (10, 11, 12)
