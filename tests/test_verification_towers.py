@@ -117,6 +117,16 @@ def test_section_layout_and_the_oracle_against_the_fp32_reference(tmp_path, monk
     assert report.failures == ("probe prompt one: greedy tokens differ",) and not report.passed
     assert section["prompts"][0]["label"] == "one" and TowerReport.from_json(section) == report
 
+    # with the architecture, the media conversation: its failures are the tower's, its check the section's last key
+    from llmexport.results import ConversationCheck
+
+    chat = ConversationCheck(0, 3, (), "conversation 1 turn 1: the runtime crashed")
+    monkeypatch.setattr(vt, "media_conversation", lambda folder, arch, check, oracle, fp32: chat)
+    report = vt.verify_tower(_Tower(), tmp_path, oracle, fp32, check, media_max_abs=0.005, chat=object())
+    assert report.failures[-1] == "media conversation: conversation 1 turn 1: the runtime crashed"
+    section = report.to_json()
+    assert list(section)[-1] == "conversation" and TowerReport.from_json(section).conversation == chat
+
 
 @pytest.fixture(scope="module")
 def towers(tmp_path_factory):
