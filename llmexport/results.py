@@ -505,7 +505,9 @@ class TowerReport:
     """One tower's section of ``verify.json`` (llmexport/verification/towers.py), ``passed`` when
     nothing failed: the tower graph alone on each case of its ``TowerCheck`` against HF's features
     (``cases``, written under ``cases_key``: each case's own fields, then its measures, as the
-    check names them), and its media prompts; ``notes``: the check's fields, reported as they are.
+    check names them), and its media prompts; ``notes``: the check's fields, reported as they are;
+    ``conversation``: the chat whose first turn carries the medium, then text turns
+    (llmexport/verification/media_chat.py), or why it was skipped ("skipped: ..."); None: not run.
     """
 
     failures: tuple[str, ...]
@@ -514,6 +516,7 @@ class TowerReport:
     cases: tuple[Mapping[str, Any], ...]
     prompts: tuple[MediaPromptReport, ...] = ()
     notes: Mapping[str, Any] = field(default_factory=dict)
+    conversation: ConversationCheck | str | None = None
 
     @property
     def passed(self) -> bool:
@@ -522,16 +525,19 @@ class TowerReport:
     @classmethod
     def from_json(cls, data: Mapping[str, Any]) -> TowerReport:
         """The section's keys in their written order: passed, failures, the notes, feature_bound,
-        the cases' key, prompts."""
+        the cases' key, prompts, conversation (absent from reports written before it was checked)."""
         keys = list(data)
         bound = keys.index("feature_bound") if "feature_bound" in keys else -1
-        if keys[:2] != ["passed", "failures"] or bound < 2 or keys[bound + 2:] != ["prompts"]:
+        if keys[:2] != ["passed", "failures"] or bound < 2 or keys[bound + 2:] not in (["prompts"],
+                                                                                        ["prompts", "conversation"]):
             raise ValueError(f"tower section: keys {keys}, expected passed, failures, notes, feature_bound, "
-                             "the cases, prompts")
+                             "the cases, prompts, conversation")
         cases_key = keys[bound + 1]
+        chat = data.get("conversation")
         report = cls(tuple(data["failures"]), data["feature_bound"], cases_key, tuple(data[cases_key]),
                      tuple(MediaPromptReport.from_json(p) for p in data["prompts"]),
-                     {k: data[k] for k in keys[2:bound]})
+                     {k: data[k] for k in keys[2:bound]},
+                     ConversationCheck.from_json(chat) if isinstance(chat, dict) else chat)
         if report.passed != data["passed"]:
             raise ValueError(f"tower section: passed={data['passed']} with {len(report.failures)} failure(s)")
         return report
@@ -539,7 +545,9 @@ class TowerReport:
     def to_json(self) -> dict[str, Any]:
         return {"passed": self.passed, "failures": list(self.failures), **self.notes,
                 "feature_bound": self.feature_bound, self.cases_key: [dict(case) for case in self.cases],
-                "prompts": [p.to_json() for p in self.prompts]}
+                "prompts": [p.to_json() for p in self.prompts],
+                "conversation": (self.conversation.to_json() if isinstance(self.conversation, ConversationCheck)
+                                 else self.conversation)}
 
 
 @dataclass(frozen=True)

@@ -183,6 +183,40 @@ def tower_exports(checkpoint: Path, folder: Callable[[str], Path]) -> Callable[[
     return get
 
 
+def media_conversation_check(checkpoint: Path, out: Path, alter=None):
+    """``--verify``'s media conversation of the checkpoint's one tower on the export at ``out``
+    (llmexport/verification/media_chat.py; ``alter``: a change to its ``TowerCheck``): the
+    ``ConversationCheck`` and its failures under the fp16 exact-kernels bound."""
+    from llmexport.source.checkpoint import Checkpoint
+    from llmexport.source.loading import open_architecture
+    from llmexport.verification.media_chat import media_conversation, media_conversation_failures
+    from llmexport.verification.verify import FP16_MAX_ABS_ERR, reference_pair, stored_tensors
+
+    arch = open_architecture(Checkpoint.open(checkpoint))
+    (tower,) = arch.towers()
+    check = tower.check() if alter is None else alter(tower.check())
+    chat = media_conversation(out, arch, check, *reference_pair(arch, stored_tensors(out, arch)))
+    assert not isinstance(chat, str), chat
+    return chat, media_conversation_failures(chat, FP16_MAX_ABS_ERR)
+
+
+def assert_media_conversation(name: str, section: dict) -> None:
+    """A tower section of ``verify.json`` holds a passing media conversation: an image turn and two
+    text turns, each with HF's ids, HF's greedy answer and HF's top-1 at every step (printed: max
+    |dlogit| per turn vs HF carrying the stored weights and vs the fp32 HF)."""
+    chat = section["conversation"]
+    turns = chat["turns"]
+    errors = ", ".join(f"{t['oracle']['max_abs_err']:.2e}" for t in turns)
+    errors32 = ", ".join(f"{t['fp32']['max_abs_err']:.2e}" for t in turns)
+    print(f"\n{name} media conversation, max |dlogit| per turn vs stored-weights HF [{errors}], vs fp32 HF "
+          f"[{errors32}]; top-1 {chat['top1_agreement']:.0%}; prefilled {[t['prefilled_tokens'] for t in turns]} "
+          f"after keeping {[t['kept_tokens'] for t in turns]}")
+    assert chat["runtime_error"] is None and len(turns) == chat["planned_turns"] == 3
+    assert all(t["prompt_mismatch_at"] is None and t["oracle"]["greedy_match"] for t in turns)
+    assert chat["top1_agreement"] == 1.0 and chat["max_abs_err"] < 1e-3
+    assert all(t["kept_tokens"] > 0 for t in turns[1:])  # the later turns prefill only what the cache lacks
+
+
 def image_conversation(checkpoint: Path, out: Path):
     """The tower's last image prompt's image as the first user turn of a chat, then two text turns,
     through the runtime's chat path (``run_chat``, MNN's exact kernels, 8 greedy steps per turn)

@@ -103,6 +103,8 @@ def test_verify_passes_with_both_towers(exported):
     assert json.loads((out / "verify.json").read_text())["towers"]["audio"]["passed"]
     line = summary_line(report)
     assert "visual ok (prompt vs HF: top-1 100%" in line and "audio ok (prompt vs HF: top-1 100%" in line
+    assert "visual media conversation: 3/3 turns, prompt ids 3/3" in line
+    assert "audio media conversation: 3/3 turns, prompt ids 3/3" in line
     llm_config = json.loads((out / "llm_config.json").read_text())
     assert llm_config["is_audio"] and llm_config["is_visual"] and llm_config["audio_type"] == "usm"
     assert (llm_config["audio_start"], llm_config["audio_end"], llm_config["audio_pad"]) == (10, 11, 12)
@@ -112,10 +114,11 @@ def test_verify_passes_with_both_towers(exported):
 PROMPT_KEYS = ["prompt_tokens", "ids_match", "greedy_ref", "greedy_mnn", "greedy_match", "forced", "fp32", "failures",
                "label", "stopped_at_media_token", "bos_count"]
 SECTION_LAYOUT = {  # section keys, one case's keys, one prompt's own keys after PROMPT_KEYS
-    "visual": (["passed", "failures", "output_scale", "marks_images", "feature_bound", "images", "prompts"],
+    "visual": (["passed", "failures", "output_scale", "marks_images", "feature_bound", "images", "prompts",
+                "conversation"],
                ["size", "processed", "soft_tokens", "rel_err", "max_abs_err", "rel_err_fp32"],
                ["image", "processed", "soft_tokens"]),
-    "audio": (["passed", "failures", "feature_bound", "clips", "prompts"],
+    "audio": (["passed", "failures", "feature_bound", "clips", "prompts", "conversation"],
               ["samples", "frames", "tokens", "mnn_tokens", "rel_err", "rel_err_fp32"],
               ["samples", "tokens", "frames"]),
 }
@@ -130,7 +133,7 @@ def test_tower_sections_keep_their_layout(exported):
     for name, (section_keys, case_keys, prompt_keys) in SECTION_LAYOUT.items():
         section = towers[name]
         assert list(section) == section_keys
-        cases = section[section_keys[-2]]
+        cases = section[section_keys[-3]]
         assert len(cases) == 3 and all(list(case) == case_keys for case in cases)
         assert [list(p) for p in section["prompts"]] == [PROMPT_KEYS + prompt_keys]
         assert section["feature_bound"] == 1e-3 and section["failures"] == [] and section["passed"] is True
@@ -142,6 +145,12 @@ def test_tower_sections_keep_their_layout(exported):
     assert [case["tokens"] for case in audio["clips"]] == [case["mnn_tokens"] for case in audio["clips"]]
     assert list(audio["prompts"][0]["frames"]) == ["hf", "runtime", "runtime_unpadded"]
     assert audio["prompts"][0]["label"] == f"{audio['prompts'][0]['samples']} samples"
+    for name, section in towers.items():  # an image / a clip turn, then two text turns, through the chat path
+        chat = section["conversation"]
+        print(f"\ngemma4 {name} media conversation: max |dlogit| per turn "
+              f"{[t['oracle']['max_abs_err'] for t in chat['turns']]}, top-1 {chat['top1_agreement']:.0%}")
+        assert len(chat["turns"]) == 3 and all(t["prompt_ids_match"] and t["oracle"]["greedy_match"]
+                                               for t in chat["turns"])
 
 
 def test_summary_line_reports_a_failed_audio_prompt():

@@ -1,7 +1,7 @@
 """Gemma3 multimodal exports in MNN: ``visual.mnn`` (16/8/4-bit tower linears) run alone against
 HF's ``get_image_features`` carrying the stored weights, a wrong output scale caught, and
-``--verify`` on the command line (text prompts, the conversation, the tower alone and an image
-prompt through the runtime)."""
+``--verify`` on the command line (text prompts, the conversation, the tower alone, an image
+prompt through the runtime and the media conversation: an image turn then two text turns)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,13 @@ import pytest
 from llmexport.tiny.gemma3 import build_tiny_gemma3
 
 from families import parametrize
-from helpers import cli_verified_visual, image_conversation, tower_exports, tower_report
+from helpers import (
+    assert_media_conversation,
+    cli_verified_visual,
+    media_conversation_check,
+    tower_exports,
+    tower_report,
+)
 
 BITS = (16, 8, 4)
 
@@ -60,22 +66,19 @@ def test_cli_verify_on_gemma3_multimodal(checkpoint, tmp_path):
           f"{prompt['forced']['max_abs_err']:.2e}; vs fp32 HF {prompt['fp32']['max_abs_err']:.2e}")
     assert prompt["ids_match"] and prompt["greedy_mnn"] == prompt["greedy_ref"] and len(prompt["greedy_ref"]) == 16
     assert prompt["forced"]["top1_agreement"] == 1.0 and prompt["forced"]["max_abs_err"] < 1e-3
+    assert_media_conversation("gemma3 q8", visual)
 
 
 @pytest.mark.slow
-def test_an_image_conversation_matches_stored_weights_hf(checkpoint, exported):
-    """The runtime's chat path on an image turn and two text turns (each later turn prefills only
-    what its KV cache lacks; 1-D positions) against HF's full model with the image on the same
-    ids; the image still moves the last turn's logits (the comparison is not vacuous)."""
-    tower, prompt, run, oracle = image_conversation(checkpoint, exported(16))
-    flipped = prompt.inputs["pixel_values"].flip(-1)
-    other = dataclasses.replace(prompt, inputs={**prompt.inputs, "pixel_values": flipped})
-    errors, moved = [], 0.0
-    for turn in run.turns:
-        context = turn.ids + turn.answer[:-1]
-        hf = tower.check().prompt_logits(oracle, prompt)(context, len(turn.ids) - 1).numpy()
-        errors.append(float(abs(turn.logits - hf).max()))
-        moved = float(abs(tower.check().prompt_logits(oracle, other)(context, len(turn.ids) - 1).numpy() - hf).max())
-        assert (turn.logits.argmax(-1) == hf.argmax(-1)).all()
-    print(f"\ngemma3 image conversation: max |dlogit| per turn {errors}; another image moves the last turn {moved:.2e}")
-    assert max(errors) < 1e-3 and moved > 1e-2
+def test_hf_given_another_image_fails_the_media_conversation(checkpoint, exported):
+    """Not vacuous: HF given the conversation's image flipped (the runtime keeps the right one)
+    fails ``--verify``'s media conversation (the chat path on an image turn and two text turns)."""
+    def flipped(check):
+        *rest, prompt = check.prompts
+        inputs = {**prompt.inputs, "pixel_values": prompt.inputs["pixel_values"].flip(-1)}
+        return dataclasses.replace(check, prompts=(*rest, dataclasses.replace(prompt, inputs=inputs)))
+
+    chat, failures = media_conversation_check(checkpoint, exported(16), flipped)
+    print(f"\ngemma3 media conversation, HF on a flipped image: max |dlogit| per turn "
+          f"{[f'{t.oracle.max_abs_err:.2e}' for t in chat.turns]}")
+    assert len(chat.turns) == 3 and any("max abs logit error" in f for f in failures)

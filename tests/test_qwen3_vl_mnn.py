@@ -1,17 +1,18 @@
 """Qwen3-VL multimodal exports in MNN, from one ``--verify`` on the command line: ``visual.mnn``
 and image prompts through the runtime's ``<img>`` path, where the DeepStack levels reach the text
-graph as omni.cpp builds them, against HF's full model carrying the stored weights; an image
-conversation through the chat path."""
+graph as omni.cpp builds them, against HF's full model carrying the stored weights, and the media
+conversation (an image turn then two text turns through the chat path)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
 import torch
 
 from families import parametrize
-from helpers import cli_verified_visual, image_conversation
+from helpers import assert_media_conversation, cli_verified_visual, media_conversation_check
 
 
 @pytest.fixture(scope="module")
@@ -40,6 +41,7 @@ def test_cli_verify_visual_mnn_and_image_prompts(verified, bits):
               f"max |dlogit| {forced['max_abs_err']:.2e}; vs fp32 HF {prompt['fp32']['max_abs_err']:.2e}")
         assert prompt["ids_match"] and prompt["greedy_mnn"] == prompt["greedy_ref"] and len(prompt["greedy_mnn"]) == 16
         assert forced["top1_agreement"] == 1.0 and forced["max_abs_err"] < 1e-3
+    assert_media_conversation(f"qwen3_vl visual q{bits}", visual)
     config = json.loads((out / "llm_config.json").read_text())
     assert config["has_deepstack"] and config["is_mrope"] and config["is_visual"]
 
@@ -70,29 +72,25 @@ def test_visual_mnn_deepstack_output_matches_stored_weights_hf(tiny_qwen3_vl, ve
 
 
 @pytest.mark.slow
-def test_an_image_conversation_matches_stored_weights_hf(tiny_qwen3_vl, verified):
-    """An image turn then two text turns through the runtime's chat path (the text turns' prefills
-    get the runtime's zeros for DeepStack) against HF's full model with the image on the same ids.
-    Not vacuous: HF without its DeepStack additions differs visibly."""
-    tower, prompt, run, oracle = image_conversation(tiny_qwen3_vl, verified[0])
-    language = oracle.model.language_model
-    errors = []
-    for turn in run.turns:
-        context = turn.ids + turn.answer[:-1]
-        assert context[:len(prompt.ids)] == prompt.ids
-        types = torch.zeros(len(context), dtype=torch.int32)
-        types[:len(prompt.ids)] = prompt.inputs["mm_token_type_ids"][0]
-        inputs = dict(input_ids=torch.tensor([context]), pixel_values=prompt.inputs["pixel_values"],
-                      image_grid_thw=prompt.inputs["image_grid_thw"], mm_token_type_ids=types.view(1, -1),
-                      use_cache=False, logits_to_keep=torch.arange(len(turn.ids) - 1, len(context)))
-        with torch.no_grad():
-            hf = oracle(**inputs).logits[0].float().numpy()
-            language._deepstack_process = lambda hidden, *_: hidden
-            try:
-                plain = oracle(**inputs).logits[0].float().numpy()
-            finally:
-                del language._deepstack_process
-        assert (turn.logits.argmax(-1) == hf.argmax(-1)).all()
-        errors.append((float(abs(turn.logits - hf).max()), float(abs(plain - hf).max())))
-    print(f"\nqwen3_vl image conversation, max |dlogit| per turn (MNN vs HF; HF without DeepStack vs HF): {errors}")
-    assert all(err < 1e-3 for err, _ in errors) and all(moved > 0.05 for _, moved in errors)
+def test_hf_without_deepstack_fails_the_media_conversation(tiny_qwen3_vl, verified):
+    """Not vacuous: HF without its DeepStack additions fails ``--verify``'s media conversation (an
+    image turn then two text turns, whose prefills get the runtime's zeros for DeepStack)."""
+    def without_deepstack(check):
+        def prompt_logits(model, prompt):
+            inner, language = check.prompt_logits(model, prompt), model.model.language_model
+
+            def logits(ids, first=0):
+                language._deepstack_process = lambda hidden, *_: hidden
+                try:
+                    return inner(ids, first)
+                finally:
+                    del language._deepstack_process
+
+            return logits
+
+        return dataclasses.replace(check, prompt_logits=prompt_logits)
+
+    chat, failures = media_conversation_check(tiny_qwen3_vl, verified[0], without_deepstack)
+    print(f"\nqwen3_vl media conversation, HF without DeepStack: max |dlogit| per turn "
+          f"{[f'{t.oracle.max_abs_err:.2e}' for t in chat.turns]}")
+    assert len(chat.turns) == 3 and any("max abs logit error" in f for f in failures)

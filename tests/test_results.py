@@ -57,7 +57,7 @@ STEP_KEYS = ["max_abs_err", "mean_abs_err", "ref_top2_margin", "top1_match", "mn
              "noise_explains"]
 # a tower's section: its notes after failures, its cases' key after feature_bound; a media prompt's
 # keys, then its own fields (docs/verification.md)
-TOWER_KEYS = ["passed", "failures", "<notes>", "feature_bound", "<cases>", "prompts"]
+TOWER_KEYS = ["passed", "failures", "<notes>", "feature_bound", "<cases>", "prompts", "conversation"]
 PROMPT_KEYS = ["prompt_tokens", "ids_match", "greedy_ref", "greedy_mnn", "greedy_match", "[forced]", "[fp32]",
                "failures", "label", "stopped_at_media_token", "bos_count"]
 PLAN_KEYS = ["architecture", "linears", "adjusted_blocks", "tables", "estimated_bytes", "[towers]", "[prequantized]",
@@ -99,7 +99,8 @@ def tower_reports(draw) -> TowerReport:
     notes = draw(st.dictionaries(names.filter(lambda k: k not in reserved | {cases_key}), json_values, max_size=2))
     return TowerReport(draw(st.lists(names, max_size=2).map(tuple)), draw(floats), cases_key,
                        draw(st.lists(json_dicts, max_size=2).map(tuple)),
-                       draw(st.lists(media_prompts, max_size=2).map(tuple)), notes)
+                       draw(st.lists(media_prompts, max_size=2).map(tuple)), notes,
+                       draw(st.none() | conversations | names.map(lambda why: f"skipped: {why}")))
 
 
 reports = st.builds(

@@ -110,11 +110,22 @@ def test_section_layout_and_the_oracle_against_the_fp32_reference(tmp_path, monk
                    notes={"scale_note": 7})
     report = vt.verify_tower(_Tower(), tmp_path, oracle, fp32, check)
     section = report.to_json()
-    assert list(section) == ["passed", "failures", "scale_note", "feature_bound", "probes", "prompts"]
+    assert list(section) == ["passed", "failures", "scale_note", "feature_bound", "probes", "prompts", "conversation"]
+    assert section["conversation"] is None  # run only with the architecture (``verify_towers``)
     assert [list(row) for row in section["probes"]] == [["size", "tokens", "rel_err", "rel_err_fp32"]] * 2
     assert all(row["rel_err"] < 1e-6 and row["rel_err_fp32"] > 0.1 and row["tokens"] == 2 for row in report.cases)
     assert report.failures == ("probe prompt one: greedy tokens differ",) and not report.passed
     assert section["prompts"][0]["label"] == "one" and TowerReport.from_json(section) == report
+
+    # with the architecture, the media conversation: its failures are the tower's, its check the section's last key
+    from llmexport.results import ConversationCheck
+
+    chat = ConversationCheck(0, 3, (), "conversation 1 turn 1: the runtime crashed")
+    monkeypatch.setattr(vt, "media_conversation", lambda folder, arch, check, oracle, fp32: chat)
+    report = vt.verify_tower(_Tower(), tmp_path, oracle, fp32, check, media_max_abs=0.005, chat=object())
+    assert report.failures[-1] == "media conversation: conversation 1 turn 1: the runtime crashed"
+    section = report.to_json()
+    assert list(section)[-1] == "conversation" and TowerReport.from_json(section).conversation == chat
 
 
 @pytest.fixture(scope="module")
@@ -149,3 +160,31 @@ def test_gemma4_tower_checks_describe_todays_report(towers, tmp_path, name, case
     text = prompt.runtime_text(tmp_path)
     assert text.startswith(PROMPT_HEAD) and len(list(tmp_path.iterdir())) == 1
     assert str(next(tmp_path.iterdir())) in text
+
+
+def test_the_media_conversation_renders_hfs_expanded_medium_and_stops_where_ids_leave_the_prompt():
+    """HF's text for a prompt's medium spans its media tokens and the added marks next to them
+    (not the text around); a chat turn whose ids do not extend the prompt's ends the runtime's run
+    with the reason; a skipped conversation round-trips through the tower section."""
+    from llmexport.mnn.runtime import ChatRun, ChatTurnRun
+    from llmexport.verification.media_chat import extending, hf_media_text, media_conversation_summary
+
+    class Tokenizer:
+        added_tokens_decoder = {7: "<b>", 8: "<e>", 9: "<p>"}
+
+        def decode(self, ids, skip_special_tokens):
+            assert skip_special_tokens is False
+            return "".join(self.added_tokens_decoder.get(i, f"[{i}]") for i in ids)
+
+    prompt = PromptCase("one", "image prompt one", {"input_ids": torch.tensor([[2, 5, 7, 9, 9, 8, 30, 31]])},
+                        lambda folder: "", question="Q")
+    assert hf_media_text(Tokenizer(), prompt, frozenset({9})) == "<b><p><p><e>"
+    turn = lambda ids: ChatTurnRun([], ids, 0, [1], False, [b"x"], np.zeros((1, 4)))  # noqa: E731
+    good, bad = turn(prompt.ids + [40]), turn([2, 5, 7, 9, 8])
+    assert extending(ChatRun([good, good]), prompt).turns == [good, good]
+    cut = extending(ChatRun([good, bad, good]), prompt)
+    assert cut.turns == [good] and cut.error == "the runtime's ids differ from image prompt one's (HF's processor) " \
+        "at token 4 of 8"
+    report = TowerReport((), 1e-3, "cases", (), (), {}, "skipped: why")
+    assert TowerReport.from_json(report.to_json()) == report
+    assert media_conversation_summary("visual", report) == "; visual media conversation skipped: why"

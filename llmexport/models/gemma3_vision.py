@@ -56,7 +56,8 @@ VISION_TOKENS: dict[str, tuple[str, ...]] = {
 FEATURE_BOUND = 1e-3  # max relative error of visual.mnn vs HF image features (stored weights), as Gemma4's
 VERIFY_SEEDS = (0, 1, 2)
 PROMPT_HEAD = "<bos><start_of_turn>user\n"
-PROMPT_TAIL = "Describe this picture in a few words.<end_of_turn>\n<start_of_turn>model\n"
+QUESTION = "Describe this picture in a few words."  # the user's words after the image
+PROMPT_TAIL = QUESTION + "<end_of_turn>\n<start_of_turn>model\n"
 INPUT_NAME = "image"  # any name but patches / pixel_values / input_patches (defaultVisionProcess)
 
 #: the tower's tensors; ``{prefix}``: ``vision_tower.`` (as transformers 5 saves it) or
@@ -311,7 +312,7 @@ class Gemma3VisionTower(TextRowTower):
             return f"{PROMPT_HEAD}<img><hw>{size},{size}</hw>{folder / 'image.png'}</img>{PROMPT_TAIL}"
 
         return PromptCase(f"{size}x{size}", f"image prompt {size}x{size}", inputs, runtime_text,
-                          {"image": [size, size], "soft_tokens": self.args.tokens})
+                          {"image": [size, size], "soft_tokens": self.args.tokens}, QUESTION)
 
 
 def hf_pixel_values(image, size: int) -> torch.Tensor:

@@ -42,21 +42,27 @@ class FeatureCase:
 @dataclass(frozen=True)
 class PromptCase:
     """One media+text prompt: HF's processor outputs for the text with the medium's placeholder,
-    and the runtime's prompt text, whose medium ``runtime_text`` saves into a given folder."""
+    and the runtime's prompt text, whose medium ``runtime_text`` saves into a given folder.
+
+    ``question``: the user's words after the medium, up to the end of the user's turn; the image
+    conversation (llmexport/verification/media_chat.py) opens with the medium and these words, so
+    that its first turn's ids are the prompt's (``TowerCheck.prompt_logits`` then gives HF's
+    logits for the whole conversation: the prompt's ids extended by the later turns)."""
 
     label: str  # the report's label ("317x451")
     name: str  # names the prompt in a failure ("image prompt 317x451")
     inputs: dict[str, torch.Tensor]
     runtime_text: Callable[[Path], str]
     info: dict[str, Any] = field(default_factory=dict)  # report fields appended to the comparison
+    question: str = ""
 
     @property
     def ids(self) -> list[int]:
         return self.inputs["input_ids"][0].tolist()
 
 
-#: all-position logits [seq, vocab] of a loaded HF model for a prompt's ids followed by generated ones
-#: a prompt's logits [positions, vocab] for ids extending it, from a position on (``first``, default 0)
+#: a prompt's logits [positions, vocab] for ids extending it, from a position on (``first``, default 0):
+#: generated ids, or whole later chat turns (text: HF's ``mm_token_type_ids`` 0 there, positions its own)
 PromptLogits = Callable[..., torch.Tensor]
 
 

@@ -23,7 +23,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, cast
+from typing import Any, Callable, cast
 
 import numpy as np
 import torch
@@ -33,6 +33,7 @@ from llmexport.mnn.config import EXACT_KERNELS
 from llmexport.mnn.runtime import ChatRun, ChatTurnRun, common_prefix_length, run_chat
 from llmexport.mnn.tokenizer.stream import StreamModel, streamed_text_difference
 from llmexport.models.base import Architecture
+from llmexport.models.tower_check import PromptLogits
 from llmexport.results import ConversationCheck, ConversationTurn, RunComparison
 from llmexport.verification.logits import compare_logits, run_failures
 from llmexport.verification.media import greedy_along, reference_greedy
@@ -92,32 +93,44 @@ class TurnReference:
     fp32_logits: np.ndarray | None = field(default=None, repr=False)
 
 
+def text_logits(arch: Architecture, model: nn.Module) -> PromptLogits:
+    """HF's logits of a text model for ids from a position on (``Architecture.reference_logits``)."""
+    return lambda ids, first=0: arch.reference_logits(model, torch.tensor(ids), first)
+
+
 def oracle_side(arch: Architecture, model: nn.Module, turn: ChatTurnRun, stop_ids: frozenset[int],
-                steps: int = ANSWER_STEPS) -> TurnReference:
+                steps: int = ANSWER_STEPS, forward: PromptLogits | None = None) -> TurnReference:
     """One forward over the runtime's context and answer gives the oracle's logits at every answer
     step; its greedy answer follows its argmax along the runtime's (``greedy_along``), and goes on
-    (recomputing the sequence) only past the runtime's stop."""
-    logits = turn_logits(arch, model, turn)
+    (recomputing the sequence) only past the runtime's stop (``forward``: HF's logits of ``model``
+    for the turn's ids; None: ``text_logits``)."""
+    forward = forward or text_logits(arch, model)
+    logits = turn_logits(forward, turn)
     greedy = greedy_along(logits, turn.answer, stop_ids)
     if greedy == turn.answer and greedy[-1] not in stop_ids and len(greedy) < steps:
         # the runtime stopped; HF does not stop there
-        more, _ = reference_greedy(lambda ids: arch.reference_logits(model, torch.tensor(ids), len(ids) - 1),
-                                   turn.ids + greedy, steps - len(greedy), stop_ids)
+        more, _ = reference_greedy(lambda ids: forward(ids, len(ids) - 1), turn.ids + greedy, steps - len(greedy),
+                                   stop_ids)
         greedy += more
     return TurnReference(greedy, logits)
 
 
-def turn_logits(arch: Architecture, model: nn.Module, turn: ChatTurnRun) -> np.ndarray:
+def turn_logits(forward: PromptLogits, turn: ChatTurnRun) -> np.ndarray:
     """HF's logits at every answer step, teacher-forced on the runtime's context and answer."""
     context = turn.ids + turn.answer[:-1]
-    return arch.reference_logits(model, torch.tensor(context), len(turn.ids) - 1).numpy()
+    return forward(context, len(turn.ids) - 1).numpy()
 
 
 @dataclass
 class Conversations:
     """The runtime's conversation runs (the shipped config.json; ``kernels``: MNN's exact kernels,
     for a fast export with quantized linears) and HF on each of their turns, filled in while the
-    oracle (``add_oracle``) and the fp32 model (``add_fp32``) are loaded."""
+    oracle (``add_oracle``) and the fp32 model (``add_fp32``) are loaded.
+
+    A conversation with a medium (llmexport/verification/media_chat.py) sets ``forward``: HF's
+    logits of a model for the turns' ids (None: ``text_logits``), and ``media``: the runtime's
+    media tag in the messages and HF's text for the medium, put in its place before HF renders
+    the history."""
 
     planned: list[tuple[int, int]]  # (conversation, turn) of each turn of the script
     window: int
@@ -126,6 +139,8 @@ class Conversations:
     context: dict[str, Any]  # the chat template's variables the export sets
     oracle: list[TurnReference] = field(default_factory=list)
     kernels_oracle: list[TurnReference] = field(default_factory=list)
+    forward: Callable[[nn.Module], PromptLogits] | None = None
+    media: tuple[str, str] | None = None
 
     @classmethod
     def run(cls, export_dir: Path, tokenizer, window: int, exact_kernels: bool) -> Conversations:
@@ -142,14 +157,26 @@ class Conversations:
         jinja = json.loads((export_dir / "llm_config.json").read_text()).get("jinja") or {}
         return cls(planned, window, shipped, kernels, dict(jinja.get("context") or {}))
 
+    def _forward(self, arch: Architecture, model: nn.Module) -> PromptLogits:
+        return text_logits(arch, model) if self.forward is None else self.forward(model)
+
     def add_oracle(self, arch: Architecture, model: nn.Module, stop_ids: frozenset[int]) -> None:
-        self.oracle = [oracle_side(arch, model, t, stop_ids) for t in self.shipped.turns]
+        forward = self._forward(arch, model)
+        self.oracle = [oracle_side(arch, model, t, stop_ids, forward=forward) for t in self.shipped.turns]
         if self.kernels is not None:
-            self.kernels_oracle = [oracle_side(arch, model, t, stop_ids) for t in self.kernels.turns]
+            self.kernels_oracle = [oracle_side(arch, model, t, stop_ids, forward=forward) for t in self.kernels.turns]
 
     def add_fp32(self, arch: Architecture, model: nn.Module) -> None:
+        forward = self._forward(arch, model)
         for turn, reference in zip(self.shipped.turns, self.oracle):
-            reference.fp32_logits = turn_logits(arch, model, turn)
+            reference.fp32_logits = turn_logits(forward, turn)
+
+    def hf_messages(self, messages: list[dict[str, str]]) -> list[dict[str, str]]:
+        """``messages`` as HF renders them: the runtime's media tag replaced by HF's text for it."""
+        if self.media is None:
+            return messages
+        tag, text = self.media
+        return [{**m, "content": m["content"].replace(tag, text)} for m in messages]
 
     def check(self, tokenizer, stream: StreamModel) -> ConversationCheck:
         """Per turn: the runtime's ids of the history against HF's rendering, answers, streamed text
@@ -168,7 +195,7 @@ class Conversations:
                 k, kref = self.kernels.turns[i], self.kernels_oracle[i]
                 exact = RunComparison.of(compare_logits(k.logits, kref.oracle_logits), kref.greedy, k.answer)
             assert ref.fp32_logits is not None, "add_fp32 first"
-            hf_ids = render(tokenizer, run.messages, self.context)
+            hf_ids = render(tokenizer, self.hf_messages(run.messages), self.context)
             conversation, number = self.planned[i]
             turns.append(ConversationTurn(
                 conversation, number, len(hf_ids), run.kept, len(run.ids) - run.kept,

@@ -42,6 +42,7 @@ from llmexport.verification.conversation import (
 )
 from llmexport.verification.logits import compare_logits, run_failures
 from llmexport.verification.media import greedy_along, prompt_summary
+from llmexport.verification.media_chat import media_conversation_summary
 from llmexport.verification.quality import QualityStats, compare, compare_parts, windows
 from llmexport.verification.towers import verify_towers
 
@@ -173,7 +174,7 @@ def _verify_export(export_dir: Path, model_path: Path, steps: int, prompt_ids: l
             skipped.append(f"exact-kernels runs: {exact_refused}")
             bounds = dataclasses.replace(bounds, kernels_max_abs_err=None)
         if arch.towers():
-            skipped.append(f"media prompts (run on the exact kernels): {exact_refused}")
+            skipped.append(f"media prompts and media conversations (run on the exact kernels): {exact_refused}")
     # the runtime first (its answers are the history, its greedy ids the teacher-forced ones); HF follows
     chat = Conversations.run(export_dir, tokenizer, window, bounds.kernels_max_abs_err is not None)
     texts = TOKENIZER_SAMPLES + [cast(str, tokenizer.decode(prompt[1:]))]  # one sequence: one string
@@ -298,7 +299,8 @@ def summary_line(report: VerifyReport) -> str:
             + (f"KLD {report.fp32_quality.kld_mean:.2e}, " if report.fp32_quality else "")
             + f"max |dlogit| {f.max_abs_err:.2e}; "
             f"tokenizer {'agrees' if report.tokenizer.agree else 'DISAGREES'}"
-            + "".join(f"; {prompt_summary(name, tower)}" for name, tower in report.towers.items())
+            + "".join(f"; {prompt_summary(name, tower)}{media_conversation_summary(name, tower)}"
+                      for name, tower in report.towers.items())
             + (f"; {conversation_summary(report.conversation)}" if report.conversation else "")
             + (f"; on {report.text_quality[0]} vs fp32 HF: {report.text_quality[1].summary()}"
                if report.text_quality else "")

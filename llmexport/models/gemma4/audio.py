@@ -53,7 +53,8 @@ log = logging.getLogger(__name__)
 FEATURE_BOUND = 1e-3  # max relative error of audio.mnn vs HF audio features (stored weights)
 # transformers names the end-of-audio id "eoa_token_index" (Gemma4Config)
 AUDIO_TOKENS = {"boa": ("boa_token_id",), "eoa": ("eoa_token_index", "eoa_token_id"), "audio": ("audio_token_id",)}
-PROMPT_TAIL = "Transcribe this audio.<turn|>\n<|turn>model\n"
+QUESTION = "Transcribe this audio."  # the user's words after the clip
+PROMPT_TAIL = QUESTION + "<turn|>\n<|turn>model\n"
 
 
 @dataclass(frozen=True)
@@ -419,7 +420,7 @@ class Gemma4AudioTower(Gemma4Tower):
                       "runtime_unpadded": runtime_frame_count(n)}
             prompts.append(PromptCase(f"{n} samples", f"audio prompt {n} samples (HF framing)", inputs, runtime_text,
                                       {"samples": n, "tokens": inputs["input_ids"][0].tolist().count(self.ids["audio"]),
-                                       "frames": frames}))
+                                       "frames": frames}, QUESTION))
         return tower_check(
             self.arch, processor, output="audio_embeds", cases=cases, cases_key="clips",
             features=lambda model: [audio_features(model, *f) for f in hf],

@@ -56,7 +56,8 @@ VERIFY_SIZES = ((300, 300), (200, 640), (317, 451))  # square, wide, sides not m
 FEATURE_BOUND = 1e-3  # max relative error of visual.mnn vs HF image features (stored weights)
 # the token ids the runtime keys name, under their Gemma4Config keys
 VISION_TOKENS: dict[str, tuple[str, ...]] = {key: (key,) for key in ("boi_token_id", "eoi_token_id", "image_token_id")}
-PROMPT_TAIL = "Describe this picture in a few words.<turn|>\n<|turn>model\n"
+QUESTION = "Describe this picture in a few words."  # the user's words after the image
+PROMPT_TAIL = QUESTION + "<turn|>\n<|turn>model\n"
 
 
 @dataclass(frozen=True)
@@ -322,7 +323,7 @@ class Gemma4VisionTower(Gemma4Tower):
             soft_tokens = inputs["input_ids"][0].tolist().count(self.ids["image_token_id"])
             prompts.append(PromptCase(f"{h}x{w}", f"image prompt {h}x{w}", inputs, runtime_text,
                                       {"image": [h, w], "processed": list(processed_size(h, w)),
-                                       "soft_tokens": soft_tokens}))
+                                       "soft_tokens": soft_tokens}, QUESTION))
         return tower_check(
             self.arch, processor, output="image_embeds", cases=cases, cases_key="images",
             features=lambda model: [image_features(model, p["pixel_values"], p["image_position_ids"])

@@ -33,7 +33,8 @@ FEATURE_SIZES = ((64, 64), (64, 96), (96, 64))
 #: the image prompts: a square image, and a taller than wide one (the runtime's positions differ there)
 PROMPT_SIZES = ((64, 64), (96, 64))
 PROMPT_HEAD = "<|im_start|>user\n"
-PROMPT_TAIL = "Describe this picture in a few words.<|im_end|>\n<|im_start|>assistant\n"
+QUESTION = "Describe this picture in a few words."  # the user's words after the image
+PROMPT_TAIL = QUESTION + "<|im_end|>\n<|im_start|>assistant\n"
 TRACE_SIZE = (64, 96)
 
 
@@ -118,7 +119,7 @@ class QwenVisionTower(TextRowTower):
             return f"{PROMPT_HEAD}<img><hw>{h},{w}</hw>{folder / 'image.png'}</img>{PROMPT_TAIL}"
 
         return PromptCase(f"{h}x{w}", f"image prompt {h}x{w}", inputs, runtime_text,
-                          {"image": [h, w], "soft_tokens": tokens})
+                          {"image": [h, w], "soft_tokens": tokens}, QUESTION)
 
 
 def image_features(model, pixel_values: np.ndarray, grid: list[int]) -> torch.Tensor:
