@@ -73,13 +73,14 @@ def _rel(out: torch.Tensor, ref: torch.Tensor) -> float:
 
 # --- the tower -----------------------------------------------------------------------------------
 @parametrize("rewrite", "size", SIZES, "qwen3_vl")
-def test_tower_rewrite_matches_hf_image_features_and_deepstack(tiny, size):
-    *_, tower, graph, _, hf = tiny
+@pytest.mark.parametrize("model_type", MODEL_TYPES)
+def test_tower_rewrite_matches_hf_image_features_and_deepstack(loaded, size, model_type):
+    *_, tower, graph, _, hf = loaded[model_type]
     image = synthetic_image(*size, seed=1)
     (ref, ref_levels), (out, levels) = hf_features(hf, image), _tower(tower, graph, image)
     assert out.shape == ref.shape == (size[0] * size[1] // 1024, 64)
     assert levels.shape == ref_levels.shape == (2, *ref.shape)
-    print(f"\nqwen3_vl tower {size} vs HF: rel err {_rel(out, ref):.2e}, deepstack {_rel(levels, ref_levels):.2e}")
+    print(f"\n{model_type} tower {size} vs HF: rel err {_rel(out, ref):.2e}, deepstack {_rel(levels, ref_levels):.2e}")
     assert _rel(out, ref) < 1e-5 and _rel(levels, ref_levels) < 1e-5
 
 
