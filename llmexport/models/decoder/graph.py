@@ -19,7 +19,7 @@ from torch import nn
 
 from llmexport.models.decoder.args import DecoderArgs, LayerSpec, MoeSpec
 from llmexport.models.decoder.family import expert_template
-from llmexport.models.decoder.names import EXPERT_MLP, MLP, Biases, expert_linears, has_bias
+from llmexport.models.decoder.names import MLP, Biases, expert_linears, has_bias
 from llmexport.models.graph_parts import Norm, TensorLookup, const
 from llmexport.models.rope import rope_cos_sin, rotate
 from llmexport.models.tensor_names import NameTable
@@ -159,15 +159,13 @@ class SoftmaxMoe(nn.Module):
     """Qwen3-MoE's sparse block (Qwen3MoeTopKRouter + experts) on [1, seq, hidden]: softmax over
     the router logits in fp32, top-k, optionally renormalised to sum 1; SwiGLU experts on MNN's
     MoE op (layer_id = layer index). ``names``: the family's table bound to the layer;
-    ``expert``: builds expert ``e`` (default: a ``SwiGlu`` of its ``EXPERT_MLP`` linears)."""
+    ``expert``: builds expert ``e`` (``routed_expert`` over its ``expert_linears``)."""
 
-    def __init__(self, names: NameTable, index: int, hidden: int, moe: MoeSpec,
-                 expert: Callable[[int], nn.Module] | None = None):
+    def __init__(self, names: NameTable, index: int, hidden: int, moe: MoeSpec, expert: Callable[[int], nn.Module]):
         super().__init__()
         self.hidden, self.spec = hidden, moe
         self.gate = PlaceholderLinear(names.name("moe.router"), hidden, moe.num_experts)
-        build = expert or (lambda e: SwiGlu(names.names(EXPERT_MLP, expert=e), hidden, moe.width))
-        experts = nn.ModuleList(build(e) for e in range(moe.num_experts))
+        experts = nn.ModuleList(expert(e) for e in range(moe.num_experts))
         self.experts = FusedMoE(experts, moe.top_k, index, hidden)
 
     def forward(self, x):
