@@ -46,11 +46,13 @@ class LinearSpec:
 @dataclass(frozen=True)
 class LinearSource:
     """Where one placeholder linear's weights live in the checkpoint: the weight tensor, the index
-    along its first axis when it stacks experts, and the bias tensor if any."""
+    along its first axis when it stacks experts, the bias tensor if any, and whether the stacked
+    row is stored [in, out] (``transposed``: Qwen3-VL-MoE's released experts)."""
 
     weight: str
     expert: int | None = None
     bias: str | None = None
+    transposed: bool = False
 
 
 class NormFormula(str, Enum):

@@ -61,6 +61,15 @@ def tiny_qwen3_vl(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_qwen3_vl_moe(tmp_path_factory) -> Path:
+    """The tiny Qwen3-VL-MoE checkpoint (llmexport.tiny.qwen3_vl, its expert stacks transposed as
+    released), built once per session."""
+    from llmexport.tiny.qwen3_vl import build_tiny_qwen3_vl
+
+    return build_tiny_qwen3_vl(tmp_path_factory.mktemp("qwen3_vl_moe"), moe=True)
+
+
+@pytest.fixture(scope="session")
 def wide_model(tmp_path_factory):
     """A text-only model whose weight write takes long enough to be interrupted by a signal."""
     from llmexport.tiny.gemma4 import SHAPES, build_gemma4_checkpoint, text_config_dict

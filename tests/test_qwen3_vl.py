@@ -1,6 +1,8 @@
-"""Qwen3-VL (``qwen3_vl``): the vision tower with its DeepStack levels (rewrite vs HF's
-``get_image_features``, ONNX vs torch), the text graph on the runtime's M-RoPE positions and
-DeepStack input vs HF's model on image prompts and text prompts, runtime keys, config problems."""
+"""Qwen3-VL (``qwen3_vl``) and Qwen3-VL-MoE (``qwen3_vl_moe``): the vision tower with its
+DeepStack levels (rewrite vs HF's ``get_image_features``, ONNX vs torch; the same tower in both),
+the text graph on the runtime's M-RoPE positions and DeepStack input vs HF's model on image
+prompts and text prompts (both model types; Qwen3-VL-MoE's expert stacks stored transposed as
+released, or as transformers saves them), runtime keys, config and tensor problems."""
 
 from __future__ import annotations
 
@@ -27,16 +29,27 @@ SIZES = ((64, 96), (96, 64))  # wide, tall
 PROMPT_SIZES = ((128, 64), (64, 96))
 
 
-@pytest.fixture(scope="module")
-def tiny(tiny_qwen3_vl):
-    """(path, architecture, tower, tower graph, text graph, HF fp32 model)."""
-    from transformers import Qwen3VLForConditionalGeneration
+MODEL_TYPES = ("qwen3_vl", "qwen3_vl_moe")
 
-    arch = open_architecture(Checkpoint.open(tiny_qwen3_vl))
+
+def _load(path):
+    """(path, architecture, tower, tower graph, text graph, HF fp32 model)."""
+    arch = open_architecture(Checkpoint.open(path))
     (tower,) = arch.towers()
-    hf = Qwen3VLForConditionalGeneration.from_pretrained(tiny_qwen3_vl, dtype=torch.float32).eval()
-    return (tiny_qwen3_vl, arch, tower, bind_weights(tower.build_graph(), tower.linear_weight),
+    hf = arch.reference_loader().from_pretrained(path, dtype=torch.float32).eval()
+    return (path, arch, tower, bind_weights(tower.build_graph(), tower.linear_weight),
             bind_weights(arch.build_graph(), arch.linear_weight), hf)
+
+
+@pytest.fixture(scope="module")
+def loaded(tiny_qwen3_vl, tiny_qwen3_vl_moe):
+    """model type -> ``_load`` of its tiny checkpoint."""
+    return {"qwen3_vl": _load(tiny_qwen3_vl), "qwen3_vl_moe": _load(tiny_qwen3_vl_moe)}
+
+
+@pytest.fixture(scope="module")
+def tiny(loaded):
+    return loaded["qwen3_vl"]
 
 
 def hf_features(hf, image) -> tuple[torch.Tensor, torch.Tensor]:
@@ -60,13 +73,14 @@ def _rel(out: torch.Tensor, ref: torch.Tensor) -> float:
 
 # --- the tower -----------------------------------------------------------------------------------
 @parametrize("rewrite", "size", SIZES, "qwen3_vl")
-def test_tower_rewrite_matches_hf_image_features_and_deepstack(tiny, size):
-    *_, tower, graph, _, hf = tiny
+@pytest.mark.parametrize("model_type", MODEL_TYPES)
+def test_tower_rewrite_matches_hf_image_features_and_deepstack(loaded, size, model_type):
+    *_, tower, graph, _, hf = loaded[model_type]
     image = synthetic_image(*size, seed=1)
     (ref, ref_levels), (out, levels) = hf_features(hf, image), _tower(tower, graph, image)
     assert out.shape == ref.shape == (size[0] * size[1] // 1024, 64)
     assert levels.shape == ref_levels.shape == (2, *ref.shape)
-    print(f"\nqwen3_vl tower {size} vs HF: rel err {_rel(out, ref):.2e}, deepstack {_rel(levels, ref_levels):.2e}")
+    print(f"\n{model_type} tower {size} vs HF: rel err {_rel(out, ref):.2e}, deepstack {_rel(levels, ref_levels):.2e}")
     assert _rel(out, ref) < 1e-5 and _rel(levels, ref_levels) < 1e-5
 
 
@@ -146,24 +160,25 @@ def _hf_logits(hf, tower, prompt):
         return hf(input_ids=ids.view(1, -1), mm_token_type_ids=types, use_cache=False, **hf_inputs).logits[0]
 
 
-@parametrize("rewrite", "deepstack", [True], "qwen3_vl")
-def test_text_graph_with_deepstack_matches_hf_on_image_prompts(tiny, deepstack):
+@parametrize("rewrite", "model_type", MODEL_TYPES, lambda model_type: model_type)
+def test_text_graph_with_deepstack_matches_hf_on_image_prompts(loaded, model_type):
     """A tall then a wide image: the runtime's positions and DeepStack input through the graph
     equal HF's model; the same prompt without the DeepStack levels differs visibly."""
-    _, arch, tower, _, graph, hf = tiny
+    _, arch, tower, _, graph, hf = loaded[model_type]
     prompt = _image_prompt(tower, hf)
-    ours, ref = _runtime_logits(arch, graph, tower, prompt, deepstack), _hf_logits(hf, tower, prompt)
+    ours, ref = _runtime_logits(arch, graph, tower, prompt), _hf_logits(hf, tower, prompt)
     without = _runtime_logits(arch, graph, tower, prompt, deepstack=False)
-    print(f"\nqwen3_vl image prompt, graph vs HF: max |dlogit| {(ours - ref).abs().max().item():.2e}; "
+    print(f"\n{model_type} image prompt, graph vs HF: max |dlogit| {(ours - ref).abs().max().item():.2e}; "
           f"without DeepStack {(without - ref).abs().max().item():.2e}")
     assert ref.abs().max() > 1.0 and (ours - ref).abs().max().item() < 2e-4
     assert (without - ref).abs().max().item() > 1e-2
 
 
-def test_text_prompts_match_hf_with_the_runtimes_zeros(tiny):
+@pytest.mark.parametrize("model_type", MODEL_TYPES)
+def test_text_prompts_match_hf_with_the_runtimes_zeros(loaded, model_type):
     """A text prompt (three equal rows) with the runtime's decode-step zeros [3, 1, 1], or no
     fifth input, gives HF's text logits."""
-    _, arch, _, _, graph, hf = tiny
+    _, arch, _, _, graph, hf = loaded[model_type]
     ids = torch.randint(10, 400, (19,), generator=torch.Generator().manual_seed(4))
     inputs = prompt_inputs(arch, ids, arch.embedding_table(), None)
     assert inputs[2].shape == (3, 19)
@@ -174,15 +189,15 @@ def test_text_prompts_match_hf_with_the_runtimes_zeros(tiny):
     assert torch.equal(zeros, plain) and (plain - ref).abs().max().item() < 1e-4
 
 
-@parametrize("onnx", "seed", [0], "qwen3_vl")
-def test_text_onnx_matches_eager(tiny, tmp_path, seed):
+@parametrize("onnx", "model_type", MODEL_TYPES, lambda model_type: model_type)
+def test_text_onnx_matches_eager(loaded, tmp_path, model_type):
     """The standard-op ONNX at other lengths than traced: an image prompt with its DeepStack
     levels, and a decode-shaped step with the runtime's zeros [3, 1, 1]."""
     import onnxruntime as ort
 
     from llmexport.trace.onnx_export import export_onnx
 
-    _, arch, tower, _, graph, hf = tiny
+    _, arch, tower, _, graph, hf = loaded[model_type]
     export_onnx(graph, arch.graph_inputs(3), tmp_path / "llm.onnx", for_mnn=False)
     session = ort.InferenceSession(str(tmp_path / "llm.onnx"), providers=["CPUExecutionProvider"])
     assert [i.name for i in session.get_inputs()][-1] == "deepstack_embeds"
@@ -199,8 +214,9 @@ def test_text_onnx_matches_eager(tiny, tmp_path, seed):
 
 
 # --- runtime keys and checkpoint problems ---------------------------------------------------------
-def test_runtime_keys(tiny):
-    _, arch, tower, *_ = tiny
+@pytest.mark.parametrize("model_type", MODEL_TYPES)
+def test_runtime_keys(loaded, model_type):
+    _, arch, tower, *_ = loaded[model_type]
     config = arch.llm_config() | tower.llm_config()
     assert config["is_mrope"] and config["is_visual"] and config["has_deepstack"] and config["num_grid_per_side"] == 4
     assert [len(a.shape) for a in arch.graph_inputs(5).args] == [3, 4, 2, 1, 3]
@@ -243,3 +259,53 @@ def test_a_tied_head_matches_hf(tmp_path):
         ours = bind_weights(arch.build_graph(), arch.linear_weight)(*prompt_inputs(arch, ids, arch.embedding_table(),
                                                                                    None))[0][0]
     assert (ours - arch.reference_logits(hf, ids)).abs().max().item() < 1e-4
+
+
+# --- Qwen3-VL-MoE's routed experts ----------------------------------------------------------------
+def _text_error(arch, graph, hf, seed=4) -> float:
+    ids = torch.randint(10, 400, (19,), generator=torch.Generator().manual_seed(seed))
+    with torch.no_grad():
+        ours = graph(*prompt_inputs(arch, ids, arch.embedding_table(), None))[0][0]
+    return (ours - arch.reference_logits(hf, ids)).abs().max().item()
+
+
+def test_moe_stacks_in_transformers_saved_layout_match_hf(loaded, tmp_path):
+    """The released checkpoint's stacks are [E, in, out] (read transposed); what transformers'
+    save_pretrained writes, [E, out, in], is read as it is; both give HF's logits."""
+    from llmexport.tiny.qwen3_vl import build_tiny_qwen3_vl
+
+    released = loaded["qwen3_vl_moe"][1]
+    assert released.names.transposed == {"moe.expert.gate_up", "moe.expert.down"}
+    path = build_tiny_qwen3_vl(tmp_path / "saved", moe=True, released=False)
+    _, arch, _, _, graph, hf = _load(path)
+    assert not arch.names.transposed and arch.args.moe.normalize
+    assert [layer.sparse for layer in arch.args.layers] == [True, False, True]  # mlp_only_layers [1]
+    assert _text_error(arch, graph, hf) < 1e-4
+
+
+def test_moe_parity_check_detects_an_expert_change(loaded):
+    """Layer 0's experts' down rows scaled by 1.02: the text logits move visibly."""
+    _, arch, _, _, _, hf = loaded["qwen3_vl_moe"]
+    down = {arch.names.name("moe.expert.down", layer=0, expert=e) for e in range(arch.args.moe.num_experts)}
+
+    def altered(name):
+        weight, bias = arch.linear_weight(name)
+        return (weight * 1.02 if name in down else weight), bias
+
+    assert _text_error(arch, bind_weights(arch.build_graph(), altered), hf) > 1e-3
+
+
+def test_moe_router_always_renormalises(tiny_qwen3_vl_moe, tmp_path):
+    """Qwen3VLMoeTextTopKRouter renormalises the top-k weights whatever config.json says."""
+    config = json.loads((tiny_qwen3_vl_moe / "config.json").read_text())
+    bad = edit_checkpoint(tiny_qwen3_vl_moe, tmp_path / "cfg",
+                          config={"text_config": {**config["text_config"], "norm_topk_prob": False}})
+    assert open_architecture(Checkpoint.open(bad)).args.moe.normalize
+
+
+@pytest.mark.parametrize("stack, shape", [("gate_up_proj", (6, 64, 40)), ("down_proj", (5, 24, 64))])
+def test_a_stack_of_the_wrong_shape_is_an_input_error(tiny_qwen3_vl_moe, tmp_path, stack, shape):
+    name = f"model.language_model.layers.2.mlp.experts.{stack}"
+    bad = edit_checkpoint(tiny_qwen3_vl_moe, tmp_path / "bad", reshape={name: shape})
+    with pytest.raises(InputError, match=name):
+        open_architecture(Checkpoint.open(bad))

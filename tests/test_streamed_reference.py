@@ -104,6 +104,13 @@ def test_qwen3_5(tiny_qwen3_5, variant):
     _check_checkpoint(tiny_qwen3_5(variant))
 
 
+def test_qwen3_vl_moe_transposed_stacks(tiny_qwen3_vl_moe):
+    """Qwen3-VL-MoE's expert stacks stored [E, in, out] as released: transposed into the
+    reference's [E, out, in] (``reference_transposed``)."""
+    arch, *_ = _check_checkpoint(tiny_qwen3_vl_moe)
+    assert arch.names.transposed
+
+
 @pytest.mark.parametrize("variant", sorted(K2_VARIANTS))
 def test_k2_horizon_remote_code(tiny_k2_horizon, variant):
     _check_checkpoint(tiny_k2_horizon(variant), trust=True)
@@ -203,6 +210,12 @@ def test_stored_oracle_decoders(tiny_decoder, tmp_path, variant):
 def test_stored_oracle_qwen3_5_moe(tiny_qwen3_5, tmp_path):
     """The multimodal layout's text linears and per-expert records beside an untouched tower."""
     _check_stored(tiny_qwen3_5("qwen3_5-moe"), tmp_path / "out", ExportOptions(quant=QuantScheme(4, 32), embed_bit=8))
+
+
+@pytest.mark.slow
+def test_stored_oracle_qwen3_vl_moe(tiny_qwen3_vl_moe, tmp_path):
+    """Each expert's record read back into its row of a transposed stack, beside the tower."""
+    _check_stored(tiny_qwen3_vl_moe, tmp_path / "out", ExportOptions(quant=QuantScheme(4, 32), embed_bit=8))
 
 
 @pytest.mark.slow

@@ -46,6 +46,15 @@ def test_sources_of_plain_stacked_and_unknown_linears():
         linears.source("lm_head", "F")
 
 
+def test_a_transposed_stack_marks_its_rows_sources():
+    """``with_transposed``: the stacked linears whose rows are stored [in, out] (Qwen3-VL-MoE)."""
+    table = TABLE.with_transposed(["expert.down"])
+    assert table.source("expert.down", layer=1, expert=3) == LinearSource("model.layers.1.experts.down_proj", 3,
+                                                                          None, True)
+    assert not TABLE.source("expert.down", layer=1, expert=3).transposed
+    assert not table.source("attn.q", layer=1).transposed
+
+
 def test_template_names_replace_the_expert_path_by_the_marker():
     assert TABLE.template("expert.down", "expert", "@expert@") == "@expert@.down_proj"
     assert TABLE.template("expert", "expert", "@v@") == "@v@"

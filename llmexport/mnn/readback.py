@@ -110,7 +110,7 @@ class StoredTensors:
         self.base = base
         self.records: dict[str, _Record] = {}
         self._text: list[str] = []
-        self._parts: dict[str, list[tuple[str, int | None]]] = {}
+        self._parts: dict[str, list[tuple[str, int | None, bool]]] = {}
         self._biases: dict[str, str] = {}
         owners: list[tuple[str, Callable[[str], LinearSource], Collection[str] | None, list[LinearSpec]]] = [
             ("llm", model.linear_source, None, model.linears())]
@@ -126,14 +126,14 @@ class StoredTensors:
             for name, fields in found.items():
                 self.records[name] = _Record(export_dir / f"{stem}.mnn.weight", fields)
                 source = source_of(name)
-                self._parts.setdefault(source.weight, []).append((name, source.expert))
+                self._parts.setdefault(source.weight, []).append((name, source.expert, source.transposed))
                 if source.bias:
                     self._biases[source.bias] = name
         self._table = stored_tables(export_dir, model).get("embedding")
         self._columns = table_columns(model) if self._table else {}
         self._head: str | None = None
         embedding = model.embedding_table().name
-        if self._columns and any(record == "lm_head" for record, _ in self._parts.get(embedding, [])):
+        if self._columns and any(record == "lm_head" for record, *_ in self._parts.get(embedding, [])):
             self._head = "lm_head"
             del self._parts[embedding]
         self._biases_read: dict[str, torch.Tensor | None] = {}
@@ -209,11 +209,11 @@ class StoredTensors:
         if len(parts) == 1 and parts[0][1] is None:
             return self.linear(parts[0][0])
         shape = self.base.shape(name)
-        if len({expert for _, expert in parts}) != shape[0]:
+        if len({expert for _, expert, _ in parts}) != shape[0]:
             raise ValueError(f"{len(parts)} expert records for a stack of {shape[0]} in {name!r}")
         stacked = torch.empty(shape, dtype=torch.float32)
-        for record, expert in parts:
-            stacked[expert] = self.linear(record)
+        for record, expert, transposed in parts:  # a transposed stack keeps each row [in, out]
+            stacked[expert] = self.linear(record).t() if transposed else self.linear(record)
         return stacked
 
 

@@ -34,6 +34,7 @@ FAMILIES: dict[str, str] = {
     "qwen3_5_moe_text": "llmexport.models.qwen3_5.family:Qwen3_5MoeText",
     "qwen3_5_text": "llmexport.models.qwen3_5.family:Qwen3_5Text",
     "qwen3_vl": "llmexport.models.qwen3_vl.family:Qwen3VL",
+    "qwen3_vl_moe": "llmexport.models.qwen3_vl.moe:Qwen3VLMoe",
     "smollm3": "llmexport.models.smollm3:SmolLM3",
 }
 

@@ -179,6 +179,12 @@ class Architecture(abc.ABC):
         """Where a checkpoint tensor lives in the reference: the state-dict entry and the index
         within it (``()``: all of it; transformers stacks some checkpoints' per-expert tensors)."""
 
+    def reference_transposed(self, tensor: str) -> bool:
+        """Whether the reference holds checkpoint ``tensor`` with its last two axes swapped
+        (transformers' conversion mapping transposes Qwen3-VL-MoE's released stacked experts on
+        load); no tensor by default."""
+        return False
+
     @abc.abstractmethod
     def reference_logits(self, model: nn.Module, ids: torch.Tensor, first: int = 0) -> torch.Tensor:
         """Logits [seq - first, vocab] of the reference at the positions from ``first`` on, for one

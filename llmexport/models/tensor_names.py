@@ -17,7 +17,7 @@ from __future__ import annotations
 import re
 import string
 from dataclasses import dataclass, field, replace
-from typing import Iterable, Mapping
+from typing import AbstractSet, Iterable, Mapping
 
 from llmexport.spec import LinearRole, LinearSource, LinearSpec, MlxRule
 
@@ -38,12 +38,14 @@ def bias_name(linear: str) -> str:
 @dataclass(frozen=True)
 class NameTable:
     """key -> checkpoint name pattern; ``stacked``: linear key -> the key of the tensor that holds
-    it with its sibling experts along the first axis (row ``{expert}``); ``bound``: fields filled
-    in for every name (``bind``)."""
+    it with its sibling experts along the first axis (row ``{expert}``); ``transposed``: the
+    stacked linear keys whose rows are stored [in, out]; ``bound``: fields filled in for every
+    name (``bind``)."""
 
     patterns: Mapping[str, str]
     stacked: Mapping[str, str] = field(default_factory=dict)
     bound: Mapping[str, object] = field(default_factory=dict)
+    transposed: AbstractSet[str] = frozenset()
 
     def pattern(self, key: str) -> str:
         """``key``'s pattern with the bound fields filled in and the others left open."""
@@ -64,6 +66,10 @@ class NameTable:
         """This table plus (or with replaced) ``patterns``: a family that differs from a shared layout."""
         return replace(self, patterns={**self.patterns, **patterns}, stacked={**self.stacked, **(stacked or {})})
 
+    def with_transposed(self, keys: Iterable[str]) -> NameTable:
+        """The same table with the stacked linears ``keys`` stored [in, out] (and no others)."""
+        return replace(self, transposed=frozenset(keys))
+
     def moved(self, old: str, new: str) -> NameTable:
         """This table with every pattern that starts with ``old`` starting with ``new`` instead (a
         decoder's layout nested in a multimodal checkpoint)."""
@@ -77,7 +83,7 @@ class NameTable:
         if stacked is not None:
             if bias:
                 raise ValueError(f"stacked linear {key!r} with a bias")
-            return LinearSource(self.name(stacked, **fields), fields["expert"], None)
+            return LinearSource(self.name(stacked, **fields), fields["expert"], None, key in self.transposed)
         module = self.name(key, **fields)
         return LinearSource(weight_name(module), None, bias_name(module) if bias else None)
 

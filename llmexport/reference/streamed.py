@@ -121,14 +121,15 @@ class _Filler:
     def __init__(self, arch: Architecture, model: nn.Module, tensors: ReferenceTensors):
         self.tensors = tensors
         self.ties: dict[str, str] = dict(getattr(model, "all_tied_weights_keys", None) or {})
-        self.writers: dict[str, list[tuple[str, tuple[Any, ...]]]] = {}
+        self.writers: dict[str, list[tuple[str, tuple[Any, ...], bool]]] = {}
         for tensor in tensors.names():
             name, index = arch.reference_slot(tensor)
-            if (name, index) != (tensor, ()):
-                self.writers.setdefault(name, []).append((tensor, index))
+            transposed = arch.reference_transposed(tensor)
+            if (name, index) != (tensor, ()) or transposed:
+                self.writers.setdefault(name, []).append((tensor, index, transposed))
         #: parameters held whole under another name (a decoder nested under another prefix)
         self.renamed = {name: writers[0][0] for name, writers in self.writers.items()
-                        if len(writers) == 1 and writers[0][1] == ()}
+                        if len(writers) == 1 and writers[0][1:] == ((), False)}
 
     def source(self, name: str) -> str:
         for candidate in (name, self.ties.get(name, name)):
@@ -141,8 +142,9 @@ class _Filler:
     def read(self, slot: _Slot) -> torch.Tensor:
         if slot.name in self.writers:
             value = torch.empty(slot.shape, dtype=torch.float32)
-            for tensor, index in self.writers[slot.name]:
-                value[index] = self.tensors.read(tensor)
+            for tensor, index, transposed in self.writers[slot.name]:
+                part = self.tensors.read(tensor)
+                value[index] = part.transpose(-1, -2) if transposed else part
         else:
             value = self.tensors.read(self.source(slot.name))
         if value.shape != slot.shape:

@@ -69,10 +69,13 @@ def _qwen3_5(variant: str) -> Builder:
     return build
 
 
-def _qwen3_vl(out: Path, seed: int) -> Path:
-    from llmexport.tiny.qwen3_vl import build_tiny_qwen3_vl
+def _qwen3_vl(moe: bool) -> Builder:
+    def build(out: Path, seed: int) -> Path:
+        from llmexport.tiny.qwen3_vl import build_tiny_qwen3_vl
 
-    return build_tiny_qwen3_vl(out, seed=seed)
+        return build_tiny_qwen3_vl(out, seed=seed, moe=moe)
+
+    return build
 
 
 TINY_BUILDERS: dict[str, Builder] = {
@@ -94,6 +97,7 @@ TINY_BUILDERS: dict[str, Builder] = {
     "qwen3_5_moe": _qwen3_5("qwen3_5-moe"),
     "qwen3_5_moe_text": _qwen3_5("qwen3_5-moe-text"),
     "qwen3_5_text": _qwen3_5("qwen3_5-text"),
-    "qwen3_vl": _qwen3_vl,
+    "qwen3_vl": _qwen3_vl(moe=False),
+    "qwen3_vl_moe": _qwen3_vl(moe=True),
     "smollm3": _decoder("smollm3"),
 }

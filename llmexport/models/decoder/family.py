@@ -101,7 +101,9 @@ class DecoderFamily(Architecture):
         for spec in self._linears.specs:
             source = self.linear_source(spec.name)
             stack = (self.stacked_count(source.weight),) if source.expert is not None else ()
-            expected[source.weight] = stack + (spec.out_features, spec.in_features)
+            matrix = (spec.in_features, spec.out_features) if source.transposed else \
+                (spec.out_features, spec.in_features)
+            expected[source.weight] = stack + matrix
             if source.bias:
                 expected[source.bias] = (spec.out_features,)
         for name, shape in self.constant_shapes().items():
@@ -126,7 +128,8 @@ class DecoderFamily(Architecture):
         weights = self.checkpoint.weights
         lazy = weights.lazy(source.weight)
         row = source.expert
-        return (lazy.read() if row is None else lazy.rows(row, row + 1)[0]), \
+        weight = lazy.read() if row is None else lazy.rows(row, row + 1)[0]
+        return (weight.t().contiguous() if source.transposed else weight), \
             (weights.tensor(source.bias) if source.bias else None)
 
     def linear_source(self, name: str) -> LinearSource:
@@ -227,7 +230,8 @@ class DecoderFamily(Architecture):
                 name, index = self.reference_slot(tensor)
                 if name not in state and self.ignored_tensor(tensor):
                     continue
-                state[name][index].copy_(tensors.read(tensor))
+                value = tensors.read(tensor)
+                state[name][index].copy_(value.transpose(-1, -2) if self.reference_transposed(tensor) else value)
 
     def reference_logits(self, model: nn.Module, ids: torch.Tensor, first: int = 0) -> torch.Tensor:
         with torch.no_grad():

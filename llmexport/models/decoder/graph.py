@@ -19,7 +19,7 @@ from torch import nn
 
 from llmexport.models.decoder.args import DecoderArgs, LayerSpec, MoeSpec
 from llmexport.models.decoder.family import expert_template
-from llmexport.models.decoder.names import EXPERT_MLP, MLP, Biases, has_bias
+from llmexport.models.decoder.names import MLP, Biases, expert_linears, has_bias
 from llmexport.models.graph_parts import Norm, TensorLookup, const
 from llmexport.models.rope import rope_cos_sin, rotate
 from llmexport.models.tensor_names import NameTable
@@ -138,29 +138,34 @@ class FusedSwiGlu(FusedGatedMlp):
         super().__init__(names, hidden, width, F.silu)
 
 
+def routed_expert(hidden: int, width: int, stacked: bool) -> Callable[[Sequence[str]], nn.Module]:
+    """A routed expert from its linears' names (``expert_linears``): SwiGLU over gate, up and down,
+    or over one fused gate_up (gate rows first, as Qwen3_5MoeExperts and Qwen3VLMoeTextExperts
+    split it) where the checkpoint stores the experts stacked."""
+    return lambda linears: (FusedSwiGlu if stacked else SwiGlu)(linears, hidden, width)
+
+
 def swiglu_expert_templates(names: NameTable, hidden: int, width: int, sparse: Sequence[int],
-                            num_experts: int) -> list[ExpertTemplate]:
-    """The routed SwiGLU experts (``EXPERT_MLP`` of ``moe.expert``) of the ``sparse`` layers as one
-    MoE template, MoE layer_id = layer index; none without sparse layers."""
+                            num_experts: int, stacked: bool = False) -> list[ExpertTemplate]:
+    """The routed SwiGLU experts (``expert_linears(stacked)`` of ``moe.expert``) of the ``sparse``
+    layers as one MoE template, MoE layer_id = layer index; none without sparse layers."""
     if not sparse:
         return []
-    return [expert_template(names, "moe.expert", EXPERT_MLP, lambda linears: SwiGlu(linears, hidden, width), hidden,
-                            ((layer, layer, e) for layer in sparse for e in range(num_experts)))]
+    return [expert_template(names, "moe.expert", expert_linears(stacked), routed_expert(hidden, width, stacked),
+                            hidden, ((layer, layer, e) for layer in sparse for e in range(num_experts)))]
 
 
 class SoftmaxMoe(nn.Module):
     """Qwen3-MoE's sparse block (Qwen3MoeTopKRouter + experts) on [1, seq, hidden]: softmax over
     the router logits in fp32, top-k, optionally renormalised to sum 1; SwiGLU experts on MNN's
     MoE op (layer_id = layer index). ``names``: the family's table bound to the layer;
-    ``expert``: builds expert ``e`` (default: a ``SwiGlu`` of its ``EXPERT_MLP`` linears)."""
+    ``expert``: builds expert ``e`` (``routed_expert`` over its ``expert_linears``)."""
 
-    def __init__(self, names: NameTable, index: int, hidden: int, moe: MoeSpec,
-                 expert: Callable[[int], nn.Module] | None = None):
+    def __init__(self, names: NameTable, index: int, hidden: int, moe: MoeSpec, expert: Callable[[int], nn.Module]):
         super().__init__()
         self.hidden, self.spec = hidden, moe
         self.gate = PlaceholderLinear(names.name("moe.router"), hidden, moe.num_experts)
-        build = expert or (lambda e: SwiGlu(names.names(EXPERT_MLP, expert=e), hidden, moe.width))
-        experts = nn.ModuleList(build(e) for e in range(moe.num_experts))
+        experts = nn.ModuleList(expert(e) for e in range(moe.num_experts))
         self.experts = FusedMoE(experts, moe.top_k, index, hidden)
 
     def forward(self, x):
@@ -173,24 +178,30 @@ class SoftmaxMoe(nn.Module):
         return out.view(1, -1, self.hidden)
 
 
-def _layer(args: DecoderArgs, names: NameTable, layer: LayerSpec, lookup: TensorLookup) -> PreNormLayer:
+def _layer(args: DecoderArgs, names: NameTable, layer: LayerSpec, lookup: TensorLookup,
+           stacked: bool) -> PreNormLayer:
     p = names.bind(layer=layer.index)
     norm = lambda key: Norm(const(lookup, p.name(key)), args.eps)  # noqa: E731
     qk = (norm("norm.q"), norm("norm.k")) if args.qk_norm else None
     attn = Attention(p, layer.index, args.hidden_size, args.num_heads, args.kv_heads, args.head_dim,
                      args.biases, qk, rope=layer.rope)
     assert args.moe is not None or not layer.sparse, "a sparse layer without experts"
-    mlp = SoftmaxMoe(p, layer.index, args.hidden_size, args.moe) if args.moe and layer.sparse else \
-        SwiGlu(p.names(MLP), args.hidden_size, args.intermediate_size)
+    if args.moe and layer.sparse:
+        build = routed_expert(args.hidden_size, args.moe.width, stacked)
+        mlp: nn.Module = SoftmaxMoe(p, layer.index, args.hidden_size, args.moe,
+                                    lambda e: build(p.names(expert_linears(stacked), expert=e)))
+    else:
+        mlp = SwiGlu(p.names(MLP), args.hidden_size, args.intermediate_size)
     return PreNormLayer(norm("norm.input"), norm("norm.post_attention"), attn, mlp)
 
 
 class DenseDecoderGraph(DecoderStack):
     """Llama / Qwen3 / Qwen3-MoE: RMSNorm everywhere, per-head q/k RMSNorm when ``qk_norm``;
-    the tensors named by ``names`` (decoder_names.LLAMA_LAYOUT or a family's variant of it)."""
+    the tensors named by ``names`` (decoder_names.LLAMA_LAYOUT or a family's variant of it);
+    ``stacked``: the routed experts are rows of stacked tensors (``STACKED_EXPERT`` linears)."""
 
-    def __init__(self, args: DecoderArgs, names: NameTable, lookup: TensorLookup):
-        layers = [_layer(args, names, layer, lookup) for layer in args.layers]
+    def __init__(self, args: DecoderArgs, names: NameTable, lookup: TensorLookup, stacked: bool = False):
+        layers = [_layer(args, names, layer, lookup, stacked) for layer in args.layers]
         super().__init__(layers, Norm(const(lookup, names.name("norm.final")), args.eps), names.name("lm_head"),
                          args.hidden_size, args.vocab_size, args.rope.inv_freq(),
                          [layer.sliding for layer in args.layers])

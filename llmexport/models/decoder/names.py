@@ -18,6 +18,9 @@ from llmexport.spec import LinearRole, NormFormula, ScaleGroup
 #: a gated MLP's linears (gate, up, down) on dense layers, in a routed expert, in shared experts
 MLP = ("mlp.gate", "mlp.up", "mlp.down")
 EXPERT_MLP = ("moe.expert.gate", "moe.expert.up", "moe.expert.down")
+#: a routed expert of a checkpoint that stores its experts stacked: one fused gate_up linear (a
+#: row of gate_up_proj, gate rows first) and down
+STACKED_EXPERT = ("moe.expert.gate_up", "moe.expert.down")
 #: the pre-norm layer's RMSNorms, and the per-head q/k norms where the family has them
 LAYER_NORMS = ("norm.input", "norm.post_attention")
 QK_NORMS = ("norm.q", "norm.k")
@@ -95,11 +98,22 @@ def add_mlp(linears: LinearList, keys: tuple[str, str, str], hidden: int, width:
     linears.add_group(keys, ((hidden, width), (hidden, width), (width, hidden)), role, **fields)
 
 
-def add_routed(linears: LinearList, layer: int, hidden: int, num_experts: int, width: int) -> None:
-    """A router ``moe.router`` and its experts' gated MLPs (``EXPERT_MLP``)."""
+def expert_linears(stacked: bool) -> tuple[str, ...]:
+    """A routed expert's linear keys: gate_up and down where the checkpoint stores the experts
+    stacked (``STACKED_EXPERT``), else gate, up and down (``EXPERT_MLP``)."""
+    return STACKED_EXPERT if stacked else EXPERT_MLP
+
+
+def add_routed(linears: LinearList, layer: int, hidden: int, num_experts: int, width: int,
+               stacked: bool = False) -> None:
+    """A router ``moe.router`` and its experts' gated MLPs (``expert_linears(stacked)``)."""
     linears.add("moe.router", hidden, num_experts, LinearRole.ROUTER, layer=layer)
     for e in range(num_experts):
-        add_mlp(linears, EXPERT_MLP, hidden, width, LinearRole.EXPERT, layer=layer, expert=e)
+        if stacked:
+            linears.add_group(STACKED_EXPERT, ((hidden, 2 * width), (width, hidden)), LinearRole.EXPERT,
+                              layer=layer, expert=e)
+        else:
+            add_mlp(linears, EXPERT_MLP, hidden, width, LinearRole.EXPERT, layer=layer, expert=e)
 
 
 def pre_norm_shapes(names: NameTable, layer: int, hidden: int, qk_widths: tuple[int, int] | None) -> Shapes:

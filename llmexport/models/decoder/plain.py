@@ -54,6 +54,9 @@ class PlainDecoder(DecoderFamily):
     rope_types: tuple[str, ...] = ("default",)
     #: tokens that close a chat turn (``Architecture.end_of_turn_tokens``)
     end_of_turn: tuple[str, ...] = ()
+    #: the routed experts are rows of stacked tensors (``STACKED_EXPERT``: a fused gate_up and down
+    #: each), not one module per expert
+    stacked_experts: bool = False
 
     def __init__(self, checkpoint: Checkpoint):
         super().__init__(checkpoint)
@@ -90,7 +93,7 @@ class PlainDecoder(DecoderFamily):
         for layer in a.layers:
             add_attention(linears, layer.index, h, a.num_heads * a.head_dim, a.kv_width, a.biases)
             if a.moe and layer.sparse:
-                add_routed(linears, layer.index, h, a.moe.num_experts, a.moe.width)
+                add_routed(linears, layer.index, h, a.moe.num_experts, a.moe.width, self.stacked_experts)
             else:
                 add_mlp(linears, MLP, h, a.intermediate_size, LinearRole.MLP, layer=layer.index)
         self.add_head(linears)
@@ -117,14 +120,20 @@ class PlainDecoder(DecoderFamily):
     # --- graph ------------------------------------------------------------------------------
     def build_graph(self) -> nn.Module:
         lookup = finite_lookup(self.checkpoint.weights, self.checkpoint.path)
-        return DenseDecoderGraph(self.args, self.names, lookup).eval()
+        return DenseDecoderGraph(self.args, self.names, lookup, self.stacked_experts).eval()
 
     def expert_templates(self) -> list[ExpertTemplate]:
         a = self.args
         if a.moe is None:
             return []
         return swiglu_expert_templates(self.names, a.hidden_size, a.moe.width,
-                                       [layer.index for layer in a.layers if layer.sparse], a.moe.num_experts)
+                                       [layer.index for layer in a.layers if layer.sparse], a.moe.num_experts,
+                                       self.stacked_experts)
+
+    def stacked_count(self, tensor: str) -> int:
+        if self.args.moe is None or not self.stacked_experts:
+            return super().stacked_count(tensor)
+        return self.args.moe.num_experts
 
     def describe(self) -> ArchitectureSummary:
         a = self.args

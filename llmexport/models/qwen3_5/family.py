@@ -25,19 +25,21 @@ from torch import nn
 from llmexport.errors import InputError
 from llmexport.mnn.config import Precision
 from llmexport.models.decoder.family import DecoderFamily, expert_template
+from llmexport.models.decoder.graph import routed_expert
 from llmexport.models.decoder.names import (
     EXPERT_MLP,
     MLP,
     ROUTED_EXPERTS,
     add_mlp,
     add_routed,
+    expert_linears,
     layer_scale_groups,
     pre_norm_shapes,
     stacked_expert_slot,
 )
 from llmexport.models.qwen3_5.args import Qwen3_5Args, parse_args
 from llmexport.models.qwen3_5.chat_template import qwen3_5_jinja
-from llmexport.models.qwen3_5.graph import Qwen3_5Graph, routed_expert
+from llmexport.models.qwen3_5.graph import Qwen3_5Graph
 from llmexport.models.qwen3_5.names import (
     DELTA_CONSTANTS,
     MLX_EXPERTS,
@@ -49,10 +51,8 @@ from llmexport.models.qwen3_5.names import (
     QWEN3_5_NAMES,
     QWEN3_5_STACKED,
     SHARED_MLP,
-    STACKED_EXPERT,
     TEXT_PREFIX,
     VISION_PREFIX,
-    expert_linears,
 )
 from llmexport.models.qwen_vl.towers import QwenVisionTower
 from llmexport.models.tensor_checks import Shapes, count_limit, finite_lookup
@@ -161,15 +161,9 @@ class Qwen3_5(DecoderFamily):
     def _add_routed(self, linears: LinearList, layer: int) -> None:
         """The router and the routed experts: gate, up and down each, or a fused gate_up and down
         (a row of the stacked tensors) where the checkpoint stores them stacked."""
-        a, h = self.args, self.args.hidden_size
+        a = self.args
         assert a.moe is not None, "routed experts in a dense model"
-        if not self.stacked:
-            add_routed(linears, layer, h, a.moe.num_experts, a.moe.width)
-            return
-        linears.add("moe.router", h, a.moe.num_experts, LinearRole.ROUTER, layer=layer)
-        for e in range(a.moe.num_experts):
-            linears.add_group(STACKED_EXPERT, ((h, 2 * a.moe.width), (a.moe.width, h)), LinearRole.EXPERT,
-                              layer=layer, expert=e)
+        add_routed(linears, layer, a.hidden_size, a.moe.num_experts, a.moe.width, self.stacked)
 
     def scale_groups(self) -> list[ScaleGroup]:
         """input_layernorm before q/k/v or the DeltaNet's four input projections, the MLP norm before

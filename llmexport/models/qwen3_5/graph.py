@@ -23,19 +23,17 @@ with the runtime's interface (decoder/graph.py ``DecoderStack``):
 
 from __future__ import annotations
 
-from typing import Callable, Sequence
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from llmexport.models.decoder.args import MoeSpec as RoutedSpec
-from llmexport.models.decoder.graph import DecoderStack, FusedSwiGlu, PreNormLayer, SoftmaxMoe, SwiGlu
-from llmexport.models.decoder.names import MLP
+from llmexport.models.decoder.graph import DecoderStack, PreNormLayer, SoftmaxMoe, SwiGlu, routed_expert
+from llmexport.models.decoder.names import MLP, expert_linears
 from llmexport.models.gemma3_graph import gemma_norm
 from llmexport.models.graph_parts import Norm, TensorLookup, const
 from llmexport.models.qwen3_5.args import LayerSpec, MoeSpec, Qwen3_5Args
-from llmexport.models.qwen3_5.names import SHARED_MLP, expert_linears
+from llmexport.models.qwen3_5.names import SHARED_MLP
 from llmexport.models.qwen_vl.mrope import hf_relative_positions, mrope_cos_sin, pair_rows
 from llmexport.models.rope import RopeSpec, rotate_prefix
 from llmexport.models.tensor_names import NameTable
@@ -98,13 +96,6 @@ class GatedDeltaNet(nn.Module):
         z = self.in_proj_z(x).view(1, -1, self.v_heads, self.v_dim)
         out = self.norm(out) * F.silu(z.float())
         return self.out_proj(out.reshape(1, -1, self.v_heads * self.v_dim))
-
-
-def routed_expert(hidden: int, width: int, stacked: bool) -> Callable[[Sequence[str]], nn.Module]:
-    """A routed expert from its linears' names (``expert_linears``): SwiGLU over gate, up and down,
-    or over one fused gate_up (gate rows first, as Qwen3_5MoeExperts splits it) where the
-    checkpoint stores the experts stacked."""
-    return lambda linears: (FusedSwiGlu if stacked else SwiGlu)(linears, hidden, width)
 
 
 class SparseBlock(nn.Module):

@@ -5,7 +5,6 @@ attention's q (query and gate) projection, and the sparse block's shared expert 
 
 from __future__ import annotations
 
-from llmexport.models.decoder.names import EXPERT_MLP
 from llmexport.models.tensor_names import NameTable
 
 #: where the text model sits: the multimodal checkpoints (Qwen3_5Model.language_model) and the
@@ -63,15 +62,6 @@ QWEN3_5_NAMES = NameTable({
 #: and its down projection read as its row of ``gate_up_proj`` / ``down_proj``
 QWEN3_5_STACKED = QWEN3_5_NAMES.extended({}, stacked={"moe.expert.gate_up": "reference.experts.gate_up",
                                                       "moe.expert.down": "reference.experts.down"})
-#: a routed expert's linears in the stacked layout
-STACKED_EXPERT = ("moe.expert.gate_up", "moe.expert.down")
-
-
-def expert_linears(stacked: bool) -> tuple[str, ...]:
-    """A routed expert's linear keys: gate_up and down where the checkpoint stores the experts
-    stacked, else gate, up and down (``EXPERT_MLP``)."""
-    return STACKED_EXPERT if stacked else EXPERT_MLP
-
 #: the shared expert's gated MLP (gate, up, down)
 SHARED_MLP = ("shared.gate", "shared.up", "shared.down")
 DELTA_CONSTANTS = ("delta.A_log", "delta.dt_bias")

@@ -78,7 +78,8 @@ class Qwen3VL(Qwen3):
 
     def build_graph(self) -> nn.Module:
         lookup = finite_lookup(self.checkpoint.weights, self.checkpoint.path)
-        return Qwen3VLGraph(self.args, self.names, lookup, self.mrope_section, self.levels).eval()
+        return Qwen3VLGraph(self.args, self.names, lookup, self.mrope_section, self.levels,
+                            self.stacked_experts).eval()
 
     def graph_inputs(self, seq_len: int) -> GraphInputs:
         """The standard inputs with the runtime's three M-RoPE rows [3, seq] as ``position_ids``,

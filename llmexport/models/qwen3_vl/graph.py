@@ -1,5 +1,5 @@
-"""Qwen3-VL's text graph: Qwen3's dense decoder (decoder/graph.py ``DenseDecoderGraph``) on the
-runtime's M-RoPE positions, plus DeepStack.
+"""Qwen3-VL's text graph: Qwen3's decoder (decoder/graph.py ``DenseDecoderGraph``; Qwen3-VL-MoE's
+sparse layers as Qwen3-MoE's) on the runtime's M-RoPE positions, plus DeepStack.
 
 Mirrors transformers 5.x models/qwen3_vl/modeling_qwen3_vl.py ``Qwen3VLTextModel``:
 - ``Qwen3VLTextRotaryEmbedding`` takes each rotary pair's angle from the t, h or w position row,
@@ -26,13 +26,14 @@ from llmexport.models.tensor_names import NameTable
 
 
 class Qwen3VLGraph(DenseDecoderGraph):
-    """``section``: rotary pairs per position row (t, h, w); ``levels``: the DeepStack levels."""
+    """``section``: rotary pairs per position row (t, h, w); ``levels``: the DeepStack levels;
+    ``stacked``: Qwen3-VL-MoE's routed experts, rows of stacked tensors (``DenseDecoderGraph``)."""
 
     pair_rows: torch.Tensor
 
     def __init__(self, args: DecoderArgs, names: NameTable, lookup: TensorLookup, section: tuple[int, int, int],
-                 levels: int):
-        super().__init__(args, names, lookup)
+                 levels: int, stacked: bool = False):
+        super().__init__(args, names, lookup, stacked)
         self.levels = levels
         self.register_buffer("pair_rows", pair_rows(section, args.head_dim // 2), persistent=False)
 
