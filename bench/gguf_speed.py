@@ -42,8 +42,10 @@ llm = llama_cpp.Llama(model_path=path, n_ctx=prompt + steps + 16, n_batch=512, n
 loaded = time.perf_counter()
 llm.eval(list(range(1000, 1000 + prompt)))
 prefilled = time.perf_counter()
-for _ in range(steps):
-    llm.eval([int(np.argmax(llm.scores[llm.n_tokens - 1]))])
+vocab = llm.n_vocab()
+for _ in range(steps):  # the last position's logits, as llama.cpp keeps them (without logits_all)
+    last = np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(llm._ctx.ctx, -1), shape=(vocab,))
+    llm.eval([int(np.argmax(last))])
 done = time.perf_counter()
 print(json.dumps({"prefill_tok_s": prompt / (prefilled - loaded), "decode_tok_s": steps / (done - prefilled),
                   "decoded": steps, "load_s": loaded - start}))
