@@ -179,7 +179,7 @@ SHIPPED_PRECISION = {
     # real Gemma activations overflow fp16
     "gemma3": "normal", "gemma3_text": "normal", "gemma4": "normal", "gemma4_text": "normal",
     "k2_horizon": "normal", "lfm2_moe": "normal", "qwen3_moe": "normal", "qwen3_5_moe": "normal",
-    "qwen3_5_moe_text": "normal",  # routers: fp16 flips expert choices
+    "qwen3_5_moe_text": "normal", "qwen3_vl_moe": "normal",  # routers: fp16 flips expert choices
     "llama": "low", "mistral": "low", "ministral": "low", "phi3": "low", "qwen2": "low", "qwen3": "low",
     "smollm3": "low", "lfm2": "low", "qwen3_5": "low", "qwen3_5_text": "low",
     "qwen3_vl": "low",  # Qwen3's text model (not measured on ARM apart from it)

@@ -195,6 +195,7 @@ FAMILIES = {
     "qwen3_5_text": ("qwen3_5_text", 16, RuntimeProfile.FAST),
     "qwen3_5_moe_text": ("qwen3_5_moe_text", 8, RuntimeProfile.EXACT),
     "qwen3_vl": ("qwen3_vl", 4, RuntimeProfile.FAST),
+    "qwen3_vl_moe": ("qwen3_vl_moe", 4, RuntimeProfile.EXACT),
 }
 
 
