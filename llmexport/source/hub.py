@@ -30,7 +30,7 @@ from typing import Any, Iterator
 
 from llmexport.errors import InputError, UsageError
 from llmexport.progress import bars_wanted
-from llmexport.source.importers.gguf import SPLIT_NAME, gguf_file_of, materialize, named_file, part_name
+from llmexport.source.importers.gguf import gguf_file_of, is_first_part, materialize, named_file, split_parts
 from llmexport.source.input_files import CONFIG_LIMIT, INDEX_LIMIT, SAFETENSORS_HEADER_LIMIT, read_json
 
 log = logging.getLogger(__name__)
@@ -141,10 +141,7 @@ def _fetch_gguf(repo_id: str, revision: str | None, name: str) -> ModelSource:
     else (a repo of GGUF files holds a dozen quantizations of one model)."""
     from huggingface_hub import snapshot_download
 
-    match = SPLIT_NAME.match(Path(name).name)
-    wanted = [glob.escape(name)] if match is None else [
-        glob.escape(str(Path(name).with_name(part_name(match["stem"], no, int(match["count"])))))
-        for no in range(1, int(match["count"]) + 1)]
+    wanted = [glob.escape(part.as_posix()) for part in split_parts(Path(name))]
     folder = Path(snapshot_download(repo_id, revision=revision, allow_patterns=wanted))
     file = named_file(folder, name, f"--path {repo_id} (commit {folder.name})")
     log.info("%s: commit %s; %s", repo_id, folder.name, name)
@@ -306,8 +303,7 @@ def _repo_files(repo_id: str, folder: Path) -> list[str]:
 
 def _listed(repo_id: str, folder: Path, suffix: str) -> list[str]:
     """The repo's files ending in ``suffix`` (the first part only of a split GGUF model)."""
-    return sorted(f for f in _repo_files(repo_id, folder) if f.lower().endswith(suffix) and not (
-        (m := SPLIT_NAME.match(Path(f).name)) is not None and int(m["no"]) != 1))
+    return sorted(f for f in _repo_files(repo_id, folder) if f.lower().endswith(suffix) and is_first_part(Path(f)))
 
 
 def _not_no_match(record: logging.LogRecord) -> bool:

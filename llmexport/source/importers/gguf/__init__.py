@@ -12,9 +12,9 @@ linears do is decided in llmexport.planning.schemes, as for MLX and GPTQ); every
 dequantized with gguf-py's reference and quantized by the options, the reason in the plan.
 """
 
-from llmexport.source.importers.gguf.file import SPLIT_NAME, part_name
+from llmexport.source.importers.gguf.file import is_first_part, split_parts
 from llmexport.source.importers.gguf.folder import GGUF_LINK, gguf_file_of, materialize, named_file
 from llmexport.source.importers.gguf.weights import GgufLazy, GgufWeights, open_weights
 
-__all__ = ["GGUF_LINK", "SPLIT_NAME", "GgufLazy", "GgufWeights", "gguf_file_of", "materialize", "named_file",
-           "open_weights", "part_name"]
+__all__ = ["GGUF_LINK", "GgufLazy", "GgufWeights", "gguf_file_of", "is_first_part", "materialize", "named_file",
+           "open_weights", "split_parts"]

@@ -43,6 +43,12 @@ def part_name(stem: str, no: int, count: int) -> str:
     return f"{stem}-{no:05d}-of-{count:05d}.gguf"
 
 
+def is_first_part(path: Path) -> bool:
+    """Whether ``path`` names a whole model: a single file, or the first part of a split one."""
+    match = SPLIT_NAME.match(path.name)
+    return match is None or int(match["no"]) == 1
+
+
 def split_parts(path: Path) -> list[Path]:
     """The files of the model whose first part (or only file) is ``path``, by their names."""
     match = SPLIT_NAME.match(path.name)

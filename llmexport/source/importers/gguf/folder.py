@@ -19,7 +19,7 @@ from typing import Any
 
 from llmexport.errors import InputError, UsageError
 from llmexport.source.importers.gguf.config import hf_config
-from llmexport.source.importers.gguf.file import SPLIT_NAME, GgufFile
+from llmexport.source.importers.gguf.file import GgufFile, is_first_part
 from llmexport.source.importers.gguf.metadata import Metadata
 from llmexport.source.importers.gguf.names import NOT_TENSORS
 from llmexport.source.importers.gguf.tokenizer import stop_ids, tokenizer_config, tokenizer_json
@@ -45,16 +45,11 @@ def gguf_file_of(path: Path, name: str | None = None) -> Path | None:
         return named_file(path, name, f"--path {path}")
     if not path.is_dir() or (path / "config.json").exists():
         return None
-    found = sorted(p for p in path.glob("*.gguf") if _first_or_whole(p))
+    found = sorted(p for p in path.glob("*.gguf") if is_first_part(p))
     if len(found) > 1:
         raise InputError(f"{path}: holds {len(found)} GGUF models ({', '.join(f.name for f in found[:3])}); "
                          "name one with --gguf_file (or pass the file as --path)")
     return found[0] if found else None
-
-
-def _first_or_whole(path: Path) -> bool:
-    match = SPLIT_NAME.match(path.name)
-    return match is None or int(match["no"]) == 1
 
 
 def named_file(folder: Path, name: str, where: str) -> Path:
@@ -64,7 +59,7 @@ def named_file(folder: Path, name: str, where: str) -> Path:
         raise UsageError(f"--gguf_file {name}: expected the name of a .gguf file inside the folder or repo")
     path = folder / name
     if not path.is_file():
-        have = sorted(p.relative_to(folder).as_posix() for p in folder.rglob("*.gguf") if _first_or_whole(p))
+        have = sorted(p.relative_to(folder).as_posix() for p in folder.rglob("*.gguf") if is_first_part(p))
         listed = f"its GGUF files: {', '.join(have[:5])}" if have else "it has no .gguf file"
         raise InputError(f"{where}: no GGUF file {name} ({listed})")
     return path
